@@ -1,0 +1,87 @@
+"""The attention backend interface and the metadata every backend reads.
+
+A backend owns the KV cache layout (`kv_cache_shape`), writes new keys and values into the
+block pools (`write_kv`) and computes attention by reading the pools through block tables
+(`forward`). The model never looks inside the pools, so a faster backend drops in unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens go in the paged KV cache and what each sequence reads back.
+
+    The batch is flat: sequence i owns query tokens `query_start_loc[i]:query_start_loc[i+1]`,
+    which sit at the last `query_lens[i]` positions of its `seq_lens[i]` context tokens.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64
+    seq_lens: torch.Tensor  # [num_seqs] int64: context length after this step's tokens are written
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32; row i valid up to ceil(seq_lens[i] / block_size)
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    block_size: int
+    # Sequences are ordered decodes first: the first `num_decodes` have exactly one query token.
+    num_decodes: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list, default=0)
+
+
+class AttentionBackend:
+    """Interface. Tensors: query [num_tokens, num_heads, head_dim]; key/value
+    [num_tokens, num_kv_heads, head_dim]; output [num_tokens, num_heads, head_dim]."""
+
+    name = "abstract"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of each query token over its sequence's cached context (already including
+        this step's keys and values). `key`/`value` are this step's fresh tensors, which a backend
+        may use directly where a sequence has no earlier context."""
+        raise NotImplementedError
+
+
+ATTENTION_BACKENDS = ("reference",)
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "reference"
+    if name == "reference":
+        from pagedllm.attention.reference import ReferenceAttentionBackend
+
+        return ReferenceAttentionBackend()
+    raise ValueError(f"Unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}.")

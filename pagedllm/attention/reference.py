@@ -1,0 +1,47 @@
+"""Reference PagedAttention in plain torch: the oracle the faster backends are checked against.
+
+For each sequence it gathers the context's blocks named by the block table into a temporary
+tensor and runs causal attention over it in float32. Clear rather than fast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class ReferenceAttentionBackend(AttentionBackend):
+    name = "reference"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
+        num_kv_heads, head_dim = key_cache.shape[-2:]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+
+    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
+        num_heads = query.shape[1]
+        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(query)
+        starts = metadata.query_start_loc.tolist()
+        for i, (q_len, ctx_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens_list)):
+            num_blocks = -(-ctx_len // block_size)
+            blocks = metadata.block_tables[i, :num_blocks].long()
+            # k, v: [ctx_len, num_kv_heads, head_dim], gathered from the block pool
+            k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float()
+            v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float()
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+            q = query[starts[i] : starts[i] + q_len].float()  # [q_len, num_heads, head_dim]
+            scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+            # Query j sits at position ctx_len - q_len + j and sees keys up to that position.
+            q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
+            visible = torch.arange(ctx_len).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[starts[i] : starts[i] + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+        return out

@@ -1,0 +1,57 @@
+"""The one object a tensor-parallel layer needs: its rank, the group size and the collectives.
+
+With `size == 1` every collective is the identity, so the same layers run on one worker
+without torch.distributed being initialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the group, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's `x` along `dim` on rank 0; other ranks get None."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Send a picklable object from rank 0 to every rank; returns it everywhere."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's share of `total` items that must divide evenly (e.g. attention heads)."""
+        if total % self.size:
+            valid = [d for d in range(1, total + 1) if total % d == 0]
+            raise ValueError(
+                f"{what} ({total}) cannot be split across tensor_parallel_size={self.size}; "
+                f"valid sizes: {valid}."
+            )
+        return total // self.size

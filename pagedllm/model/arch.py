@@ -1,0 +1,142 @@
+"""The shape of a Llama-family model, read from a Hugging Face `config.json` or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# GGUF `general.architecture` -> the Hugging Face architecture it is loaded as.
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclass
+class ModelArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"Unsupported model architecture {self.architecture!r}. "
+                f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"Unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})."
+            )
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters that take part in a forward pass (the tied LM head counted once)."""
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return self.num_layers * (attn + mlp) + embed + head
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArchConfig":
+        architectures = cfg.get("architectures") or []
+        if not architectures:
+            raise ValueError("config.json names no architecture (the 'architectures' field is empty).")
+        architecture = architectures[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"Unsupported model architecture {architecture!r}. "
+                f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        num_heads = cfg["num_attention_heads"]
+        # Newer configs carry rope settings in `rope_parameters`; older ones in `rope_theta`
+        # and `rope_scaling`.
+        rope_parameters = dict(cfg.get("rope_parameters") or {})
+        rope_theta = rope_parameters.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        rope_scaling = cfg.get("rope_scaling") or rope_parameters or None
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
+            if rope_scaling["rope_type"] == "default":
+                rope_scaling = None
+        eos = cfg.get("eos_token_id")
+        sliding_window = cfg.get("sliding_window")
+        if architecture == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            sliding_window = None
+        return cls(
+            architecture=architecture,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            rope_scaling=rope_scaling,
+            sliding_window=sliding_window,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any], has_output_tensor: bool) -> "ModelArchConfig":
+        """Build from GGUF key/value metadata (already decoded to Python values)."""
+        arch = fields.get("general.architecture")
+        if arch not in _GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"Unsupported GGUF architecture {arch!r}. Supported: {', '.join(_GGUF_ARCHITECTURES)} "
+                f"(loaded as {', '.join(SUPPORTED_ARCHITECTURES)})."
+            )
+
+        def get(key: str, default: Any = None) -> Any:
+            return fields.get(f"{arch}.{key}", default)
+
+        hidden = get("embedding_length")
+        num_heads = get("attention.head_count")
+        vocab = get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=_GGUF_ARCHITECTURES[arch],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"),
+            num_layers=get("block_count"),
+            num_heads=num_heads,
+            num_kv_heads=get("attention.head_count_kv") or num_heads,
+            head_dim=get("attention.key_length") or hidden // num_heads,
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            max_position_embeddings=get("context_length", 2048),
+            tie_word_embeddings=not has_output_tensor,
+            attention_bias=arch == "qwen2",
+            rope_scaling=None,
+            sliding_window=None,
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[eos] if eos is not None else [],
+        )

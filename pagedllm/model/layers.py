@@ -1,0 +1,186 @@
+"""Tensor-parallel building blocks (Megatron-style). With a group of size 1 they are plain layers.
+
+Each parameter carries its own `weight_loader(param, lazy_weight, shard_id=None)`: the layer
+that owns a weight decides which slice of the checkpoint tensor this rank reads, so the model
+loader stays a loop over names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed import TensorParallelGroup
+from pagedllm.model.weights import LazyWeight
+
+
+def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, weight: LazyWeight) -> None:
+    _copy_into(param, weight.load())
+
+
+def _new_param(*shape: int, dtype: torch.dtype, loader) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _new_param(size, dtype=dtype, loader=default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the model dtype, as the reference implementation does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows: each rank computes its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.out_per_rank = tp.split(out_features, "output features")
+        self.weight = _new_param(self.out_per_rank, in_features, dtype=dtype, loader=self.weight_loader)
+        self.bias = _new_param(self.out_per_rank, dtype=dtype, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
+        start = self.tp.rank * self.out_per_rank
+        _copy_into(param, weight.narrow(0, start, self.out_per_rank).load())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul
+    (gate and up of the MLP). Shard `i` of the checkpoint fills the i-th block of each rank's rows."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TensorParallelGroup, dtype: torch.dtype):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias, tp, dtype)
+        self.per_rank_sizes = [tp.split(n, "output features") for n in out_sizes]
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight, shard_id: int) -> None:
+        size = self.per_rank_sizes[shard_id]
+        offset = sum(self.per_rank_sizes[:shard_id])
+        _copy_into(param.data.narrow(0, offset, size), weight.narrow(0, self.tp.rank * size, size).load())
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused query/key/value projection, split by attention heads.
+
+    When the group is larger than the number of KV heads, each KV head is replicated on
+    `tp.size // num_kv_heads` ranks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+    ):
+        self.head_dim = head_dim
+        self.num_heads = tp.split(num_heads, "num_attention_heads")
+        if tp.size >= num_kv_heads:
+            if tp.size % num_kv_heads:
+                valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0 and (d % num_kv_heads == 0 or num_kv_heads % d == 0)]
+                raise ValueError(
+                    f"num_key_value_heads ({num_kv_heads}) cannot be split or replicated across "
+                    f"tensor_parallel_size={tp.size}; valid sizes: {valid}."
+                )
+            self.num_kv_heads = 1
+        else:
+            self.num_kv_heads = tp.split(num_kv_heads, "num_key_value_heads")
+        self.replication = max(1, tp.size // num_kv_heads)
+        nn.Module.__init__(self)
+        self.tp = tp
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.out_per_rank = out
+        self.weight = _new_param(out, hidden_size, dtype=dtype, loader=self.weight_loader)
+        self.bias = _new_param(out, dtype=dtype, loader=self.weight_loader) if bias else None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight, shard_id: str) -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
+        else:
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size = self.kv_size
+            start = (self.tp.rank // self.replication) * self.kv_size
+        _copy_into(param.data.narrow(0, offset, size), weight.narrow(0, start, size).load())
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns: each rank holds a slice of x, and the partial
+    products are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.in_per_rank = tp.split(in_features, "input features")
+        self.weight = _new_param(out_features, self.in_per_rank, dtype=dtype, loader=self.weight_loader)
+        self.bias = _new_param(out_features, dtype=dtype, loader=default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
+        _copy_into(param, weight.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank).load())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; rows beyond the vocabulary pad the last shard."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = _new_param(self.rows_per_rank, hidden_size, dtype=dtype, loader=self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
+        rows = self.vocab_end - self.vocab_start
+        param.data.zero_()
+        _copy_into(param.data.narrow(0, 0, rows), weight.narrow(0, self.vocab_start, rows).load())
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        outside = (token_ids < self.vocab_start) | (token_ids >= self.vocab_end)
+        local = (token_ids - self.vocab_start).masked_fill(outside, 0)
+        y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary, split like the embedding; logits gathered on rank 0."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.tp.gather(F.linear(hidden, self.weight), dim=-1)
+        return logits[..., : self.vocab_size] if logits is not None else None

@@ -1,0 +1,120 @@
+"""Lazy checkpoint tensors: a weight is read (and dequantized) only when a layer asks for it, and
+only the slice the layer asks for, so a tensor-parallel rank reads just its own shard.
+
+A `LazyWeight` has a `shape`, `narrow(dim, start, length)` (returns another lazy weight), and
+`load()` (returns a float tensor). Sources: a tensor in memory, a safetensors file, a GGUF file.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class LazyWeight(Protocol):
+    shape: tuple[int, ...]
+
+    def narrow(self, dim: int, start: int, length: int) -> "LazyWeight": ...
+
+    def load(self) -> torch.Tensor: ...
+
+
+def _narrowed_ranges(
+    shape: tuple[int, ...], ranges: tuple[range, ...], dim: int, start: int, length: int
+) -> tuple[range, ...]:
+    if not 0 <= start and start + length <= shape[dim]:
+        raise ValueError(f"narrow({dim}, {start}, {length}) is out of bounds for shape {shape}")
+    old = ranges[dim]
+    return ranges[:dim] + (range(old.start + start, old.start + start + length),) + ranges[dim + 1 :]
+
+
+class TensorWeight:
+    """A tensor already in memory."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> "TensorWeight":
+        return TensorWeight(self.tensor.narrow(dim, start, length))
+
+    def load(self) -> torch.Tensor:
+        return self.tensor
+
+
+class SafetensorsWeight:
+    """One tensor of an open safetensors file, read lazily (only the requested slice)."""
+
+    def __init__(self, handle, name: str, ranges: tuple[range, ...] | None = None) -> None:
+        self.handle = handle
+        self.name = name
+        if ranges is None:
+            ranges = tuple(range(n) for n in handle.get_slice(name).get_shape())
+        self.ranges = ranges
+        self.shape = tuple(len(r) for r in ranges)
+
+    def narrow(self, dim: int, start: int, length: int) -> "SafetensorsWeight":
+        return SafetensorsWeight(self.handle, self.name, _narrowed_ranges(self.shape, self.ranges, dim, start, length))
+
+    def load(self) -> torch.Tensor:
+        index = tuple(slice(r.start, r.stop) for r in self.ranges)
+        return self.handle.get_slice(self.name)[index] if index else self.handle.get_tensor(self.name)
+
+
+def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of the query/key projection rows.
+
+    llama.cpp stores each head's rows interleaved (pairs of rotary dimensions next to each other);
+    Hugging Face checkpoints, and our rotary embedding, put the two halves of a head one after the
+    other. Works head by head, so it commutes with slicing rows at head boundaries.
+    """
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFWeight:
+    """One tensor of a GGUF file. Rows are sliced before dequantizing (rows are quantized
+    independently); columns after."""
+
+    def __init__(
+        self,
+        tensor,  # gguf.ReaderTensor
+        rotary_head_dim: int | None = None,
+        ranges: tuple[range, ...] | None = None,
+    ) -> None:
+        self.tensor = tensor
+        # GGUF lists dimensions fastest-first; torch's order is the reverse.
+        full_shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        self.ranges = ranges if ranges is not None else tuple(range(n) for n in full_shape)
+        self.shape = tuple(len(r) for r in self.ranges)
+        self.rotary_head_dim = rotary_head_dim
+
+    def narrow(self, dim: int, start: int, length: int) -> "GGUFWeight":
+        ranges = _narrowed_ranges(self.shape, self.ranges, dim, start, length)
+        return GGUFWeight(self.tensor, self.rotary_head_dim, ranges)
+
+    def load(self) -> torch.Tensor:
+        import gguf
+
+        rows = self.ranges[0]
+        raw = self.tensor.data
+        if len(self.ranges) == 1:
+            data = raw[rows.start : rows.stop]
+            if self.tensor.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                data = gguf.quants.dequantize(data, self.tensor.tensor_type)
+        else:
+            part = raw[rows.start : rows.stop]
+            if self.tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                data = part
+            else:
+                data = gguf.quants.dequantize(part, self.tensor.tensor_type)
+            cols = self.ranges[1]
+            if cols.start != 0 or cols.stop != data.shape[1]:
+                data = data[:, cols.start : cols.stop]
+            if self.rotary_head_dim is not None:
+                if rows.start % self.rotary_head_dim or len(rows) % self.rotary_head_dim:
+                    raise ValueError("a rotary projection can only be sliced at head boundaries")
+                data = unpermute_rotary_rows(data, len(rows) // self.rotary_head_dim)
+        return torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, off the memory map

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random models (built with transformers, saved as safetensors) and the
+embedded default model, each loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+
+from tests.helpers import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """The default model's tokenizer, saved as a Hugging Face folder (tiny models reuse it)."""
+    from pagedllm.model import get_tokenizer, resolve_model
+
+    tokenizer = get_tokenizer(resolve_model(None))
+    path = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer_dir):
+    """arch name -> folder of a tiny random model (config.json, model.safetensors, tokenizer)."""
+    cache: dict[str, object] = {}
+
+    def get(arch: str = "llama", **overrides):
+        key = arch + repr(sorted(overrides.items()))
+        if key not in cache:
+            cache[key] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, tokenizer_dir, **overrides)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models):
+    return tiny_models("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm_hf():
+    """transformers' own load of the embedded GGUF: the oracle for the default model."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.model import resolve_model
+
+    source = resolve_model(None)
+    return AutoModelForCausalLM.from_pretrained(str(source.folder), gguf_file=source.path.name).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm_llm():
+    from pagedllm import LLM
+
+    return LLM(kv_cache_memory=256 << 20, max_model_len=2048)
