@@ -1,0 +1,24 @@
+"""The request lifecycle: sequences, the KV cache manager and the scheduler.
+
+Pure Python: nothing here imports torch, numpy or any other heavy library, so these parts are
+tested in milliseconds and drive the workers only through plain-data `SchedulerOutput`s.
+"""
+
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+__all__ = [
+    "BlockManager",
+    "BlockPool",
+    "KVBlock",
+    "ScheduledSequence",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "Sequence",
+    "SequenceGroup",
+    "SequenceStatus",
+]

@@ -1,0 +1,288 @@
+"""The KV cache manager: logical-to-physical block tables, copy-on-write, swapping, prefix caching.
+
+Each sequence sees a contiguous run of logical blocks; its block table maps them to physical
+blocks anywhere in the pool. Slots are allocated one block at a time as tokens arrive, so a
+sequence wastes at most its last, partly filled block.
+
+Every mutation comes in a check-then-act pair (`blocks_needed` + `can_allocate` / `allocate`,
+`can_swap_out` / `swap_out`, `swap_in_blocks_needed` / `swap_in`), so state never changes
+halfway. Copies and swaps to be carried out by the workers accumulate in `pending_*` lists,
+which the scheduler drains into each step's control message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterable
+
+from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.sequence import Sequence
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Iterable[int]) -> bytes:
+    """Content key of a full block: its parent's key chained with its own token ids, so a hit on
+    block i implies the whole prefix up to block i matches."""
+    digest = hashlib.sha256(parent_hash or b"root")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()[:16]
+
+
+class _Table:
+    __slots__ = ("blocks", "num_published")
+
+    def __init__(self, blocks: list[KVBlock], num_published: int = 0) -> None:
+        self.blocks = blocks
+        self.num_published = num_published  # leading full blocks already offered to the prefix cache
+
+
+def _distinct(tables: Iterable[list[KVBlock]]) -> list[KVBlock]:
+    seen: dict[int, KVBlock] = {}
+    for blocks in tables:
+        for block in blocks:
+            seen.setdefault(id(block), block)
+    return list(seen.values())
+
+
+class BlockManager:
+    def __init__(
+        self,
+        block_size: int,
+        num_device_blocks: int,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_device_blocks, enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        self.watermark_blocks = int(watermark * num_device_blocks)
+        self._tables: dict[int, _Table] = {}
+        self._cpu_tables: dict[int, list[KVBlock]] = {}
+        self._hashes: dict[int, list[bytes]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self.pending_swap_out: list[tuple[int, int]] = []
+        self.pending_swap_in: list[tuple[int, int]] = []
+        # Counters for stats.
+        self.num_copy_on_writes = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which served from it
+
+    # --- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of device blocks referenced by some sequence."""
+        return 1.0 - self.pool.num_free_blocks / max(1, self.pool.num_blocks)
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return [b.block_id for b in self._tables[seq_id].blocks]
+
+    def cpu_block_ids(self, seq_id: int) -> list[int]:
+        return [b.block_id for b in self._cpu_tables[seq_id]]
+
+    def has_blocks(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    def ref_count(self, block_id: int) -> int:
+        return self.pool.blocks[block_id].ref_cnt
+
+    def live_tables(self) -> dict[int, list[int]]:
+        """Every device block table, for invariant checks."""
+        return {seq_id: [b.block_id for b in t.blocks] for seq_id, t in self._tables.items()}
+
+    def live_cpu_tables(self) -> dict[int, list[int]]:
+        return {seq_id: [b.block_id for b in blocks] for seq_id, blocks in self._cpu_tables.items()}
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix cache -----------------------------------------------------------------------
+
+    def _hashes_for(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(hash_block(hashes[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """The longest run of leading full blocks of `seq` already in the prefix cache. At least
+        the last token is always left to compute, since its logits are needed."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in self._hashes_for(seq, max_blocks)[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _publish(self, seq: Sequence, table: _Table) -> None:
+        """Offer the sequence's newly computed full blocks to the prefix cache."""
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table.blocks))
+        if table.num_published >= num_full:
+            return
+        hashes = self._hashes_for(seq, num_full)
+        for i in range(table.num_published, num_full):
+            self.pool.cache(table.blocks[i], hashes[i])
+        table.num_published = num_full
+
+    # --- allocation -------------------------------------------------------------------------
+
+    def _needs_copy_on_write(self, table: _Table, num_computed: int) -> bool:
+        index = num_computed // self.block_size
+        return index < len(table.blocks) and table.blocks[index].ref_cnt > 1
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: list[KVBlock] | None = None) -> int:
+        """Free blocks that `allocate(seq, num_new_tokens, prefix)` would take."""
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            prefix = prefix or []
+            total = self.blocks_for_tokens(len(prefix) * self.block_size + num_new_tokens)
+            # A cache hit on an unreferenced block takes it out of the free queue.
+            revived = sum(1 for b in prefix if b.ref_cnt == 0)
+            return total - len(prefix) + revived
+        total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
+        needed = max(0, total - len(table.blocks))
+        if self._needs_copy_on_write(table, seq.num_computed_tokens):
+            needed += 1
+        return needed
+
+    def can_allocate(self, num_blocks: int, keep_watermark: bool = False) -> bool:
+        reserve = self.watermark_blocks if keep_watermark else 0
+        return self.pool.num_free_blocks - num_blocks >= reserve
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[KVBlock] | None = None) -> int:
+        """Make room for `num_new_tokens` more tokens of `seq`, starting at its computed tokens.
+
+        For a sequence without blocks, `prefix` (from `find_cached_prefix`) becomes the start of
+        its table, and the number of tokens it covers is returned (the caller marks them computed).
+        A shared, partly filled block about to be written is copied first (copy-on-write).
+        """
+        table = self._tables.get(seq.seq_id)
+        num_cached = 0
+        if table is None:
+            prefix = prefix or []
+            for block in prefix:
+                self.pool.share(block)
+            table = self._tables[seq.seq_id] = _Table(list(prefix), num_published=len(prefix))
+            num_cached = len(prefix) * self.block_size
+            if seq.num_computed_tokens == 0 and seq.num_output_tokens == 0:
+                self.prefix_queries += seq.num_prompt_tokens
+                self.prefix_hits += num_cached
+            num_computed = num_cached
+        else:
+            num_computed = seq.num_computed_tokens
+            if self._needs_copy_on_write(table, num_computed):
+                index = num_computed // self.block_size
+                old = table.blocks[index]
+                new = self.pool.allocate()
+                self.pending_copies.append((old.block_id, new.block_id))
+                self.pool.release([old])
+                table.blocks[index] = new
+                self.num_copy_on_writes += 1
+        total = self.blocks_for_tokens(num_computed + num_new_tokens)
+        while len(table.blocks) < total:
+            table.blocks.append(self.pool.allocate())
+        return num_cached
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step advanced `seq.num_computed_tokens`: publish its newly full blocks."""
+        if self.enable_prefix_caching:
+            self._publish(seq, self._tables[seq.seq_id])
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` starts as a copy of `parent`: same physical blocks, one more reference each."""
+        table = self._tables[parent.seq_id]
+        for block in table.blocks:
+            self.pool.share(block)
+        self._tables[child.seq_id] = _Table(list(table.blocks), table.num_published)
+        if parent.seq_id in self._hashes:
+            self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's device blocks, tail first (so the prefix cache evicts a chain's
+        end before its beginning). Its hashes stay, for a resumed (recomputed) sequence."""
+        table = self._tables.pop(seq.seq_id, None)
+        if table is not None:
+            self.pool.release(reversed(table.blocks))
+        cpu_blocks = self._cpu_tables.pop(seq.seq_id, None)
+        if cpu_blocks is not None:
+            self.cpu_pool.release(reversed(cpu_blocks))
+
+    def forget(self, seq: Sequence) -> None:
+        """A finished sequence: release everything, hashes included."""
+        self.free(seq)
+        self._hashes.pop(seq.seq_id, None)
+
+    # --- swapping ---------------------------------------------------------------------------
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        blocks = _distinct(self._tables[s.seq_id].blocks for s in seqs)
+        return len(blocks) <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, seqs: list[Sequence]) -> None:
+        """Move the sequences' blocks to CPU blocks. A block shared inside the group is copied
+        once and stays shared on the CPU."""
+        mapping: dict[int, KVBlock] = {}
+        for seq in seqs:
+            table = self._tables.pop(seq.seq_id)
+            cpu_blocks = []
+            for block in table.blocks:
+                cpu_block = mapping.get(id(block))
+                if cpu_block is None:
+                    cpu_block = mapping[id(block)] = self.cpu_pool.allocate()
+                    self.pending_swap_out.append((block.block_id, cpu_block.block_id))
+                else:
+                    self.cpu_pool.share(cpu_block)
+                cpu_blocks.append(cpu_block)
+            self._cpu_tables[seq.seq_id] = cpu_blocks
+            self.pool.release(reversed(table.blocks))
+
+    def swap_in_blocks_needed(self, seqs: list[Sequence]) -> int:
+        """Device blocks needed to bring the sequences back and give each room for one token."""
+        needed = len(_distinct(self._cpu_tables[s.seq_id] for s in seqs))
+        for seq in seqs:
+            cpu_blocks = self._cpu_tables[seq.seq_id]
+            needed += max(0, self.blocks_for_tokens(seq.num_computed_tokens + 1) - len(cpu_blocks))
+            index = seq.num_computed_tokens // self.block_size
+            if index < len(cpu_blocks) and cpu_blocks[index].ref_cnt > 1:
+                needed += 1  # its last block is shared inside the group: copy-on-write
+        return needed
+
+    def swap_in(self, seqs: list[Sequence]) -> None:
+        mapping: dict[int, KVBlock] = {}
+        for seq in seqs:
+            cpu_blocks = self._cpu_tables.pop(seq.seq_id)
+            blocks = []
+            for cpu_block in cpu_blocks:
+                block = mapping.get(id(cpu_block))
+                if block is None:
+                    block = mapping[id(cpu_block)] = self.pool.allocate()
+                    self.pending_swap_in.append((cpu_block.block_id, block.block_id))
+                else:
+                    self.pool.share(block)
+                blocks.append(block)
+            self._tables[seq.seq_id] = _Table(blocks)
+            self.cpu_pool.release(reversed(cpu_blocks))
+
+    def drain_pending(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """(swap_out, swap_in, copies) accumulated since the last call."""
+        out = (self.pending_swap_out, self.pending_swap_in, self.pending_copies)
+        self.pending_swap_out, self.pending_swap_in, self.pending_copies = [], [], []
+        return out
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()

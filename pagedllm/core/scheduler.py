@@ -1,0 +1,320 @@
+"""First-come-first-served, iteration-level scheduler over a token budget.
+
+Every step, in this order:
+1. Running groups, oldest first, get the tokens they still need (one per decoding sequence, a
+   chunk of the prompt for a prompt being computed). When blocks run out, the most recently
+   arrived running group is preempted, all of its sequences together, until the older one fits.
+2. Swapped-out groups come back, oldest first, if nothing was preempted in this step.
+3. Waiting groups (new prompts, and groups preempted by recomputation, which rejoin the queue's
+   front) are admitted oldest first, while the token budget, `max_num_seqs` and the free blocks
+   (minus a small watermark) allow. A prompt longer than the remaining budget is computed in
+   chunks over several steps.
+
+A group of several sequences (parallel samples, beams) is gang-scheduled: its sequences are
+preempted and resumed together, and they sample in the same step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.sampling_params import SamplingType
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_recompute_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # in arrival order
+        self.swapped: list[SequenceGroup] = []  # in arrival order
+        self.stats = SchedulerStats()
+        self._finished_request_ids: list[str] = []
+        self._failed: list[SequenceGroup] = []
+
+    # --- request lifecycle ------------------------------------------------------------------
+
+    def add(self, group: SequenceGroup) -> None:
+        group.set_status(SequenceStatus.WAITING)
+        self.waiting.append(group)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Stop a request wherever it is and release its blocks at once."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.unfinished_seqs():
+                        seq.status = SequenceStatus.FINISHED_ABORTED
+                    self._release(group)
+                    return group
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(g.num_unfinished_seqs for g in self.running)
+
+    def take_failed(self) -> list[SequenceGroup]:
+        """Groups the scheduler had to give up on (they can never fit), since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    # --- scheduling -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted = False
+
+        # 1) Running groups, oldest first; preempt from the newest end when blocks run out.
+        index = 0
+        while index < len(self.running):
+            group = self.running[index]
+            plan = self._plan_tokens(group, budget)
+            if plan is None:
+                index += 1
+                continue
+            needed = sum(self.block_manager.blocks_needed(seq, n) for seq, n in plan)
+            while not self.block_manager.can_allocate(needed):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is group:
+                    break
+            else:
+                budget -= self._allocate_and_emit(group, plan, scheduled)
+                index += 1
+
+        # 2) Swapped groups come back oldest first, unless this step had to preempt.
+        while self.swapped and not preempted:
+            group = self.swapped[0]
+            seqs = group.unfinished_seqs()
+            if len(seqs) > budget or self.num_running_seqs + len(seqs) > self.config.max_num_seqs:
+                break
+            if not self.block_manager.can_allocate(self.block_manager.swap_in_blocks_needed(seqs), keep_watermark=True):
+                break
+            self.swapped.pop(0)
+            before = len(self.block_manager.pending_swap_in)
+            self.block_manager.swap_in(seqs)
+            self.stats.num_blocks_swapped_in += len(self.block_manager.pending_swap_in) - before
+            group.set_status(SequenceStatus.RUNNING)
+            self.running.append(group)
+            plan = self._plan_tokens(group, budget)
+            budget -= self._allocate_and_emit(group, plan, scheduled)
+
+        # 3) Waiting groups, oldest first, while everything fits.
+        while self.waiting and not preempted and not self.swapped and budget > 0:
+            group = self.waiting[0]
+            if self.num_running_seqs + self._reserved_seqs(group) > self.config.max_num_seqs:
+                break
+            prefixes = {seq.seq_id: self._cached_prefix(group, seq) for seq in group.unfinished_seqs()}
+            cached = {seq_id: len(p) * self.block_manager.block_size for seq_id, p in prefixes.items()}
+            plan = self._plan_tokens(group, budget, cached)
+            if plan is None:
+                break
+            needed = sum(self.block_manager.blocks_needed(seq, n, prefixes[seq.seq_id]) for seq, n in plan)
+            if not self.block_manager.can_allocate(needed, keep_watermark=True):
+                if not self.running and not self._can_ever_fit(group):
+                    self.waiting.popleft()
+                    self._fail(group, "it needs more KV cache blocks than the device has")
+                    continue
+                break
+            self.waiting.popleft()
+            for seq, _ in plan:
+                seq.num_computed_tokens = self.block_manager.allocate(seq, 0, prefixes[seq.seq_id])
+            if group.num_cached_tokens is None:  # first admission
+                group.num_cached_tokens = group.seqs[0].num_computed_tokens
+            group.set_status(SequenceStatus.RUNNING)
+            self.running.append(group)
+            budget -= self._allocate_and_emit(group, plan, scheduled)
+
+        swap_out, swap_in, copies = self.block_manager.drain_pending()
+        finished, self._finished_request_ids = self._finished_request_ids, []
+        return SchedulerOutput(
+            seqs=scheduled,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+            blocks_to_copy=copies,
+            finished_request_ids=finished,
+        )
+
+    def _reserved_seqs(self, group: SequenceGroup) -> int:
+        """Sequences the group will run once admitted (a parallel-sampling prompt forks into best_of)."""
+        return max(group.num_unfinished_seqs, group.sampling_params.best_of)
+
+    def _plan_tokens(
+        self, group: SequenceGroup, budget: int, computed: dict[int, int] | None = None
+    ) -> list[tuple[Sequence, int]] | None:
+        """How many tokens each unfinished sequence computes this step, or None if the group
+        cannot progress within `budget`. `computed` overrides sequences' computed-token counts
+        (for a waiting group, the prefix-cache hits it is about to take).
+
+        A single sequence takes what the budget allows (chunked prefill). Several sequences must
+        sample together, so each holds back its last token until all of them can compute it in
+        the same step.
+        """
+        seqs = group.unfinished_seqs()
+        computed = computed or {}
+        remaining = [seq.num_tokens - computed.get(seq.seq_id, seq.num_computed_tokens) for seq in seqs]
+        if len(seqs) == 1:
+            n = min(remaining[0], budget)
+            return [(seqs[0], n)] if n > 0 else None
+        if sum(remaining) <= budget:
+            return list(zip(seqs, remaining))
+        plan = []
+        for seq, left in zip(seqs, remaining):
+            n = min(left - 1, budget)
+            if n > 0:
+                plan.append((seq, n))
+                budget -= n
+        return plan or None
+
+    def _cached_prefix(self, group: SequenceGroup, seq: Sequence):
+        if group.sampling_params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+            return []  # prompt log-probabilities need every prompt position computed
+        return self.block_manager.find_cached_prefix(seq)
+
+    def _allocate_and_emit(
+        self, group: SequenceGroup, plan: list[tuple[Sequence, int]], out: list[ScheduledSequence]
+    ) -> int:
+        params = group.sampling_params
+        penalties = params.needs_penalties
+        num_tokens = 0
+        for seq, n in plan:
+            self.block_manager.allocate(seq, n)
+            start = seq.num_computed_tokens
+            end = start + n
+            if end < seq.num_tokens:
+                num_samples = 0
+            elif params.best_of > 1 and params.sampling_type is not SamplingType.BEAM and not group.forked:
+                num_samples = params.best_of
+            else:
+                num_samples = 1
+            targets = None
+            if params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+                targets = seq.token_ids[start + 1 : min(end + 1, seq.num_prompt_tokens)]
+            out.append(
+                ScheduledSequence(
+                    seq_id=seq.seq_id,
+                    request_id=group.request_id,
+                    token_ids=seq.token_ids[start:end],
+                    start_position=start,
+                    block_table=self.block_manager.block_ids(seq.seq_id),
+                    sampling_params=params,
+                    num_samples=num_samples,
+                    sample_index=seq.sample_index,
+                    num_output_tokens=seq.num_output_tokens,
+                    prompt_token_ids=seq.prompt_token_ids if penalties else None,
+                    output_token_ids=seq.output_token_ids if penalties else None,
+                    prompt_logprob_targets=targets,
+                )
+            )
+            num_tokens += n
+        return num_tokens
+
+    # --- preemption -------------------------------------------------------------------------
+
+    def _preempt(self, group: SequenceGroup) -> None:
+        """Evict all of the group's blocks: to CPU memory (swap) or dropped (recompute)."""
+        self.stats.num_preemptions += 1
+        seqs = group.unfinished_seqs()
+        if self._choose_preemption_mode(group) == "swap" and self.block_manager.can_swap_out(seqs):
+            before = len(self.block_manager.pending_swap_out)
+            self.block_manager.swap_out(seqs)
+            self.stats.num_swap_preemptions += 1
+            self.stats.num_blocks_swapped_out += len(self.block_manager.pending_swap_out) - before
+            group.set_status(SequenceStatus.SWAPPED)
+            self._insert_by_arrival(self.swapped, group)
+            return
+        self.stats.num_recompute_preemptions += 1
+        for seq in seqs:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+        group.set_status(SequenceStatus.WAITING)
+        # Preempted groups arrived before every waiting one (admission is first-come-first-served).
+        self.waiting.appendleft(group)
+
+    def _choose_preemption_mode(self, group: SequenceGroup) -> str:
+        """`recompute` or `swap` for this victim.
+
+        A group still computing its prompt is always recomputed: its blocks are incomplete and
+        resuming it is a prefill either way. Otherwise `auto` swaps a group of several sequences
+        (parallel samples, beams), because recomputing it would redo the shared prompt once per
+        sequence and lose the sharing; a single sequence swaps when moving its blocks is
+        estimated to cost less than recomputing its tokens.
+        """
+        seqs = group.unfinished_seqs()
+        if any(seq.num_uncomputed_tokens > 1 for seq in seqs) or self.block_manager.cpu_pool.num_blocks == 0:
+            return "recompute"
+        mode = self.config.preemption_mode
+        if mode != "auto":
+            return mode
+        if len(seqs) > 1:
+            return "swap"
+        tokens = sum(seq.num_computed_tokens for seq in seqs)
+        blocks = sum(self.block_manager.blocks_for_tokens(seq.num_computed_tokens) for seq in seqs)
+        return "swap" if blocks * self.config.swap_cost_per_block < tokens * self.config.recompute_cost_per_token else "recompute"
+
+    @staticmethod
+    def _insert_by_arrival(queue: list[SequenceGroup], group: SequenceGroup) -> None:
+        keys = [g.arrival_time for g in queue]
+        queue.insert(bisect.bisect_right(keys, group.arrival_time), group)
+
+    def _can_ever_fit(self, group: SequenceGroup) -> bool:
+        bm = self.block_manager
+        needed = sum(bm.blocks_for_tokens(seq.num_tokens) for seq in group.unfinished_seqs())
+        return needed <= bm.num_total_blocks - bm.watermark_blocks
+
+    def _fail(self, group: SequenceGroup, reason: str) -> None:
+        group.error = f"Request {group.request_id} cannot be scheduled: {reason}."
+        for seq in group.unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_ERROR
+        self._release(group)
+        self._failed.append(group)
+
+    # --- after a step -----------------------------------------------------------------------
+
+    def on_step_computed(self, output: SchedulerOutput, seqs_by_id: dict[int, Sequence]) -> None:
+        """The model has written the scheduled tokens into the cache: advance the sequences and
+        publish their newly full blocks to the prefix cache. Call before appending new tokens."""
+        for item in output.seqs:
+            seq = seqs_by_id[item.seq_id]
+            seq.num_computed_tokens += len(item.token_ids)
+            self.block_manager.commit(seq)
+
+    def release_finished(self) -> None:
+        """Free the blocks of every finished sequence and drop finished groups from the running
+        queue. Finished sequences of a still-running group release their blocks at once."""
+        still_running = []
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.is_finished and self.block_manager.has_blocks(seq.seq_id):
+                    self.block_manager.forget(seq)
+            if group.is_finished:
+                self._finished_request_ids.append(group.request_id)
+            else:
+                still_running.append(group)
+        self.running = still_running
+
+    def _release(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            self.block_manager.forget(seq)
+        self._finished_request_ids.append(group.request_id)

@@ -1,0 +1,58 @@
+"""The control message: what every worker needs to run one step, as plain data.
+
+This is the paper's per-step message from the centralised scheduler to the workers: the input
+tokens and block table of each scheduled sequence, plus the block copies and swaps to perform
+before the model runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step, at positions start_position, start_position + 1, ...
+    start_position: int  # tokens of this sequence already in the KV cache
+    block_table: list[int]  # physical block ids covering every position up to the last new token
+    sampling_params: SamplingParams
+    # How many tokens to draw from this step's last position: 0 for a prompt chunk that does not
+    # reach the end, best_of when a parallel-sampling prompt completes, else 1.
+    num_samples: int = 1
+    sample_index: int = 0  # which of the request's seeded streams this sequence uses
+    num_output_tokens: int = 0  # for min_tokens
+    # Only for requests with penalties (references, not copies, within one process).
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+    # Compute log-probabilities of these (prompt) tokens: set for prompt chunks of requests with
+    # prompt_logprobs; the targets are the tokens following each position.
+    prompt_logprob_targets: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSequence] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), device
+    finished_request_ids: list[str] = field(default_factory=list)  # workers drop their per-request state
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def has_model_work(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def has_cache_work(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
