@@ -1,0 +1,1 @@
+"""The request lifecycle above the scheduler: the engine, output processing and stats."""

@@ -1,0 +1,33 @@
+"""A snapshot of the engine's state and counters."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    num_total_blocks: int
+    num_free_blocks: int  # cached-but-unreferenced blocks count as free
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    kv_cache_usage: float  # fraction of device blocks referenced
+    num_running: int  # requests
+    num_running_seqs: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions: int
+    num_recompute_preemptions: int
+    num_swap_preemptions: int
+    num_blocks_swapped_in: int
+    num_blocks_swapped_out: int
+    num_copy_on_writes: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found in the cache
+    num_prompt_tokens: int  # prompt tokens of every request added
+    num_generation_tokens: int  # tokens generated
+    num_computed_tokens: int  # tokens run through the model (prefills, recomputation, decodes)
+    num_steps: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)

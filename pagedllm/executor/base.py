@@ -1,0 +1,39 @@
+"""The engine's only view of the workers: set up the KV cache, run a step, shut down."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.model_output import ModelRunnerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
+
+
+class Executor(ABC):
+    block_bytes: int  # bytes of one KV block on one worker, all layers, keys and values
+
+    @abstractmethod
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) that fit every worker's budgets."""
+
+    @abstractmethod
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; the driver's sampled tokens come back."""
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone."""
+
+    def shutdown(self) -> None: ...
+
+
+def create_executor(config: EngineConfig, max_model_len: int) -> Executor:
+    if config.parallel.tensor_parallel_size > 1:
+        from pagedllm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, max_model_len)
+    from pagedllm.executor.uniproc import UniprocExecutor
+
+    return UniprocExecutor(config, max_model_len)

@@ -1,0 +1,163 @@
+"""Turn logits into tokens, per request, with every decoding method mixed in one batch.
+
+Order of operations for each row: min_tokens suppression, penalties (repetition, frequency,
+presence), then greedy argmax, or temperature, top-k, top-p and min-p followed by a random draw.
+Beam rows return their best candidate continuations for the engine to choose from.
+
+Random draws use the exponential-race form of sampling (argmax of p / q with q ~ Exp(1)), with
+the noise of a seeded request drawn from its own generator, one per (request, sample index), so
+a seeded request produces the same tokens whatever else shares its batch.
+Reported log-probabilities are those of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.core.model_output import SampledToken, TopLogprobs
+from pagedllm.core.scheduler_output import ScheduledSequence
+from pagedllm.sampling.penalties import apply_min_tokens, apply_penalties
+from pagedllm.sampling_params import SamplingType
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._global = torch.Generator().manual_seed(seed)
+        self._generators: dict[tuple[str, int], torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop the generators of finished requests."""
+        if not request_ids or not self._generators:
+            return
+        gone = set(request_ids)
+        for key in [k for k in self._generators if k[0] in gone]:
+            del self._generators[key]
+
+    def _generator(self, item: ScheduledSequence, sample_index: int) -> torch.Generator:
+        key = (item.request_id, sample_index)
+        gen = self._generators.get(key)
+        if gen is None:
+            # A distinct, reproducible stream per sample of a seeded request.
+            seed = (item.sampling_params.seed * 1_000_003 + sample_index) % (1 << 63)
+            gen = self._generators[key] = torch.Generator().manual_seed(seed)
+        return gen
+
+    def __call__(self, logits: torch.Tensor, items: list[ScheduledSequence]) -> list[list[SampledToken]]:
+        """logits: [len(items), vocab], the last position of each sampling sequence."""
+        logits = logits.float()
+        # Rows a parallel-sampling prompt expands into: one per sample, sharing the logits.
+        row_of: list[int] = []
+        sample_index: list[int] = []
+        for i, item in enumerate(items):
+            if item.sampling_params.sampling_type is SamplingType.BEAM or item.num_samples == 1:
+                row_of.append(i)
+                sample_index.append(item.sample_index)
+            else:
+                row_of.extend([i] * item.num_samples)
+                sample_index.extend(range(item.num_samples))
+        expanded = [items[i] for i in row_of]
+        raw = logits[row_of] if len(row_of) != len(items) else logits
+        log_norm = torch.logsumexp(raw, dim=-1, keepdim=True)  # [rows, 1]
+
+        processed = apply_min_tokens(raw, expanded)
+        processed = apply_penalties(processed, expanded)
+        chosen = self._choose(processed, expanded, sample_index)
+
+        results: list[list[SampledToken]] = [[] for _ in items]
+        beam_rows = [r for r, item in enumerate(expanded) if item.sampling_params.sampling_type is SamplingType.BEAM]
+        beam_candidates = self._beam_candidates(raw, log_norm, expanded, beam_rows)
+        chosen_logprobs = (raw.gather(1, chosen.unsqueeze(1)) - log_norm).squeeze(1).tolist()
+        chosen_ids = chosen.tolist()
+        for r, item in enumerate(expanded):
+            if r in beam_candidates:
+                results[row_of[r]] = beam_candidates[r]
+                continue
+            top = None
+            if item.sampling_params.logprobs is not None:
+                top = top_logprobs(raw[r], log_norm[r], chosen_ids[r], item.sampling_params.logprobs)
+            results[row_of[r]].append(SampledToken(chosen_ids[r], chosen_logprobs[r], top))
+        return results
+
+    def _choose(self, logits: torch.Tensor, items: list[ScheduledSequence], sample_index: list[int]) -> torch.Tensor:
+        chosen = logits.argmax(dim=-1)
+        random_rows = [r for r, item in enumerate(items) if item.sampling_params.sampling_type is SamplingType.RANDOM]
+        if not random_rows:
+            return chosen
+        params = [items[r].sampling_params for r in random_rows]
+        rows = logits[random_rows]
+        temperature = torch.tensor([p.temperature for p in params], dtype=rows.dtype).unsqueeze(1)
+        rows = filter_top_k_top_p_min_p(
+            rows / temperature,
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+        )
+        probs = torch.softmax(rows, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self._global)
+        for j, p in enumerate(params):
+            if p.seed is not None:
+                noise[j].exponential_(generator=self._generator(items[random_rows[j]], sample_index[random_rows[j]]))
+        chosen[random_rows] = (probs / noise).argmax(dim=-1)
+        return chosen
+
+    @staticmethod
+    def _beam_candidates(
+        raw: torch.Tensor, log_norm: torch.Tensor, items: list[ScheduledSequence], rows: list[int]
+    ) -> dict[int, list[SampledToken]]:
+        """For each beam row, its 2 * beam_width most likely next tokens (enough for the engine
+        to keep beam_width live beams even if every one of them ends here)."""
+        out: dict[int, list[SampledToken]] = {}
+        for r in rows:
+            k = 2 * items[r].sampling_params.best_of
+            values, ids = torch.topk(raw[r] - log_norm[r], k)
+            out[r] = [SampledToken(t, v) for t, v in zip(ids.tolist(), values.tolist())]
+        return out
+
+
+def filter_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> torch.Tensor:
+    """Mask (to -inf) the tokens each row's top-k, top-p and min-p filters exclude.
+    logits: [rows, vocab] (already divided by temperature)."""
+    if any(top_k):
+        vocab = logits.shape[1]
+        k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k])
+        kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens strictly more likely than it already reach top_p.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if any(min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=logits.dtype).unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def top_logprobs(raw_row: torch.Tensor, log_norm: torch.Tensor, chosen: int, k: int) -> TopLogprobs:
+    """The k most likely tokens of one raw distribution, plus the chosen token, with ranks."""
+    logprobs = raw_row - log_norm
+    result: TopLogprobs = {}
+    if k > 0:
+        values, ids = torch.topk(logprobs, k)
+        for rank, (t, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
+            result[t] = (v, rank)
+    if chosen not in result:
+        value = logprobs[chosen]
+        result[chosen] = (value.item(), int((logprobs > value).sum()) + 1)
+    return result
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TopLogprobs]:
+    """Log-probability of each prompt token given its prefix. logits: [len(targets), vocab]."""
+    logits = logits.float()
+    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return [top_logprobs(logits[i], log_norm[i], t, k) for i, t in enumerate(targets)]

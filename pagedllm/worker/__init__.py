@@ -1,0 +1,1 @@
+"""Workers: the KV cache (block engine), the model runner and the step."""

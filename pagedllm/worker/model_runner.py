@@ -1,0 +1,97 @@
+"""One step of the model: the control message becomes flat input tensors and attention
+metadata, the model runs over every scheduled token at once, and the driver samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.core.model_output import ModelRunnerOutput, SequenceStepOutput
+from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedllm.sampling import Sampler, prompt_logprobs
+
+
+def build_attention_metadata(
+    items: list[ScheduledSequence], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Flat input ids and positions, and the metadata of a batch (decodes must come first)."""
+    num_seqs = len(items)
+    query_lens = np.fromiter((len(item.token_ids) for item in items), dtype=np.int64, count=num_seqs)
+    starts = np.fromiter((item.start_position for item in items), dtype=np.int64, count=num_seqs)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    seq_index = np.repeat(np.arange(num_seqs), query_lens)
+    positions = np.repeat(starts - query_start_loc[:-1], query_lens) + np.arange(num_tokens)
+    max_blocks = max(len(item.block_table) for item in items)
+    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    for i, item in enumerate(items):
+        block_tables[i, : len(item.block_table)] = item.block_table
+    slot_mapping = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    input_ids = np.fromiter(
+        (t for item in items for t in item.token_ids), dtype=np.int64, count=num_tokens
+    )
+    seq_lens = starts + query_lens
+    metadata = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        query_start_loc=torch.from_numpy(query_start_loc).to(device),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        block_tables=torch.from_numpy(block_tables).to(device),
+        query_lens=query_lens.tolist(),
+        seq_lens_list=seq_lens.tolist(),
+        block_size=block_size,
+        num_decodes=int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else num_seqs,
+    )
+    return torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), metadata
+
+
+class ModelRunner:
+    def __init__(self, model, block_size: int, device: torch.device, sampler: Sampler | None) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler  # only the driver samples
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.sampler is not None:
+            self.sampler.forget(output.finished_request_ids)
+        if not output.seqs:
+            return ModelRunnerOutput() if self.sampler is not None else None
+        # Decodes (one query token) first: backends take a fast path over that leading run.
+        items = sorted(output.seqs, key=lambda item: len(item.token_ids) != 1)
+        input_ids, positions, metadata = build_attention_metadata(items, self.block_size, self.device)
+        hidden = self.model(input_ids, positions, metadata)
+
+        # Rows that need logits: each sampling sequence's last token, and prompt positions
+        # whose log-probabilities were asked for.
+        starts = metadata.query_start_loc.tolist()
+        rows: list[int] = []
+        sampling = [(i, item) for i, item in enumerate(items) if item.num_samples > 0]
+        rows.extend(starts[i + 1] - 1 for i, _ in sampling)
+        prompt_rows = []
+        for i, item in enumerate(items):
+            if item.prompt_logprob_targets:
+                first = len(rows)
+                rows.extend(range(starts[i], starts[i] + len(item.prompt_logprob_targets)))
+                prompt_rows.append((item, first))
+        if not rows:
+            return ModelRunnerOutput() if self.sampler is not None else None
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if logits is None or self.sampler is None:
+            return None
+        logits = logits.float().cpu()
+
+        result = ModelRunnerOutput()
+        if sampling:
+            samples = self.sampler(logits[: len(sampling)], [item for _, item in sampling])
+            for (_, item), seq_samples in zip(sampling, samples):
+                result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples)
+        for item, first in prompt_rows:
+            n = len(item.prompt_logprob_targets)
+            entry = result.outputs.setdefault(item.seq_id, SequenceStepOutput())
+            entry.prompt_logprobs = prompt_logprobs(
+                logits[first : first + n], item.prompt_logprob_targets, item.sampling_params.prompt_logprobs
+            )
+        return result

@@ -1,0 +1,111 @@
+"""A worker: one model replica (or one tensor-parallel shard of it), its KV cache and its step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.attention import get_attention_backend
+from pagedllm.config import GiB, EngineConfig
+from pagedllm.core.model_output import ModelRunnerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.distributed import TensorParallelGroup
+from pagedllm.model import load_model, resolve_dtype, resolve_model
+from pagedllm.sampling import Sampler
+from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+# Default KV cache budget on the CPU, before the cap by available memory.
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * GiB
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device; use device='cpu'.")
+    return torch.device(device)
+
+
+def available_memory() -> int:
+    """Bytes of memory the OS can still give us (MemAvailable), or a large number if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, max_model_len: int, tp: TensorParallelGroup = TensorParallelGroup()):
+        self.config = config
+        self.tp = tp
+        self.device = resolve_device(config.model.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(tp.rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.backend = get_attention_backend(config.model.attention_backend, self.device)
+        torch.manual_seed(config.model.seed)
+        source = resolve_model(config.model.model)
+        self.model = load_model(source, max_model_len, self.backend, self.dtype, self.device, tp)
+        arch = self.model.cfg
+        self.num_kv_heads = self.model.model.layers[0].self_attn.qkv_proj.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.num_layers = arch.num_layers
+        self.block_bytes = bytes_per_block(
+            self.num_layers, config.cache.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        self.cache_engine: CacheEngine | None = None
+        self.runner: ModelRunner | None = None
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, cpu swap blocks) that the budgets allow."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks is not None:
+            num_device_blocks = cache.num_gpu_blocks
+        else:
+            if cache.kv_cache_memory is not None:
+                budget = cache.kv_cache_memory
+            elif self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info()
+                budget = int(free * 0.85)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_MEMORY
+            if self.device.type == "cpu":
+                budget = min(budget, int(available_memory() * 0.8))
+            num_device_blocks = budget // self.block_bytes
+        num_cpu_blocks = min(int(cache.swap_space * GiB) // self.block_bytes, num_device_blocks)
+        return num_device_blocks, num_cpu_blocks
+
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        self.cache_engine = CacheEngine(
+            self.backend,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.config.cache.block_size,
+            num_device_blocks,
+            num_cpu_blocks,
+            self.dtype,
+            self.device,
+        )
+        self.model.bind_kv_cache(self.cache_engine.key_caches, self.cache_engine.value_caches)
+        sampler = Sampler(self.config.model.seed) if self.tp.is_driver else None
+        self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device, sampler)
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Swaps and copies first (in that order: a block swapped out may be reused by this very
+        step), then the model."""
+        cache = self.cache_engine
+        cache.swap_out(output.blocks_to_swap_out)
+        cache.swap_in(output.blocks_to_swap_in)
+        cache.copy(output.blocks_to_copy)
+        return self.runner.execute(output)
+
