@@ -1,0 +1,13 @@
+"""`pagedllm bench ...`: benchmarks that print a table and write JSON."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    from pagedllm.bench import throughput
+
+    parser = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
+    bench_sub = parser.add_subparsers(dest="bench", required=True)
+    throughput.register(bench_sub)

@@ -1,0 +1,160 @@
+"""`pagedllm bench throughput`: offline throughput on a fixed set of requests, for pagedllm and
+for `transformers` baselines run on the very same requests in the same process.
+
+Backends:
+- `pagedllm`: this engine (all requests submitted at once, continuous batching).
+- `hf`: `transformers` `generate` with static batches (the classic baseline): each batch runs
+  until its longest request is done; only each request's own tokens count as output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from pagedllm.bench.datasets import BenchRequest, sample_requests
+from pagedllm.bench.report import format_table, write_json
+from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
+
+BACKENDS = ("pagedllm", "hf")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="offline throughput, pagedllm vs transformers")
+    add_engine_args(p)
+    p.add_argument("--dataset", choices=("sharegpt", "alpaca"), default="sharegpt")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--backend", nargs="+", choices=BACKENDS, default=["pagedllm"], help="one or more, run in order")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--output-json", default="results/bench_throughput.json")
+    p.set_defaults(func=run)
+
+
+def run_pagedllm(engine, requests: list[BenchRequest], temperature: float) -> dict:
+    from pagedllm.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    for i, req in enumerate(requests):
+        params = SamplingParams(temperature=temperature, max_tokens=req.output_len, ignore_eos=True)
+        engine.add_request(str(i), req.prompt_token_ids, params)
+    num_output = 0
+    peak_usage = 0.0
+    batch_sizes = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        peak_usage = max(peak_usage, engine.block_manager.usage)
+        batch_sizes.append(engine.scheduler.num_running_seqs)
+        num_output += sum(len(c.token_ids) for o in outputs if o.finished for c in o.outputs)
+    elapsed = time.perf_counter() - start
+    stats = engine.get_stats()
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": num_output,
+        "peak_kv_cache_usage": peak_usage,
+        "mean_running_seqs": sum(batch_sizes) / max(1, len(batch_sizes)),
+        "num_preemptions": stats.num_preemptions,
+        "num_steps": stats.num_steps,
+    }
+
+
+def load_hf_model(model: str, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.model import resolve_model
+
+    source = resolve_model(model)
+    torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if source.kind == "gguf":
+        hf = AutoModelForCausalLM.from_pretrained(str(source.folder), gguf_file=source.path.name, dtype=torch_dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch_dtype)
+    return hf.eval()
+
+
+def run_hf_static(hf, requests: list[BenchRequest], batch_size: int, temperature: float, pad_id: int) -> dict:
+    import torch
+
+    start = time.perf_counter()
+    num_output = 0
+    for b in range(0, len(requests), batch_size):
+        batch = requests[b : b + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(batch):  # left padding, as decoder-only generation needs
+            ids[i, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids) :] = 1
+        new_tokens = max(r.output_len for r in batch)
+        with torch.inference_mode():
+            hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_k=None,
+                top_p=None,
+                pad_token_id=pad_id,
+            )
+        num_output += sum(r.output_len for r in batch)  # the useful tokens only
+    return {"elapsed_s": time.perf_counter() - start, "output_tokens": num_output}
+
+
+def _summarise(backend: str, raw: dict, requests: list[BenchRequest]) -> dict:
+    num_prompt = sum(len(r.prompt_token_ids) for r in requests)
+    elapsed = raw["elapsed_s"]
+    row = {
+        "backend": backend,
+        "requests": len(requests),
+        "elapsed_s": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tok_per_s": raw["output_tokens"] / elapsed,
+        "total_tok_per_s": (raw["output_tokens"] + num_prompt) / elapsed,
+    }
+    row.update({k: v for k, v in raw.items() if k not in row})
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    engine_args = engine_args_from(args)
+    engine = LLMEngine.from_engine_args(engine_args) if "pagedllm" in args.backend else None
+    if engine is not None:
+        max_model_len, vocab = engine.max_model_len, engine.arch.vocab_size
+    else:
+        from pagedllm.model import load_arch_config, resolve_model
+
+        arch = load_arch_config(resolve_model(engine_args.model))
+        max_model_len, vocab = engine_args.max_model_len or arch.max_position_embeddings, arch.vocab_size
+    requests = sample_requests(args.dataset, args.num_prompts, max_model_len, vocab, seed=args.dataset_seed)
+    num_in = sum(len(r.prompt_token_ids) for r in requests)
+    num_out = sum(r.output_len for r in requests)
+    print(f"{len(requests)} {args.dataset}-shaped requests: {num_in} prompt tokens, {num_out} output tokens")
+
+    rows = []
+    hf = None
+    for backend in args.backend:
+        if backend == "pagedllm":
+            raw = run_pagedllm(engine, requests, args.temperature)
+        else:
+            hf = hf or load_hf_model(engine_args.model, engine_args.dtype)
+            raw = run_hf_static(hf, requests, args.hf_batch_size, args.temperature, pad_id=0)
+        rows.append(_summarise(backend, raw, requests))
+        print(f"{backend}: {rows[-1]['output_tok_per_s']:.1f} output tok/s", flush=True)
+    base = {r["backend"]: r["output_tok_per_s"] for r in rows}
+    for row in rows:
+        for other in ("hf",):
+            if other in base and row["backend"] != other:
+                row[f"x_vs_{other}"] = row["output_tok_per_s"] / base[other]
+    columns = ["backend", "requests", "elapsed_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
+    columns += [c for c in ("peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", "x_vs_hf") if any(c in r for r in rows)]
+    print(format_table(rows, columns))
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    path = write_json(args.output_json, "throughput", config, rows)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,57 @@
+"""The `pagedllm` command: generate, chat, demo, serve and bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pagedllm import __version__
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    # Hub look-ups never happen: everything is local.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.bench import register_bench
+    from pagedllm.entrypoints import cli_generate
+
+    parser = argparse.ArgumentParser(prog="pagedllm", description="An LLM serving engine built on PagedAttention.")
+    parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cli_generate.register(sub)
+    try:
+        from pagedllm.entrypoints.openai import cli_serve
+
+        cli_serve.register(sub)
+    except ImportError:  # the server is optional
+        pass
+    register_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pagedllm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

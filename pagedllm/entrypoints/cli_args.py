@@ -1,0 +1,86 @@
+"""Engine arguments as command-line flags, named like vLLM's (`--block-size`, `--max-num-seqs`, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from pagedllm.config import DEFAULT_MODEL, DTYPES, PREEMPTION_MODES, EngineArgs
+
+_HELP = {
+    "tokenizer": "tokenizer folder (default: the model's own)",
+    "dtype": "weights and activations; auto = float32 on CPU, bfloat16 on GPU",
+    "max_model_len": "context length (default: the model's)",
+    "seed": "seed of the engine's random state (requests may carry their own seed)",
+    "device": "auto, cpu or cuda",
+    "attention_backend": "auto, reference (plain torch oracle) or a fast backend",
+    "block_size": "tokens per KV block",
+    "kv_cache_memory": "bytes of KV cache (keys and values, all layers); default: 2 GiB on CPU",
+    "num_gpu_blocks": "force the number of KV blocks (overrides --kv-cache-memory)",
+    "swap_space": "GiB of CPU memory for swapped-out blocks",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "max_num_seqs": "most sequences running at once",
+    "max_num_batched_tokens": "most tokens computed in one step",
+    "preemption_mode": "how to evict when blocks run out",
+    "tensor_parallel_size": "number of tensor-parallel workers",
+    "distributed_init_method": "torch.distributed init method (env:// under torchrun)",
+    "disable_log_stats": "do not log periodic engine stats",
+}
+_CHOICES = {"dtype": DTYPES, "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda")}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G', or a plain number of bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if value and value[-1] in units:
+        return int(float(value[:-1]) * units[value[-1]])
+    return int(value)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    group = parser.add_argument_group("engine")
+    if with_model:
+        parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model name or path (default: {DEFAULT_MODEL})")
+    for field in dataclasses.fields(EngineArgs):
+        if field.name in ("model", "extra"):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kwargs = {"default": field.default, "help": _HELP.get(field.name)}
+        if field.type in ("bool", bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kind = {"int | None": int, "int": int, "float": float, "str": str, "str | None": str}.get(str(field.type), str)
+            kwargs["type"] = parse_bytes if field.name == "kv_cache_memory" else kind
+            if field.name in _CHOICES:
+                kwargs["choices"] = _CHOICES[field.name]
+        names = [flag, "-tp"] if field.name == "tensor_parallel_size" else [flag]
+        group.add_argument(*names, dest=field.name, **kwargs)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)} - {"extra"}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="seed of the request's own random stream")
+
+
+def sampling_params_from(ns: argparse.Namespace):
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        seed=ns.sampling_seed,
+    )

@@ -1,0 +1,62 @@
+"""The `pagedllm` command: generate, errors, and the throughput benchmark's table and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.datasets import PROFILES, sample_requests
+from pagedllm.entrypoints.cli import main
+
+
+def test_generate_prints_the_engine_output(tiny_llama, capsys):
+    code = main(["generate", "--model", str(tiny_llama), "Hello world", "--max-tokens", "6", "--max-model-len", "128"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    expected = LLM(str(tiny_llama), max_model_len=128).generate("Hello world", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert printed == "Hello world" + expected[0].outputs[0].text + "\n"
+
+
+def test_bad_engine_argument_is_a_clear_error(tiny_llama, capsys):
+    code = main(["generate", "--model", str(tiny_llama), "hi", "--block-size", "0"])
+    assert code == 2
+    assert "block_size must be a positive integer" in capsys.readouterr().err
+
+
+def test_cli_entry_point_is_installed():
+    result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    for command in ("generate", "chat", "demo", "bench"):
+        assert command in result.stdout
+
+
+def test_datasets_have_the_paper_means_and_are_reproducible():
+    for name, profile in PROFILES.items():
+        requests = sample_requests(name, 4000, max_model_len=4096, vocab_size=1000, seed=0)
+        mean_in = sum(len(r.prompt_token_ids) for r in requests) / len(requests)
+        mean_out = sum(r.output_len for r in requests) / len(requests)
+        # Clipping to the context trims the tails a little.
+        assert 0.85 * profile.mean_input < mean_in < 1.1 * profile.mean_input
+        assert 0.85 * profile.mean_output < mean_out < 1.1 * profile.mean_output
+    a = sample_requests("sharegpt", 5, 4096, 1000, seed=3)
+    assert a == sample_requests("sharegpt", 5, 4096, 1000, seed=3)
+    short = sample_requests("sharegpt", 200, max_model_len=256, vocab_size=1000)
+    assert all(len(r.prompt_token_ids) + r.output_len <= 256 for r in short)
+
+
+def test_bench_throughput_writes_table_and_json(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(
+        ["bench", "throughput", str(tiny_llama), "--num-prompts", "6", "--backend", "pagedllm", "hf",
+         "--max-model-len", "256", "--output-json", str(out)]
+    )
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "output_tok_per_s" in table and "x_vs_hf" in table
+    payload = json.loads(out.read_text())
+    rows = {r["backend"]: r for r in payload["results"]}
+    requests = sample_requests("sharegpt", 6, 256, 49152)
+    assert rows["pagedllm"]["output_tokens"] == rows["hf"]["output_tokens"] == sum(r.output_len for r in requests)
+    assert rows["pagedllm"]["requests"] == 6 and rows["pagedllm"]["output_tok_per_s"] > 0
