@@ -35,6 +35,9 @@ class CacheConfig:
     num_gpu_blocks: int | None = None  # force the number of device blocks (overrides the budget)
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks, per worker
     enable_prefix_caching: bool = True
+    # Share KV blocks between the sequences of one request (parallel samples, beams), with
+    # copy-on-write. Turning it off (every sequence gets its own copy) exists to measure it.
+    enable_block_sharing: bool = True
 
 
 @dataclass
@@ -82,6 +85,7 @@ class EngineArgs:
     num_gpu_blocks: int | None = None
     swap_space: float = 4.0
     enable_prefix_caching: bool = True
+    enable_block_sharing: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     preemption_mode: str = "auto"
@@ -119,6 +123,7 @@ class EngineArgs:
                 num_gpu_blocks=self.num_gpu_blocks,
                 swap_space=self.swap_space,
                 enable_prefix_caching=self.enable_prefix_caching,
+                enable_block_sharing=self.enable_block_sharing,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -60,3 +60,22 @@ def test_bench_throughput_writes_table_and_json(tiny_llama, tmp_path, capsys):
     requests = sample_requests("sharegpt", 6, 256, 49152)
     assert rows["pagedllm"]["output_tokens"] == rows["hf"]["output_tokens"] == sum(r.output_len for r in requests)
     assert rows["pagedllm"]["requests"] == 6 and rows["pagedllm"]["output_tok_per_s"] > 0
+
+
+def test_bench_sharing_reports_savings_and_prefix_speedup(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "sharing.json"
+    code = main(
+        ["bench", "sharing", str(tiny_llama), "--datasets", "alpaca", "--num-prompts", "2", "--widths", "2",
+         "--max-output-len", "8", "--prefix-shots", "2", "--prefix-requests", "4", "--max-model-len", "512",
+         "--kv-cache-memory", "32MiB",
+         "--output-json", str(out)]
+    )
+    assert code == 0
+    assert "saving_pct" in capsys.readouterr().out
+    results = json.loads(out.read_text())["results"]
+    by_method = {r["method"]: r for r in results["memory"]}
+    for row in by_method.values():
+        assert row["blocks_shared"] < row["blocks_unshared"] and row["preemptions"] == 0
+    assert by_method["beam width=2"]["saving_pct"] > by_method["parallel n=2"]["saving_pct"]
+    (prefix,) = results["prefix"]
+    assert prefix["prefix_tokens"] == 136 and prefix["hit_rate_on"] > 0.5

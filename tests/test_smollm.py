@@ -49,3 +49,25 @@ def test_greedy_matches_under_preemption(expected):
     assert stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_beam_search_matches_transformers(smollm_llm, smollm_hf, chat_prompts):
+    import torch
+
+    from pagedllm import BeamSearchParams
+
+    prompts = chat_prompts[:2]
+    results = smollm_llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=16))
+    eos = smollm_llm.engine.eos_token_ids[0]
+    for prompt, result in zip(prompts, results):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = smollm_hf.generate(
+                ids, attention_mask=torch.ones_like(ids), num_beams=3, num_return_sequences=3,
+                do_sample=False, max_new_tokens=16, pad_token_id=0,
+            )
+        expected = []
+        for row in out.tolist():
+            generated = row[len(prompt):]
+            expected.append(generated[: generated.index(eos) + 1] if eos in generated else generated)
+        assert [s.tokens[len(prompt):] for s in result.sequences] == expected

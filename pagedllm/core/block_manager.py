@@ -203,12 +203,21 @@ class BlockManager:
         if self.enable_prefix_caching:
             self._publish(seq, self._tables[seq.seq_id])
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` starts as a copy of `parent`: same physical blocks, one more reference each."""
+    def can_fork(self, parent: Sequence, share: bool = True) -> bool:
+        return share or self.can_allocate(len(self._tables[parent.seq_id].blocks))
+
+    def fork(self, parent: Sequence, child: Sequence, share: bool = True) -> None:
+        """`child` starts as a copy of `parent`: the same physical blocks, one more reference
+        each. With `share=False` (to measure what sharing saves) every block is copied instead."""
         table = self._tables[parent.seq_id]
-        for block in table.blocks:
-            self.pool.share(block)
-        self._tables[child.seq_id] = _Table(list(table.blocks), table.num_published)
+        if share:
+            for block in table.blocks:
+                self.pool.share(block)
+            self._tables[child.seq_id] = _Table(list(table.blocks), table.num_published)
+        else:
+            copies = [self.pool.allocate() for _ in table.blocks]
+            self.pending_copies.extend((old.block_id, new.block_id) for old, new in zip(table.blocks, copies))
+            self._tables[child.seq_id] = _Table(copies, table.num_published)
         if parent.seq_id in self._hashes:
             self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
 

@@ -125,10 +125,10 @@ class SequenceGroup:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     error: str | None = None
-    # Beam search: finished hypotheses (sequences whose status is finished), best first.
-    finished_beams: list[Sequence] = field(default_factory=list)
     # Set once the group's sequences have been forked from the first one (parallel sampling).
     forked: bool = False
+    # Beam search bookkeeping, owned by the engine (finished hypotheses and the stop heuristic).
+    beam_state: Any = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

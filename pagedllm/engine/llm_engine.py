@@ -70,6 +70,8 @@ class LLMEngine:
             self.eos_token_ids,
             new_seq_id=lambda: next(self._seq_ids),
             register_seq=self._register,
+            unregister_seq=lambda seq: self._seqs.pop(seq.seq_id, None),
+            share_blocks=config.cache.enable_block_sharing,
         )
         self.num_prompt_tokens_total = 0
         self.num_computed_tokens_total = 0
@@ -137,8 +139,12 @@ class LLMEngine:
             params.all_stop_token_ids |= self.eos_token_ids_set
         now = time.monotonic()
         arrival = now if arrival_time is None else arrival_time
-        # One sequence; parallel samples fork from it once the prompt is computed.
-        seqs = [Sequence(next(self._seq_ids), token_ids)]
+        # One sequence; parallel samples fork from it once the prompt is computed, sharing its
+        # blocks. Without block sharing (a measuring mode), each sample is its own sequence.
+        num_seqs = 1
+        if params.sampling_type is SamplingType.RANDOM and not self.config.cache.enable_block_sharing:
+            num_seqs = params.best_of
+        seqs = [Sequence(next(self._seq_ids), token_ids, sample_index=i) for i in range(num_seqs)]
         for seq in seqs:
             self._register(seq)
         group = SequenceGroup(
@@ -148,6 +154,7 @@ class LLMEngine:
             arrival_time=arrival,
             prompt=prompt if isinstance(prompt, str) else None,
             metrics=RequestMetrics(arrival_time=arrival),
+            forked=num_seqs > 1,
         )
         self._groups[request_id] = group
         self.scheduler.add(group)

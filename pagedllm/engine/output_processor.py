@@ -23,6 +23,8 @@ class OutputProcessor:
         eos_token_ids: list[int],
         new_seq_id: Callable[[], int],
         register_seq: Callable[[Sequence], None],
+        unregister_seq: Callable[[Sequence], None],
+        share_blocks: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.block_manager = block_manager
@@ -30,6 +32,9 @@ class OutputProcessor:
         self.eos_token_ids = set(eos_token_ids)
         self.new_seq_id = new_seq_id
         self.register_seq = register_seq
+        self.unregister_seq = unregister_seq
+        # Off only to measure what sharing saves: forks then copy every block.
+        self.share_blocks = share_blocks
         self._token_texts: dict[int, str] = {}
         self.num_generated_tokens = 0
 
@@ -82,13 +87,26 @@ class OutputProcessor:
         child = parent.fork(self.new_seq_id(), sample_index)
         if parent.detokenizer is not None:
             child.detokenizer = parent.detokenizer.fork()
-        self.block_manager.fork(parent, child)
+        if not self.block_manager.can_fork(parent, share=self.share_blocks):
+            raise RuntimeError(
+                "Out of KV blocks while copying a sequence with enable_block_sharing=False; "
+                "that measuring mode needs a larger KV cache."
+            )
+        self.block_manager.fork(parent, child, share=self.share_blocks)
         self.register_seq(child)
         return child
 
+    def drop(self, seq: Sequence) -> None:
+        """A beam that has no future: release its blocks now."""
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        self.block_manager.forget(seq)
+        self.unregister_seq(seq)
+
     # --- appending and stopping -------------------------------------------------------------
 
-    def append(self, group: SequenceGroup, seq: Sequence, sample: SampledToken) -> None:
+    def append_beam_token(self, group: SequenceGroup, seq: Sequence, sample: SampledToken) -> int:
+        """Append a token and its text; returns how many characters the text grew by. (Beam
+        search decides stopping for the whole group; `append` adds the per-sequence checks.)"""
         params = group.sampling_params
         seq.append_token(sample.token_id, sample.logprob)
         self.num_generated_tokens += 1
@@ -98,7 +116,12 @@ class OutputProcessor:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
         new_text = seq.detokenizer.add_token(sample.token_id)
         seq.output_text += new_text
-        self.check_stop(seq, params, len(new_text))
+        return len(new_text)
+
+    def append(self, group: SequenceGroup, seq: Sequence, sample: SampledToken) -> None:
+        params = group.sampling_params
+        num_new_chars = self.append_beam_token(group, seq, sample)
+        self.check_stop(seq, params, num_new_chars)
         if seq.is_finished:
             tail = seq.detokenizer.flush()
             if seq.stop_reason is None or isinstance(seq.stop_reason, int):

@@ -19,6 +19,7 @@ _HELP = {
     "num_gpu_blocks": "force the number of KV blocks (overrides --kv-cache-memory)",
     "swap_space": "GiB of CPU memory for swapped-out blocks",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "enable_block_sharing": "share KV blocks between a request's samples and beams (off only to measure it)",
     "max_num_seqs": "most sequences running at once",
     "max_num_batched_tokens": "most tokens computed in one step",
     "preemption_mode": "how to evict when blocks run out",

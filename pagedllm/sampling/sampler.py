@@ -107,11 +107,12 @@ class Sampler:
     def _beam_candidates(
         raw: torch.Tensor, log_norm: torch.Tensor, items: list[ScheduledSequence], rows: list[int]
     ) -> dict[int, list[SampledToken]]:
-        """For each beam row, its 2 * beam_width most likely next tokens (enough for the engine
-        to keep beam_width live beams even if every one of them ends here)."""
+        """For each beam row, its K = max(2, 1 + #stop tokens) * beam_width most likely next
+        tokens: enough for the engine to keep beam_width live beams even if the best ones end."""
         out: dict[int, list[SampledToken]] = {}
         for r in rows:
-            k = 2 * items[r].sampling_params.best_of
+            params = items[r].sampling_params
+            k = min(max(2, 1 + len(params.all_stop_token_ids)) * params.best_of, raw.shape[1])
             values, ids = torch.topk(raw[r] - log_norm[r], k)
             out[r] = [SampledToken(t, v) for t, v in zip(ids.tolist(), values.tolist())]
         return out

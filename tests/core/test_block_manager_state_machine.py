@@ -127,6 +127,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.running.append(child)
 
     @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 100))
+    def fork_by_copying(self, i):
+        """The measuring mode without sharing: the child gets copies of every block."""
+        parent = self.running[i % len(self.running)]
+        if not self.bm.can_fork(parent, share=False):
+            return
+        child = parent.fork(self.next_id)
+        self.next_id += 1
+        self.bm.fork(parent, child, share=False)
+        assert not set(self.bm.block_ids(child.seq_id)) & set(self.bm.block_ids(parent.seq_id))
+        self._carry_out()
+        self.running.append(child)
+
+    @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 100), token=st.integers(0, 2))
     def fork_and_write(self, i, token):
         """Parallel sampling: a child forks and writes its own next token at once."""
