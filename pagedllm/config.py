@@ -48,8 +48,9 @@ class SchedulerConfig:
     # Fraction of device blocks kept free when admitting new prompts, so that a newly admitted
     # prompt does not immediately force a preemption on the next decode step.
     watermark: float = 0.01
-    # The `auto` preemption mode's cost model: a single-sequence victim is swapped when
-    # blocks * swap_cost_per_block < tokens * recompute_cost_per_token (relative units).
+    # The `auto` preemption mode's cost model, in seconds, measured by the engine at start-up:
+    # a single-sequence victim is swapped when
+    # blocks * swap_cost_per_block < tokens * recompute_cost_per_token.
     swap_cost_per_block: float = 1.0
     recompute_cost_per_token: float = 1.0
 

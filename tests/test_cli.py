@@ -79,3 +79,20 @@ def test_bench_sharing_reports_savings_and_prefix_speedup(tiny_llama, tmp_path, 
     assert by_method["beam width=2"]["saving_pct"] > by_method["parallel n=2"]["saving_pct"]
     (prefix,) = results["prefix"]
     assert prefix["prefix_tokens"] == 136 and prefix["hit_rate_on"] > 0.5
+
+
+def test_bench_preemption_runs_each_mode_and_block_size(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "preemption.json"
+    code = main(
+        ["bench", "preemption", str(tiny_llama), "--dataset", "sharegpt", "--num-prompts", "12", "--block-sizes", "1", "16",
+         "--kv-tokens", "512", "--max-model-len", "512", "--swap-space", "0.01", "--output-json", str(out)]
+    )
+    assert code == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["block_size"], r["mode"]) for r in rows] == [(b, m) for b in (1, 16) for m in ("recompute", "swap", "auto")]
+    for row in rows:
+        assert row["preemptions"] > 0
+        if row["mode"] == "recompute":
+            assert row["blocks_swapped"] == 0 and row["recomputed_tokens"] > 0
+        if row["mode"] == "swap":
+            assert row["blocks_swapped"] > 0 and row["swap_preemptions"] > 0

@@ -109,7 +109,12 @@ class Scheduler:
             seqs = group.unfinished_seqs()
             if len(seqs) > budget or self.num_running_seqs + len(seqs) > self.config.max_num_seqs:
                 break
-            if not self.block_manager.can_allocate(self.block_manager.swap_in_blocks_needed(seqs), keep_watermark=True):
+            needed = self.block_manager.swap_in_blocks_needed(seqs)
+            if not self.block_manager.can_allocate(needed, keep_watermark=True):
+                if not self.running and needed > self.block_manager.num_total_blocks - self.block_manager.watermark_blocks:
+                    self.swapped.pop(0)
+                    self._fail(group, "its sequences need more KV cache blocks than the device has")
+                    continue
                 break
             self.swapped.pop(0)
             before = len(self.block_manager.pending_swap_in)
@@ -316,5 +321,5 @@ class Scheduler:
 
     def _release(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
-            self.block_manager.forget(seq)
+            self.block_manager.forget(seq)  # device and CPU blocks alike
         self._finished_request_ids.append(group.request_id)

@@ -52,6 +52,15 @@ class LLMEngine:
             num_device_blocks * self.executor.block_bytes / 2**30,
             num_cpu_blocks,
         )
+        if config.scheduler.preemption_mode == "auto" and num_cpu_blocks:
+            swap_cost, recompute_cost = self.executor.profile_preemption_costs()
+            config.scheduler.swap_cost_per_block = swap_cost
+            config.scheduler.recompute_cost_per_token = recompute_cost
+            logger.info(
+                "Preemption costs: %.3g ms to swap a block out and in, %.3g ms to recompute a token",
+                swap_cost * 1e3,
+                recompute_cost * 1e3,
+            )
         self.block_manager = BlockManager(
             block_size,
             num_device_blocks,

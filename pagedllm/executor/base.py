@@ -20,6 +20,10 @@ class Executor(ABC):
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None: ...
 
     @abstractmethod
+    def profile_preemption_costs(self) -> tuple[float, float]:
+        """(seconds to swap a block out and in, seconds to recompute a token), on the driver."""
+
+    @abstractmethod
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the driver's sampled tokens come back."""
 

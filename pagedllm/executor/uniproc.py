@@ -20,5 +20,8 @@ class UniprocExecutor(Executor):
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.init_cache(num_device_blocks, num_cpu_blocks)
 
+    def profile_preemption_costs(self) -> tuple[float, float]:
+        return self.worker.profile_preemption_costs()
+
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(output)

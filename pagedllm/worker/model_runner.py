@@ -3,6 +3,8 @@ metadata, the model runs over every scheduled token at once, and the driver samp
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -52,6 +54,25 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler  # only the driver samples
+
+    @torch.inference_mode()
+    def time_prefill(self, num_tokens: int) -> float:
+        """Seconds for one prefill of `num_tokens` tokens (after a warm-up run), written into the
+        first blocks of the cache: only for start-up profiling, before any request exists."""
+        num_blocks = -(-num_tokens // self.block_size)
+        item = ScheduledSequence(
+            seq_id=-1, request_id="", token_ids=[0] * num_tokens, start_position=0,
+            block_table=list(range(num_blocks)), sampling_params=None,
+        )
+        input_ids, positions, metadata = build_attention_metadata([item], self.block_size, self.device)
+        self.model(input_ids, positions, metadata)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        self.model(input_ids, positions, metadata)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:

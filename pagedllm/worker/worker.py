@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -45,6 +46,7 @@ def available_memory() -> int:
 class Worker:
     def __init__(self, config: EngineConfig, max_model_len: int, tp: TensorParallelGroup = TensorParallelGroup()):
         self.config = config
+        self.max_model_len = max_model_len
         self.tp = tp
         self.device = resolve_device(config.model.device)
         if self.device.type == "cuda":
@@ -99,6 +101,29 @@ class Worker:
         self.model.bind_kv_cache(self.cache_engine.key_caches, self.cache_engine.value_caches)
         sampler = Sampler(self.config.model.seed) if self.tp.is_driver else None
         self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device, sampler)
+
+    def profile_preemption_costs(self) -> tuple[float, float]:
+        """(seconds to swap one block out and back in, seconds to recompute one token), measured
+        on the real pools and model at start-up, while nothing lives in the cache."""
+        cache = self.cache_engine
+        block_size = self.config.cache.block_size
+        num = min(16, cache.num_device_blocks, cache.num_cpu_blocks)
+        swap_cost = float("inf")
+        if num:
+            mapping = [(i, i) for i in range(num)]
+            cache.swap_out(mapping)  # warm-up
+            start = time.perf_counter()
+            cache.swap_out(mapping)
+            cache.swap_in(mapping)
+            self._synchronize()
+            swap_cost = (time.perf_counter() - start) / num
+        num_tokens = min(256, cache.num_device_blocks * block_size, self.max_model_len)
+        recompute_cost = self.runner.time_prefill(num_tokens) / num_tokens
+        return swap_cost, recompute_cost
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Swaps and copies first (in that order: a block swapped out may be reused by this very

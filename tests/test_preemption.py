@@ -1,0 +1,116 @@
+"""Preemption by swapping and by recomputation: outputs never change, blocks come back intact,
+pools end empty, and a request that can never fit fails cleanly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention.reference import ReferenceAttentionBackend
+from pagedllm.worker.cache_engine import CacheEngine
+from tests.helpers import random_prompts
+
+
+def test_swapped_blocks_come_back_with_the_same_bytes():
+    torch.manual_seed(0)
+    cache = CacheEngine(ReferenceAttentionBackend(), num_layers=3, num_kv_heads=2, head_dim=8, block_size=4,
+                        num_device_blocks=16, num_cpu_blocks=6, dtype=torch.float32, device=torch.device("cpu"))
+    for pool in cache.key_caches + cache.value_caches:
+        pool.copy_(torch.randn_like(pool))
+    out_blocks = [3, 7, 9]
+    saved = [pool[out_blocks].clone() for pool in cache.key_caches + cache.value_caches]
+    cache.swap_out([(d, c) for d, c in zip(out_blocks, [5, 0, 2])])
+    for pool in cache.key_caches + cache.value_caches:
+        pool.zero_()  # the device blocks are reused by others meanwhile
+    cache.swap_in([(c, d) for c, d in zip([5, 0, 2], [10, 11, 12])])
+    for before, pool in zip(saved, cache.key_caches + cache.value_caches):
+        assert torch.equal(pool[[10, 11, 12]], before)
+    cache.copy([(10, 1), (11, 2)])  # copy-on-write duplicates whole blocks
+    for before, pool in zip(saved, cache.key_caches + cache.value_caches):
+        assert torch.equal(pool[[1, 2]], before[:2])
+
+
+def _workload():
+    prompts = random_prompts(10, [10, 23, 37, 16, 31, 8], seed=40)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True)
+    params = [greedy] * 6 + [
+        seeded,
+        SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=24, ignore_eos=True),
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True),
+        SamplingParams(n=3, best_of=3, use_beam_search=True, temperature=0, max_tokens=20, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def unconstrained(tiny_llama):
+    prompts, params = _workload()
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=512)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.get_stats().num_preemptions == 0
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_outputs_are_identical_under_heavy_preemption(tiny_llama, unconstrained, mode):
+    prompts, params = _workload()
+    # 12 blocks of 16 tokens for requests that together want about 40.
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=12, swap_space=0.01, preemption_mode=mode, max_num_seqs=16)
+    engine = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    outputs, peak_cpu_blocks = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = [c.token_ids for c in out.outputs]
+        stats = engine.get_stats()
+        peak_cpu_blocks = max(peak_cpu_blocks, stats.num_cpu_blocks - stats.num_free_cpu_blocks)
+    assert [outputs[str(i)] for i in range(len(prompts))] == unconstrained
+    stats = engine.get_stats()
+    assert stats.num_preemptions >= 5
+    if mode == "recompute":
+        assert stats.num_swap_preemptions == 0 and peak_cpu_blocks == 0
+    else:  # on a CPU, swapping a block is far cheaper than recomputing it: auto swaps too
+        assert stats.num_swap_preemptions > 0 and peak_cpu_blocks > 0
+        assert stats.num_blocks_swapped_out > 0 and stats.num_blocks_swapped_in > 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
+
+
+def test_full_cpu_pool_falls_back_to_recomputation(tiny_llama, unconstrained):
+    prompts, params = _workload()
+    # Bytes per block of the tiny model: 2 layers x (keys + values) x 16 tokens x 2 heads x 16 x 4 B = 8 KiB.
+    two_blocks = 2 * 8192 / 2**30
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=12, swap_space=two_blocks, preemption_mode="swap", max_num_seqs=16)
+    assert llm.engine.get_stats().num_cpu_blocks == 2
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.get_stats()
+    assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions > 0
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == unconstrained
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_request_that_can_never_fit_fails_and_others_proceed(tiny_llama, mode):
+    # Four samples of up to 128 tokens need 4 x 8 = 32 blocks (prompt blocks shared: still > 12).
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=12, swap_space=0.01, preemption_mode=mode)
+    prompts = random_prompts(3, [60, 12, 20], seed=41)
+    params = [
+        SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=68, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert outputs[0].error and "more KV cache blocks than the device has" in outputs[0].error
+    assert all(c.finish_reason == "error" for c in outputs[0].outputs)
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 10 for o in outputs[1:])
+    stats = llm.engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
+
+
+def test_swap_space_is_never_larger_than_the_device_pool(tiny_llama):
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=10, swap_space=4)
+    assert llm.engine.get_stats().num_cpu_blocks == 10
