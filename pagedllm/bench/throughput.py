@@ -146,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
             raw = run_hf_static(hf, requests, args.hf_batch_size, args.temperature, pad_id=0)
         rows.append(_summarise(backend, raw, requests))
         print(f"{backend}: {rows[-1]['output_tok_per_s']:.1f} output tok/s", flush=True)
+    if engine is not None:
+        engine.shutdown()
     base = {r["backend"]: r["output_tok_per_s"] for r in rows}
     for row in rows:
         for other in ("hf",):

@@ -17,7 +17,8 @@ import torch.distributed as dist
 class TensorParallelGroup:
     rank: int = 0
     size: int = 1
-    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    group: Any = None  # ProcessGroup for tensors (gloo on CPU, nccl on GPU)
+    control_group: Any = None  # gloo ProcessGroup for the driver's control messages (no timeout to speak of)
 
     @property
     def is_driver(self) -> bool:
@@ -43,8 +44,16 @@ class TensorParallelGroup:
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0; None elsewhere."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.control_group)
+        return out
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` items that must divide evenly (e.g. attention heads)."""

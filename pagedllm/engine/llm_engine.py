@@ -18,7 +18,7 @@ from pagedllm.core import BlockManager, Scheduler, Sequence, SequenceGroup, Sequ
 from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import EngineStats
-from pagedllm.executor import Executor, create_executor
+from pagedllm.executor import Executor, WorkerDiedError, create_executor
 from pagedllm.model import get_tokenizer, load_arch_config, resolve_model
 from pagedllm.model.tokenizer import eos_token_ids
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -36,6 +36,7 @@ class LLMEngine:
         self.model_name = source.name
         self.arch = load_arch_config(source)
         self.max_model_len = self._resolve_max_model_len()
+        self.arch.check_tensor_parallel_size(config.parallel.tensor_parallel_size)
         self.tokenizer = get_tokenizer(source)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids)
 
@@ -84,6 +85,7 @@ class LLMEngine:
         )
         self.num_prompt_tokens_total = 0
         self.num_computed_tokens_total = 0
+        self.dead: str | None = None  # why the engine can no longer run (a worker died)
         self.num_steps = 0
 
     @classmethod
@@ -137,6 +139,8 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. Bad input raises `ValueError` and leaves the engine untouched."""
+        if self.dead is not None:
+            raise RuntimeError(f"The engine has stopped: {self.dead}")
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"A request with id {request_id!r} is already running; request ids must be unique.")
@@ -222,7 +226,10 @@ class LLMEngine:
         outputs = [self._make_output(g) for g in self._take_failed()]
         if not scheduled.has_model_work and not scheduled.has_cache_work and not scheduled.finished_request_ids:
             return outputs
-        result = self.executor.execute(scheduled) or ModelRunnerOutput()
+        try:
+            result = self.executor.execute(scheduled) or ModelRunnerOutput()
+        except WorkerDiedError as exc:
+            return outputs + self._fail_everything(str(exc))
         self.num_steps += 1
         now = time.monotonic()
         self.scheduler.on_step_computed(scheduled, self._seqs)
@@ -242,6 +249,30 @@ class LLMEngine:
             if group.is_finished:
                 self._drop(group)
         return outputs
+
+    def _fail_everything(self, reason: str) -> list[RequestOutput]:
+        """A worker died: every request in flight ends with an error; the engine stops."""
+        logger.error("Engine stopped: %s", reason)
+        self.dead = reason
+        outputs = []
+        for group in list(self._groups.values()):
+            self.scheduler.abort(group.request_id)
+            group.error = f"The engine stopped: {reason}"
+            for seq in group.seqs:
+                seq.status = SequenceStatus.FINISHED_ERROR
+            outputs.append(self._make_output(group))
+            self._drop(group)
+        return outputs
+
+    def check_health(self) -> None:
+        """Raise if the engine cannot run (a worker process died)."""
+        if self.dead is not None:
+            raise RuntimeError(f"The engine has stopped: {self.dead}")
+        try:
+            self.executor.check_health()
+        except WorkerDiedError as exc:
+            self._fail_everything(str(exc))
+            raise RuntimeError(f"The engine has stopped: {exc}") from exc
 
     def _take_failed(self) -> list[SequenceGroup]:
         failed = self.scheduler.take_failed()

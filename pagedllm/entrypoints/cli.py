@@ -40,11 +40,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serve_as_torchrun_worker(args: argparse.Namespace) -> None:
+    """Under torchrun every rank runs the same command; ranks other than 0 become tensor-parallel
+    workers here (building the engine enters the worker loop and exits when the driver stops)."""
+    from pagedllm.distributed.init import env_rank
+
+    if getattr(args, "tensor_parallel_size", 1) > 1 and getattr(args, "distributed_init_method", None) == "env://":
+        if env_rank() > 0:
+            from pagedllm.engine.llm_engine import LLMEngine
+            from pagedllm.entrypoints.cli_args import engine_args_from
+
+            engine_args = engine_args_from(args)
+            if getattr(args, "model", None):
+                engine_args.model = args.model
+            LLMEngine.from_engine_args(engine_args)  # raises SystemExit when the driver shuts down
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     try:
+        _serve_as_torchrun_worker(args)
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedllm: error: {exc}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """Executors run the workers: in this process, or as tensor-parallel processes."""
 
-from pagedllm.executor.base import Executor, create_executor
+from pagedllm.executor.base import Executor, WorkerDiedError, create_executor
 
-__all__ = ["Executor", "create_executor"]
+__all__ = ["Executor", "WorkerDiedError", "create_executor"]

@@ -9,6 +9,10 @@ from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import SchedulerOutput
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process is gone; the engine cannot run another step."""
+
+
 class Executor(ABC):
     block_bytes: int  # bytes of one KV block on one worker, all layers, keys and values
 
@@ -34,9 +38,18 @@ class Executor(ABC):
 
 
 def create_executor(config: EngineConfig, max_model_len: int) -> Executor:
-    if config.parallel.tensor_parallel_size > 1:
-        from pagedllm.executor.multiproc import MultiprocExecutor
+    """One worker in this process, or a tensor-parallel group with this process as its driver.
 
+    Under torchrun (`distributed_init_method="env://"`), every rank runs the same program: rank 0
+    goes on to be the engine, the other ranks serve as workers here until the driver shuts
+    down, then exit."""
+    if config.parallel.tensor_parallel_size > 1:
+        from pagedllm.distributed.init import env_rank
+        from pagedllm.executor.multiproc import MultiprocExecutor, run_worker_loop
+
+        if config.parallel.distributed_init_method == "env://" and env_rank() > 0:
+            run_worker_loop(config, max_model_len, env_rank(), "env://")
+            raise SystemExit(0)
         return MultiprocExecutor(config, max_model_len)
     from pagedllm.executor.uniproc import UniprocExecutor
 

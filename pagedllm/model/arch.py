@@ -58,6 +58,24 @@ class ModelArchConfig:
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * (attn + mlp) + embed + head
 
+    def valid_tensor_parallel_sizes(self) -> list[int]:
+        """Sizes that split the query heads and the MLP evenly, and split or replicate the KV heads."""
+        return [
+            tp
+            for tp in range(1, self.num_heads + 1)
+            if self.num_heads % tp == 0
+            and self.intermediate_size % tp == 0
+            and (self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0)
+        ]
+
+    def check_tensor_parallel_size(self, tp: int) -> None:
+        valid = self.valid_tensor_parallel_sizes()
+        if tp not in valid:
+            raise ValueError(
+                f"tensor_parallel_size={tp} cannot split this model ({self.num_heads} attention heads, "
+                f"{self.num_kv_heads} KV heads, MLP width {self.intermediate_size}); valid sizes: {valid}."
+            )
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArchConfig":
         architectures = cfg.get("architectures") or []

@@ -102,6 +102,10 @@ class Worker:
         sampler = Sampler(self.config.model.seed) if self.tp.is_driver else None
         self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device, sampler)
 
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        """The shape of this worker's key (and value) pool of each layer."""
+        return tuple(self.cache_engine.key_caches[0].shape)
+
     def profile_preemption_costs(self) -> tuple[float, float]:
         """(seconds to swap one block out and back in, seconds to recompute one token), measured
         on the real pools and model at start-up, while nothing lives in the cache."""

@@ -1,0 +1,152 @@
+"""Tensor parallelism: this process is rank 0 (the driver, beside the one scheduler); ranks
+1..N-1 are worker processes, spawned here or launched by torchrun (`env://`).
+
+Every step the driver broadcasts the same control message (the `SchedulerOutput`) to every rank
+over torch.distributed, and all ranks run the same step; the layers' all-reduces and the
+logits gather happen inside the model. Workers make no memory-management decisions: they hold
+the same block ids as the driver and only the KV cache of their own heads.
+
+A worker that dies breaks the next collective at once (gloo reports the closed connection);
+the executor then raises `WorkerDiedError`, which the engine turns into failed requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+import weakref
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.model_output import ModelRunnerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.distributed.init import free_port, init_tensor_parallel, set_cpu_threads
+from pagedllm.executor.base import Executor, WorkerDiedError
+
+logger = logging.getLogger("pagedllm")
+
+_SHUTDOWN = "shutdown"
+
+
+def _watch_parent() -> None:
+    """Exit if the driver disappears (a spawned worker must not outlive it)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="pagedllm-parent-watch").start()
+
+
+def run_worker_loop(config: EngineConfig, max_model_len: int, rank: int, init_method: str) -> None:
+    """The life of a non-driver rank: join the group, build its shard, then run what the driver
+    broadcasts until told to stop."""
+    from pagedllm.worker.worker import Worker, resolve_device
+
+    tp_size = config.parallel.tensor_parallel_size
+    set_cpu_threads(tp_size)
+    group = init_tensor_parallel(rank, tp_size, init_method, resolve_device(config.model.device))
+    worker = Worker(config, max_model_len, group)
+    while True:
+        method, args, gather = group.broadcast_object()
+        if method == _SHUTDOWN:
+            break
+        result = getattr(worker, method)(*args)
+        if gather:
+            group.gather_objects(result)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _spawned_worker(config: EngineConfig, max_model_len: int, rank: int, init_method: str) -> None:
+    _watch_parent()
+    logging.basicConfig(level=logging.WARNING)
+    run_worker_loop(config, max_model_len, rank, init_method)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        from pagedllm.worker.worker import Worker, resolve_device
+
+        tp_size = config.parallel.tensor_parallel_size
+        init_method = config.parallel.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
+        self._processes: list[multiprocessing.Process] = []
+        self._dead: str | None = None
+        if init_method != "env://":  # torchrun starts the other ranks itself
+            ctx = multiprocessing.get_context("spawn")
+            for rank in range(1, tp_size):
+                proc = ctx.Process(
+                    target=_spawned_worker,
+                    args=(config, max_model_len, rank, init_method),
+                    name=f"pagedllm-tp-worker-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                self._processes.append(proc)
+        set_cpu_threads(tp_size)
+        self.group = init_tensor_parallel(0, tp_size, init_method, resolve_device(config.model.device))
+        self.worker = Worker(config, max_model_len, self.group)
+        self.block_bytes = self.worker.block_bytes
+        logger.info("Tensor parallelism: %d ranks, driver is rank 0", tp_size)
+        self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.group, self._processes)
+
+    # --- remote calls ---------------------------------------------------------------------------
+
+    def collective_rpc(self, method: str, *args, gather: bool = True) -> list | None:
+        """Run `Worker.<method>(*args)` on every rank; with `gather`, every rank's result in
+        rank order."""
+        self.check_health()
+        try:
+            self.group.broadcast_object((method, args, gather))
+            result = getattr(self.worker, method)(*args)
+            return self.group.gather_objects(result) if gather else [result]
+        except RuntimeError as exc:  # a collective broke: a peer is gone
+            self._dead = f"a tensor-parallel worker stopped responding ({exc})"
+            raise WorkerDiedError(self._dead) from exc
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        counts = self.collective_rpc("determine_num_blocks")
+        return min(c[0] for c in counts), min(c[1] for c in counts)
+
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        self.collective_rpc("init_cache", num_device_blocks, num_cpu_blocks)
+
+    def profile_preemption_costs(self) -> tuple[float, float]:
+        return self.collective_rpc("profile_preemption_costs")[0]
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute", output, gather=False)[0]
+
+    def check_health(self) -> None:
+        if self._dead is None:
+            for proc in self._processes:
+                if not proc.is_alive():
+                    self._dead = f"tensor-parallel worker {proc.name} exited (code {proc.exitcode})"
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    @staticmethod
+    def _stop(group, processes: list[multiprocessing.Process]) -> None:
+        import torch.distributed as dist
+
+        if all(p.is_alive() for p in processes):
+            try:
+                group.broadcast_object((_SHUTDOWN, (), False))
+            except RuntimeError:
+                pass
+        for proc in processes:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
