@@ -1,0 +1,312 @@
+"""AsyncLLMEngine: the engine's step loop on a background thread, each request's outputs
+streamed to asyncio code through its own stream.
+
+One thread owns the `LLMEngine` (which is not thread-safe) and is the only one to touch it.
+Requests enter and leave through a thread-safe inbox; the loop adds and aborts them between
+steps, so an aborted request's blocks are free before the next step. Each request's outputs are
+handed to its `RequestStream` with `loop.call_soon_threadsafe`, so the event loop never waits
+on a step. When a step or the engine's health check raises, the engine is dead: every request
+in flight fails with `EngineDeadError`, new ones are refused, and `is_healthy` turns false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.iteration_stats import IterationStats, RequestTimingTracker, StatLogger
+from pagedllm.engine.llm_engine import LLMEngine, Prompt
+from pagedllm.engine.stats import EngineStats
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's loop stopped on an error; no request can run any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine gave up on one request (e.g. it can never fit in the KV cache)."""
+
+
+class RequestStream:
+    """The consumer's end of one request: iterate it for cumulative `RequestOutput`s.
+
+    Created on an event loop; the engine thread feeds it through that loop. Outputs are
+    cumulative, so a consumer that falls behind gets only the latest one (memory stays bounded
+    and a slow client receives larger deltas). Iteration ends after the finished output; an
+    engine-side failure is raised from the iteration.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._loop = loop
+        self._latest: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        self._accepted: asyncio.Future[None] = loop.create_future()
+
+    # --- engine thread side -----------------------------------------------------------------
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._call(self._set, item)
+
+    def resolve(self, error: BaseException | None) -> None:
+        """The engine took the request (error None) or refused it."""
+        self._call(self._resolve, error)
+
+    def _set(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self._latest, BaseException):  # an error is never overwritten
+            self._latest = item
+            self._ready.set()
+
+    def _resolve(self, error: BaseException | None) -> None:
+        if self._accepted.done():
+            return
+        if error is None:
+            self._accepted.set_result(None)
+        else:
+            self._accepted.set_exception(error)
+
+    # --- consumer side ----------------------------------------------------------------------
+
+    async def wait_accepted(self) -> None:
+        await self._accepted
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        await self._ready.wait()
+        item, self._latest = self._latest, None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+            if item.error:
+                raise RequestFailedError(item.error)
+        return item
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    arrival_time: float | None
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    """An `LLMEngine` driven by a background thread, for servers.
+
+    `add_request` returns a `RequestStream` once the engine has accepted the request (or raises
+    its `ValueError`); `generate` wraps that in an async generator that aborts the request when
+    the consumer stops early; `abort` frees a request's blocks before the next step.
+    """
+
+    # How often an idle loop wakes to check the workers' health and feed stat loggers.
+    IDLE_POLL_S = 1.0
+
+    def __init__(self, engine: LLMEngine, stat_loggers: list[StatLogger] | None = None) -> None:
+        self.engine = engine
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self.stats: EngineStats = engine.get_stats()  # the latest snapshot, replaced by the loop
+        self.dead_error: BaseException | None = None
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        # Guards "is it dead?" together with putting into the inbox, so that no request is
+        # queued after the dying loop has drained the inbox (it would never be answered).
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}  # the loop thread's own
+        self._timing = RequestTimingTracker()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_engine_args(args), stat_loggers)
+
+    # These never change after the engine is built, so any thread may read them.
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer; the engine thread uses it too, so callers on other threads
+        should work on their own copy."""
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and not self._stopping.is_set()
+
+    # --- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop (requests in flight fail) and release the executor."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_everything(EngineDeadError("The engine was shut down."))
+        self.engine.shutdown()
+
+    # --- requests (any event loop) ----------------------------------------------------------
+
+    async def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
+    ) -> RequestStream:
+        """Queue a request; returns its stream once the engine has accepted it. Raises the
+        engine's `ValueError` for bad input and `EngineDeadError` when the engine is gone."""
+        self.start()
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        with self._lock:
+            if not self.is_healthy:
+                raise self._dead_error()
+            self._inbox.put(_Add(request_id, prompt, params, arrival_time or time.monotonic(), stream))
+        self._wake.set()
+        try:
+            await stream.wait_accepted()
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str, arrival_time: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; closing the generator early aborts it."""
+        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, returns at once); its blocks are freed before the
+        engine's next step. Unknown or finished ids are ignored."""
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    def _dead_error(self) -> EngineDeadError:
+        cause = self.dead_error or "it was shut down"
+        return EngineDeadError(f"The engine is not running ({cause}); restart the server.")
+
+    # --- the loop (engine thread) -----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                iteration = IterationStats(now=time.monotonic())
+                self._take_inbox(iteration)
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    if self.engine.dead is not None:  # a worker died: the step failed every request
+                        raise EngineDeadError(self.engine.dead)
+                    iteration.now = time.monotonic()
+                    self._timing.observe(outputs, iteration)
+                    self._deliver(outputs)
+                self.engine.check_health()  # raises once a worker is gone
+                self.stats = self.engine.get_stats()
+                self._record(iteration)
+                if not self.engine.has_unfinished_requests() and self._inbox.empty():
+                    # Any request queued after the check above has set the event already.
+                    self._wake.wait(self.IDLE_POLL_S)
+                    self._wake.clear()
+        except BaseException as exc:  # a dead worker or a bug: fail loudly, not silently hang
+            logger.exception("The engine loop stopped")
+            self.dead_error = exc
+            self._fail_everything(EngineDeadError(f"The engine stopped: {exc}"))
+
+    def _drain_inbox(self) -> list[_Add | _Abort]:
+        commands = []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _take_inbox(self, iteration: IterationStats) -> None:
+        for command in self._drain_inbox():
+            if isinstance(command, _Add):
+                self._add(command)
+            elif command.request_id in self._streams:
+                self.engine.abort_request(command.request_id)
+                del self._streams[command.request_id]
+                self._timing.abort(command.request_id, iteration)
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+        except Exception as exc:  # bad input (ValueError): the engine is untouched
+            command.stream.resolve(exc)
+            return
+        self._streams[command.request_id] = command.stream
+        command.stream.resolve(None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted while this step ran
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.put(output)
+
+    def _record(self, iteration: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(self.stats, iteration)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("Stat logger %r failed", stat_logger)
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        with self._lock:
+            self._stopping.set()
+            for command in self._drain_inbox():
+                if isinstance(command, _Add):
+                    command.stream.resolve(error)
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.put(error)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`pagedllm serve`): FastAPI routes over an `AsyncLLMEngine`."""

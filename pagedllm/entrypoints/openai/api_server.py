@@ -1,0 +1,158 @@
+"""The FastAPI app: OpenAI's `/v1` routes (behind the optional API key), vLLM's `/tokenize`,
+`/detokenize`, `/health`, `/version`, `/metrics`, and `/stats` (the engine's counters)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import secrets
+import time
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pagedllm import __version__
+from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+from pagedllm.engine.stat_logger import LoggingStatLogger
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, install_error_handlers
+from pagedllm.entrypoints.openai.metrics import PrometheusStatLogger
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+
+
+def _api_key_check(api_key: str | None):
+    """A dependency refusing `/v1` requests without `Authorization: Bearer <api_key>`."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        # compare_digest: the time taken must not reveal how much of the key matched.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise OpenAIError(401, "Missing or incorrect API key; send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+
+    return check
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    log_stats: bool = True,
+    log_stats_interval_s: float = 5.0,
+) -> FastAPI:
+    """The server's app over `engine`; the engine's loop runs while the app is up."""
+    metrics = PrometheusStatLogger(served_model_names[0])
+    engine.stat_loggers.append(metrics)
+    if log_stats:
+        engine.stat_loggers.append(LoggingStatLogger(log_stats_interval_s))
+    completions = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+
+    @v1.get("/models")
+    async def list_models() -> dict:
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagedllm",
+                "root": engine.model_name,
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in served_model_names
+        ]
+        return {"object": "list", "data": cards}
+
+    @v1.post("/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create_completion(request, raw_request)
+
+    @v1.post("/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create_chat_completion(request, raw_request)
+
+    app.include_router(v1)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict:
+        completions.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise bad_request("Give exactly one of prompt or messages.", "prompt")
+        if request.messages is not None:
+            tokens = completions.chat_prompt(request.messages, request.add_generation_prompt)
+        else:
+            tokens = completions.encode(request.prompt, request.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict:
+        completions.check_model(request.model)
+        vocab = len(completions.tokenizer)
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"Token ids must be in [0, {vocab}); got {bad[:5]}.", "tokens")
+        return {"prompt": completions.decode(request.tokens)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, f"The engine is not running: {engine.dead_error!r}"), status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return {**engine.stats.as_dict(), "healthy": engine.is_healthy}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None):
+    """A uvicorn server for `pagedllm serve`'s arguments (the engine is built, i.e. the model
+    loaded, unless given); `server.run()` serves until interrupted."""
+    import uvicorn
+
+    from pagedllm.entrypoints.cli_args import engine_args_from
+
+    if engine is None:
+        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
+    names = args.served_model_name or [args.model]
+    app = build_app(engine, names, api_key=args.api_key, log_stats=not args.disable_log_stats)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=5,
+    )
+    return uvicorn.Server(config)

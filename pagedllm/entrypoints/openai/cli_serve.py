@@ -1,0 +1,45 @@
+"""`pagedllm serve [MODEL]`: the OpenAI-compatible server, with vLLM's flag names."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pagedllm.entrypoints.cli_args import add_engine_args
+
+logger = logging.getLogger("pagedllm")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+        description="Serve a model over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/tokenize, /detokenize, /health, /version, /metrics.",
+    )
+    add_engine_args(p)
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDLLM_API_KEY"),
+        help="require 'Authorization: Bearer <key>' on /v1 routes (default: $PAGEDLLM_API_KEY, else none)",
+    )
+    server.add_argument(
+        "--served-model-name", nargs="+", default=None,
+        help="model name(s) clients use; the first is reported in responses (default: MODEL as given)",
+    )
+    server.add_argument("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
+    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every HTTP request")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import create_server
+
+    server = create_server(args)
+    logger.info("Serving %s as %s", args.model, ", ".join(args.served_model_name or [args.model]))
+    server.run()
+    return 0

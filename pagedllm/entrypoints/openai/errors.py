@@ -1,0 +1,101 @@
+"""Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with the
+HTTP status that says who has to change something."""
+
+from __future__ import annotations
+
+import re
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# OpenAI's error types by status; clients (the `openai` package) map the status to an exception.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class OpenAIError(Exception):
+    """An error a route raises to answer with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param, "invalid_value" if param else None)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def invalid_input(exc: ValueError, prompt_param: str) -> OpenAIError:
+    """A `ValueError` from `SamplingParams` or `LLMEngine.add_request` as a 400 naming the field."""
+    message = str(exc)
+    match = _SAMPLING_FIELD.search(message)
+    if match:
+        param = match.group(1)
+    elif message.lower().startswith(("the prompt", "prompt")):
+        param = prompt_param
+    else:
+        words = re.findall(r"[a-z_]+", message)
+        param = next((w for w in ("best_of", "n", "stop_token_ids", "top_p", "top_k", "min_p") if w in words), None)
+    return bad_request(message, param)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return f"The request body is not valid JSON: {detail}.", None
+    parts, first_param = [], None
+    for error in errors:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or "body"
+        first_param = first_param or (loc[0] if loc else None)
+        parts.append(f"{field}: {error.get('msg', 'invalid')}")
+    return "Invalid request: " + "; ".join(parts[:5]), first_param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app answers (ours, validation, unknown routes) in OpenAI's shape."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(400, message, param, "invalid_value" if param else None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        try:
+            phrase = HTTPStatus(exc.status_code).phrase
+        except ValueError:
+            phrase = "Error"
+        message = exc.detail if isinstance(exc.detail, str) else phrase
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)

@@ -1,0 +1,177 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), with the extra sampling fields vLLM
+accepts (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `use_beam_search`, ...).
+
+Unknown fields are accepted and ignored, as vLLM does, so clients that send newer OpenAI fields
+keep working. Responses are plain dicts in OpenAI's shapes, built by the serving modules.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pagedllm.entrypoints.openai.errors import bad_request, invalid_input
+from pagedllm.sampling_params import SamplingParams
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """The fields both generation endpoints share."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None  # default 1.0, or 0 with beam search
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server.", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_param: str) -> SamplingParams:
+        """The engine's parameters; a bad value is a 400 naming the field."""
+        beam = self.use_beam_search
+        temperature = self.temperature if self.temperature is not None else (0.0 if beam else 1.0)
+        try:
+            return SamplingParams(
+                n=self.n,
+                best_of=self.best_of,
+                temperature=temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                seed=self.seed,
+                use_beam_search=beam,
+                length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as exc:
+            raise invalid_input(exc, prompt_param) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(SamplingRequest):
+    """`POST /v1/completions`. `prompt` is a string, a list of token ids, or a list of either
+    (a batch: each prompt gets `n` choices, numbered prompt by prompt)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server.", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported; drop one of them.", "echo")
+
+
+class ContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """`POST /v1/chat/completions`: the messages go through the model's chat template."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: up to the context length
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise bad_request("tools are not supported by this server.", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("Only response_format of type 'text' is supported.", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+        if not self.messages:
+            raise bad_request("messages must hold at least one message.", "messages")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """`POST /tokenize` (vLLM's): a `prompt`, or chat `messages` through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,181 @@
+"""What the completion and chat endpoints share: the model check, tokenizing and templating
+prompts, length checks, submitting requests to the engine, and usage."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, invalid_input, model_not_found
+from pagedllm.entrypoints.openai.protocol import ChatMessage
+from pagedllm.entrypoints.openai.streaming import DONE, merge_streams, sse
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+# OpenAI's JSON cannot carry -inf; vLLM reports impossible tokens with this instead.
+MIN_LOGPROB = -9999.0
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def engine_error(exc: Exception) -> OpenAIError:
+    """An engine-side failure as the error the client gets."""
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return OpenAIError(500, str(exc), code="request_failed")
+    return OpenAIError(500, f"Internal error: {exc!r}")
+
+
+async def finish_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Stream `events`, then `data: [DONE]`; an error after the 200 went out can only be an
+    event, so it becomes one (OpenAI's error body) before the end."""
+    try:
+        async for event in events:
+            yield event
+    except (EngineDeadError, RequestFailedError) as exc:
+        yield sse(engine_error(exc).body())
+    except OpenAIError as exc:
+        yield sse(exc.body())
+    finally:
+        await events.aclose()
+    yield DONE
+
+
+def usage(outputs: list[RequestOutput | None]) -> dict:
+    """OpenAI's usage block for the outputs of one API request (several for a prompt batch)."""
+    done = [o for o in outputs if o is not None]
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in done)
+    completion_tokens = sum(len(c.token_ids) for o in done for c in o.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in done)},
+    }
+
+
+def ranked_at_end(params: SamplingParams) -> bool:
+    """Beams and best-of-n pick their returned sequences only when done, so partial outputs
+    would stream sequences that may not be returned: such requests stream their final text."""
+    return params.use_beam_search or params.best_of > params.n
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.max_model_len = engine.max_model_len
+        # The engine thread detokenizes with the engine's tokenizer; requests are tokenized on
+        # the event loop with a copy, because a fast tokenizer is not safe to share across threads.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+
+    # --- checks and prompts -----------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> str:
+        """The model name to answer with; 404 if the request names another model."""
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise model_not_found(model)
+        return model
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a conversation through the model's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("This model's tokenizer has no chat template; use /v1/completions.", "messages")
+        conversation = [{"role": m.role, "content": self._message_text(m)} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as exc:  # jinja errors raised by the template itself (e.g. bad roles)
+            raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
+        # The template already holds any special tokens (BOS) the model expects.
+        return self.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def _message_text(message: ChatMessage) -> str:
+        if message.content is None or isinstance(message.content, str):
+            return message.content or ""
+        parts = []
+        for part in message.content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"Only text content parts are supported, got type {part.type!r}.", "messages")
+            parts.append(part.text)
+        return "\n".join(parts)
+
+    def check_length(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
+        """A prompt that leaves too little room for max_tokens is refused, as vLLM does (a prompt
+        that alone fills the context is refused by the engine with its own message)."""
+        num_prompt = len(prompt_ids)
+        if params.max_tokens is None or not 0 < num_prompt < self.max_model_len:
+            return
+        if num_prompt + params.max_tokens > self.max_model_len:
+            what = "messages" if prompt_param == "messages" else "prompt"
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the {what}, {params.max_tokens} in the "
+                f"completion). Reduce the length of the {what} or max_tokens.",
+                "max_tokens",
+            )
+
+    # --- running requests -------------------------------------------------------------------
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def created() -> int:
+        return int(time.time())
+
+    async def submit(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str
+    ) -> list[RequestStream]:
+        """Add one engine request per prompt, all in the same engine iteration; if any is
+        refused, none stays in the engine. (A cancelled add aborts its own request.)"""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        results = await asyncio.gather(
+            *(self.engine.add_request(i, p, params) for i, p in zip(ids, prompts)), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return results  # type: ignore[return-value]
+        for result in results:
+            if isinstance(result, RequestStream):
+                self.engine.abort(result.request_id)
+        if isinstance(errors[0], ValueError):
+            raise invalid_input(errors[0], prompt_param)
+        if isinstance(errors[0], (EngineDeadError, RequestFailedError)):
+            raise engine_error(errors[0])
+        raise errors[0]
+
+    def abort_unfinished(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+    async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Wait for every request to finish; on cancellation (disconnect) they are aborted."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for index, output in merge_streams(streams):
+                finals[index] = output
+        except (EngineDeadError, RequestFailedError) as exc:
+            raise engine_error(exc) from None
+        finally:
+            self.abort_unfinished(streams)
+        return finals  # type: ignore[return-value]

@@ -1,0 +1,105 @@
+"""`POST /v1/chat/completions`: messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedllm.engine.async_llm_engine import RequestStream
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing, clamp_logprob, finish_events, ranked_at_end, usage
+from pagedllm.entrypoints.openai.streaming import DeltaTracker, EventStreamResponse, run_until_disconnect, sse
+from pagedllm.outputs import Logprob, PositionLogprobs
+from pagedllm.sampling_params import SamplingParams
+
+
+def _token_entry(logprob: Logprob) -> dict:
+    token = logprob.decoded_token or ""
+    return {"token": token, "logprob": clamp_logprob(logprob.logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[PositionLogprobs], num_top: int) -> dict:
+    """OpenAI's chat logprobs: `{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`, the
+    top list holding the `num_top` most likely tokens, best first."""
+    content = []
+    for token_id, position in zip(token_ids, logprobs):
+        chosen = position.get(token_id) or Logprob(float("-inf"))
+        top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= num_top), key=lambda lp: lp.rank)
+        content.append({**_token_entry(chosen), "top_logprobs": [_token_entry(lp) for lp in top]})
+    return {"content": content}
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        model = self.check_model(request.model)
+        request.check_supported()
+        params = request.to_sampling_params(request.max_output_tokens, request.num_logprobs, "messages")
+        prompt_ids = self.chat_prompt(request.messages, request.add_generation_prompt)
+        self.check_length(prompt_ids, params, "messages")
+        request_id = self.new_id("chatcmpl")
+        streams = await self.submit(request_id, [prompt_ids], params, "messages")
+        if request.stream:
+            events = finish_events(self._stream(request, params, model, request_id, streams[0]))
+            return EventStreamResponse(events, on_close=lambda: self.abort_unfinished(streams))
+        return await run_until_disconnect(raw_request, self._full(request, model, request_id, streams))
+
+    async def _full(
+        self, request: ChatCompletionRequest, model: str, request_id: str, streams: list[RequestStream]
+    ) -> Response:
+        (output,) = await self.final_outputs(streams)
+        choices = [
+            {
+                "index": position,
+                "message": {"role": "assistant", "content": choice.text},
+                "logprobs": (
+                    chat_logprobs(choice.token_ids, choice.logprobs or [], request.num_logprobs)
+                    if request.logprobs
+                    else None
+                ),
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+            }
+            for position, choice in enumerate(output.outputs)
+        ]
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": self.created(),
+            "model": model,
+            "choices": choices,
+            "usage": usage([output]),
+        }
+        return JSONResponse(body)
+
+    async def _stream(
+        self, request: ChatCompletionRequest, params: SamplingParams, model: str, request_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        created = self.created()
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        output = None
+
+        def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None, stop=None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
+            body = {**head, "choices": [choice]}
+            if request.include_usage:
+                body["usage"] = usage([output]) if request.continuous_usage and output is not None else None
+            return sse(body)
+
+        # Each choice opens with its role, as OpenAI's stream does.
+        for index in range(params.n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        tracker = DeltaTracker(params)
+        final_only = ranked_at_end(params)
+        async for output in stream:
+            if final_only and not output.finished:
+                continue
+            for delta in tracker.deltas(output):
+                logprobs = None
+                if request.logprobs:
+                    logprobs = chat_logprobs(delta.token_ids, delta.logprobs or [], request.num_logprobs)
+                content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+                yield chunk(delta.position, content, logprobs, delta.finish_reason, delta.stop_reason)
+        if request.include_usage and output is not None:
+            yield sse({**head, "choices": [], "usage": usage([output])})
