@@ -35,6 +35,7 @@ class CacheConfig:
     num_gpu_blocks: int | None = None  # force the number of device blocks (overrides the budget)
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks, per worker
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16" halves a float32 model's cache
     # Share KV blocks between the sequences of one request (parallel samples, beams), with
     # copy-on-write. Turning it off (every sequence gets its own copy) exists to measure it.
     enable_block_sharing: bool = True
@@ -86,6 +87,7 @@ class EngineArgs:
     num_gpu_blocks: int | None = None
     swap_space: float = 4.0
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     enable_block_sharing: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -124,6 +126,7 @@ class EngineArgs:
                 num_gpu_blocks=self.num_gpu_blocks,
                 swap_space=self.swap_space,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
                 enable_block_sharing=self.enable_block_sharing,
             ),
             scheduler=SchedulerConfig(
@@ -157,6 +160,8 @@ class EngineArgs:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}.")
         if self.swap_space < 0:

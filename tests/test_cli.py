@@ -49,16 +49,17 @@ def test_datasets_have_the_paper_means_and_are_reproducible():
 def test_bench_throughput_writes_table_and_json(tiny_llama, tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = main(
-        ["bench", "throughput", str(tiny_llama), "--num-prompts", "6", "--backend", "pagedllm", "hf",
+        ["bench", "throughput", str(tiny_llama), "--num-prompts", "6", "--backend", "pagedllm", "hf", "hf-cb",
          "--max-model-len", "256", "--output-json", str(out)]
     )
     assert code == 0
     table = capsys.readouterr().out
-    assert "output_tok_per_s" in table and "x_vs_hf" in table
+    assert "output_tok_per_s" in table and "x_vs_hf" in table and "x_vs_hf-cb" in table
     payload = json.loads(out.read_text())
     rows = {r["backend"]: r for r in payload["results"]}
     requests = sample_requests("sharegpt", 6, 256, 49152)
-    assert rows["pagedllm"]["output_tokens"] == rows["hf"]["output_tokens"] == sum(r.output_len for r in requests)
+    expected_tokens = sum(r.output_len for r in requests)
+    assert rows["pagedllm"]["output_tokens"] == rows["hf"]["output_tokens"] == rows["hf-cb"]["output_tokens"] == expected_tokens
     assert rows["pagedllm"]["requests"] == 6 and rows["pagedllm"]["output_tok_per_s"] > 0
 
 
@@ -96,3 +97,20 @@ def test_bench_preemption_runs_each_mode_and_block_size(tiny_llama, tmp_path, ca
             assert row["blocks_swapped"] == 0 and row["recomputed_tokens"] > 0
         if row["mode"] == "swap":
             assert row["blocks_swapped"] > 0 and row["swap_preemptions"] > 0
+
+
+def test_bench_kernel_latency_and_dtype_write_results(tiny_llama, tmp_path):
+    kernel_json, latency_json, dtype_json = tmp_path / "k.json", tmp_path / "l.json", tmp_path / "d.json"
+    assert main(["bench", "kernel", "--contexts", "64", "300", "--batches", "1", "4", "--repeats", "1",
+                 "--output-json", str(kernel_json)]) == 0
+    rows = json.loads(kernel_json.read_text())["results"]
+    assert [(r["context"], r["batch"]) for r in rows] == [(64, 1), (64, 4), (300, 1), (300, 4)]
+    assert all(r["paged_ms"] > 0 and r["sdpa_ms"] > 0 and r["reference_ms"] > 0 for r in rows)
+    assert main(["bench", "latency", str(tiny_llama), "--max-model-len", "256", "--input-len", "20", "--output-len", "8",
+                 "--num-iters", "2", "--output-json", str(latency_json)]) == 0
+    rows = json.loads(latency_json.read_text())["results"]
+    assert len(rows) == 2 and all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["roofline_pct"] > 0 for r in rows)
+    assert main(["bench", "dtype", str(tiny_llama), "--max-model-len", "256", "--num-tokens", "4",
+                 "--output-json", str(dtype_json)]) == 0
+    rows = {r["dtype"]: r for r in json.loads(dtype_json.read_text())["results"]["rows"]}
+    assert rows["float32"]["agree_pct"] == 100 and 0 <= rows["bfloat16"]["agree_pct"] <= 100

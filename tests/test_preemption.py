@@ -32,13 +32,16 @@ def test_swapped_blocks_come_back_with_the_same_bytes():
 
 
 def _workload():
+    """Greedy, seeded and parallel-sampling and beam requests. Recomputation changes logits in
+    their last bits, so a draw from the near-flat distribution of a random model could land on
+    the other side of a boundary; the sampled requests use top-k, as real sampling does."""
     prompts = random_prompts(10, [10, 23, 37, 16, 31, 8], seed=40)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=24, ignore_eos=True)
     params = [greedy] * 6 + [
         seeded,
-        SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=24, ignore_eos=True),
-        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=4, max_tokens=24, ignore_eos=True),
+        SamplingParams(n=3, temperature=1.0, top_k=20, seed=5, max_tokens=20, ignore_eos=True),
         SamplingParams(n=3, best_of=3, use_beam_search=True, temperature=0, max_tokens=20, ignore_eos=True),
     ]
     return prompts, params

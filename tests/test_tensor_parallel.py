@@ -43,7 +43,8 @@ def test_tensor_parallel_matches_one_worker(tiny_llama, tiny_reference, tp, kv_h
     try:
         _compare(reference, llm.generate(prompts, PARAMS, use_tqdm=False))
         shapes = llm.engine.executor.collective_rpc("kv_cache_shape")
-        assert shapes == [(64, 16, kv_heads_per_rank, 16)] * tp  # same blocks, own heads only
+        expected = llm.engine.executor.worker.backend.kv_cache_shape(64, 16, kv_heads_per_rank, 16)
+        assert shapes == [expected] * tp  # the same blocks on every rank, each with its own heads only
         assert llm.engine.get_stats().num_free_blocks == 64
     finally:
         llm.engine.shutdown()
@@ -106,6 +107,7 @@ def test_tensor_parallel_three_on_the_default_model(smollm_llm):
     try:
         _compare(reference, llm.generate(prompts, PARAMS, use_tqdm=False))
         shapes = llm.engine.executor.collective_rpc("kv_cache_shape")
-        assert all(shape[2] == 1 for shape in shapes)  # 3 KV heads over 3 ranks
+        expected = llm.engine.executor.worker.backend.kv_cache_shape(shapes[0][0], 16, 1, 64)
+        assert shapes == [expected] * 3  # 3 KV heads over 3 ranks: one each
     finally:
         llm.engine.shutdown()

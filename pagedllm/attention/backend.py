@@ -8,6 +8,7 @@ block pools (`write_kv`) and computes attention by reading the pools through blo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +30,8 @@ class AttentionMetadata:
     block_size: int
     # Sequences are ordered decodes first: the first `num_decodes` have exactly one query token.
     num_decodes: int = 0
+    # Whatever a backend derives from this metadata once per step and reuses in every layer.
+    backend_plan: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -44,6 +47,7 @@ class AttentionBackend:
     [num_tokens, num_kv_heads, head_dim]; output [num_tokens, num_heads, head_dim]."""
 
     name = "abstract"
+    block_dim = 0  # the dimension of the pool tensors that indexes blocks (for copies and swaps)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         raise NotImplementedError
@@ -74,14 +78,26 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-ATTENTION_BACKENDS = ("reference",)
+ATTENTION_BACKENDS = ("reference", "cpu")
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """`auto` picks the fast CPU kernel on a CPU (float32 and bfloat16, when it builds), else the
+    reference backend."""
     if name == "auto":
-        name = "reference"
+        from pagedllm.attention import cpu_kernels
+        from pagedllm.attention.cpu import supports
+
+        fast = device.type == "cpu" and supports(dtype, cache_dtype or dtype) and cpu_kernels.available()
+        name = "cpu" if fast else "reference"
     if name == "reference":
         from pagedllm.attention.reference import ReferenceAttentionBackend
 
         return ReferenceAttentionBackend()
+    if name == "cpu":
+        from pagedllm.attention.cpu import CPUAttentionBackend
+
+        return CPUAttentionBackend()
     raise ValueError(f"Unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}.")

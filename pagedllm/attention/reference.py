@@ -19,8 +19,8 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
         num_kv_heads, head_dim = key_cache.shape[-2:]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
         num_heads = query.shape[1]

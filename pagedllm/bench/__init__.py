@@ -6,11 +6,14 @@ import argparse
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.bench import preemption, serve, sharing, throughput
+    from pagedllm.bench import dtype, kernel, latency, preemption, serve, sharing, throughput
 
     parser = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = parser.add_subparsers(dest="bench", required=True)
     throughput.register(bench_sub)
     sharing.register(bench_sub)
     preemption.register(bench_sub)
+    kernel.register(bench_sub)
+    latency.register(bench_sub)
+    dtype.register(bench_sub)
     serve.register(bench_sub)

@@ -5,6 +5,8 @@ Backends:
 - `pagedllm`: this engine (all requests submitted at once, continuous batching).
 - `hf`: `transformers` `generate` with static batches (the classic baseline): each batch runs
   until its longest request is done; only each request's own tokens count as output.
+- `hf-cb`: `transformers`' own paged continuous batching (`ContinuousBatchingManager`, what
+  `generate_batch` runs), each request with its own length: the closest peer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pagedllm.bench.datasets import BenchRequest, sample_requests
 from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 
-BACKENDS = ("pagedllm", "hf")
+BACKENDS = ("pagedllm", "hf", "hf-cb")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +54,7 @@ def run_pagedllm(engine, requests: list[BenchRequest], temperature: float) -> di
     return {
         "elapsed_s": elapsed,
         "output_tokens": num_output,
+        "scheduler_pct": 100 * stats.step_time.scheduler_share,
         "peak_kv_cache_usage": peak_usage,
         "mean_running_seqs": sum(batch_sizes) / max(1, len(batch_sizes)),
         "num_preemptions": stats.num_preemptions,
@@ -104,6 +107,36 @@ def run_hf_static(hf, requests: list[BenchRequest], batch_size: int, temperature
     return {"elapsed_s": time.perf_counter() - start, "output_tokens": num_output}
 
 
+def run_hf_continuous(hf, requests: list[BenchRequest], temperature: float) -> dict:
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max(r.output_len for r in requests),
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_k=None,
+        top_p=None,
+        eos_token_id=-1,  # like ignore_eos: every request generates exactly its length
+        pad_token_id=0,
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        manager = hf.init_continuous_batching(generation_config=config)
+        manager.start()
+        try:
+            for i, r in enumerate(requests):
+                manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.output_len, eos_token_id=-1)
+            lengths: dict[str, int] = {}
+            while len(lengths) < len(requests):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    lengths[result.request_id] = len(result.generated_tokens)
+        finally:
+            manager.stop(block=True)
+    return {"elapsed_s": time.perf_counter() - start, "output_tokens": sum(lengths.values())}
+
+
 def _summarise(backend: str, raw: dict, requests: list[BenchRequest]) -> dict:
     num_prompt = sum(len(r.prompt_token_ids) for r in requests)
     elapsed = raw["elapsed_s"]
@@ -143,18 +176,21 @@ def run(args: argparse.Namespace) -> int:
             raw = run_pagedllm(engine, requests, args.temperature)
         else:
             hf = hf or load_hf_model(engine_args.model, engine_args.dtype)
-            raw = run_hf_static(hf, requests, args.hf_batch_size, args.temperature, pad_id=0)
+            if backend == "hf":
+                raw = run_hf_static(hf, requests, args.hf_batch_size, args.temperature, pad_id=0)
+            else:
+                raw = run_hf_continuous(hf, requests, args.temperature)
         rows.append(_summarise(backend, raw, requests))
         print(f"{backend}: {rows[-1]['output_tok_per_s']:.1f} output tok/s", flush=True)
     if engine is not None:
         engine.shutdown()
     base = {r["backend"]: r["output_tok_per_s"] for r in rows}
     for row in rows:
-        for other in ("hf",):
+        for other in ("hf", "hf-cb"):
             if other in base and row["backend"] != other:
                 row[f"x_vs_{other}"] = row["output_tok_per_s"] / base[other]
     columns = ["backend", "requests", "elapsed_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
-    columns += [c for c in ("peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", "x_vs_hf") if any(c in r for r in rows)]
+    columns += [c for c in ("scheduler_pct", "peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", "x_vs_hf", "x_vs_hf-cb") if any(c in r for r in rows)]
     print(format_table(rows, columns))
     config = {k: v for k, v in vars(args).items() if k != "func"}
     path = write_json(args.output_json, "throughput", config, rows)

@@ -43,8 +43,11 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def set_cpu_threads(tensor_parallel_size: int) -> None:
-    """Split the cores between the ranks of one machine, unless the user chose (OMP_NUM_THREADS)."""
+def set_cpu_threads(tensor_parallel_size: int) -> int:
+    """Split the cores between the ranks of one machine, unless the user chose (OMP_NUM_THREADS).
+    Returns the previous thread count, to restore when the group ends."""
+    previous = torch.get_num_threads()
     if "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", tensor_parallel_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    return previous

@@ -17,7 +17,7 @@ from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core import BlockManager, Scheduler, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.stats import EngineStats, StepTime
 from pagedllm.executor import Executor, WorkerDiedError, create_executor
 from pagedllm.model import get_tokenizer, load_arch_config, resolve_model
 from pagedllm.model.tokenizer import eos_token_ids
@@ -86,6 +86,7 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_computed_tokens_total = 0
         self.dead: str | None = None  # why the engine can no longer run (a worker died)
+        self.step_time = StepTime()
         self.num_steps = 0
 
     @classmethod
@@ -222,20 +223,26 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of every request that progressed or ended."""
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         outputs = [self._make_output(g) for g in self._take_failed()]
         if not scheduled.has_model_work and not scheduled.has_cache_work and not scheduled.finished_request_ids:
             return outputs
+        scheduled_at = time.perf_counter()
         try:
             result = self.executor.execute(scheduled) or ModelRunnerOutput()
         except WorkerDiedError as exc:
             return outputs + self._fail_everything(str(exc))
+        executed_at = time.perf_counter()
         self.num_steps += 1
         now = time.monotonic()
         self.scheduler.on_step_computed(scheduled, self._seqs)
         self.num_computed_tokens_total += scheduled.num_batched_tokens
+        committed_at = time.perf_counter()
         touched = self.outputs.process(scheduled, result, self._groups, self._seqs)
+        processed_at = time.perf_counter()
         self.scheduler.release_finished()
+        released_at = time.perf_counter()
         for group in touched:
             metrics = group.metrics
             if metrics.first_scheduled_time is None:
@@ -248,6 +255,9 @@ class LLMEngine:
             outputs.append(self._make_output(group))
             if group.is_finished:
                 self._drop(group)
+        self.step_time.scheduler += (scheduled_at - start) + (committed_at - executed_at) + (released_at - processed_at)
+        self.step_time.model += executed_at - scheduled_at
+        self.step_time.outputs += (processed_at - committed_at) + (time.perf_counter() - released_at)
         return outputs
 
     def _fail_everything(self, reason: str) -> list[RequestOutput]:
@@ -356,6 +366,7 @@ class LLMEngine:
             num_generation_tokens=self.outputs.num_generated_tokens,
             num_computed_tokens=self.num_computed_tokens_total,
             num_steps=self.num_steps,
+            step_time=StepTime(**vars(self.step_time)),
         )
 
     def shutdown(self) -> None:

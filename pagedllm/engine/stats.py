@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepTime:
+    """Seconds spent, over all steps, in each part of `LLMEngine.step`."""
+
+    scheduler: float = 0.0  # scheduling and block management (core)
+    model: float = 0.0  # the executor: cache copies, model, sampling
+    outputs: float = 0.0  # appending tokens, detokenizing, stop checks, building outputs
+
+    @property
+    def scheduler_share(self) -> float:
+        total = self.scheduler + self.model + self.outputs
+        return self.scheduler / total if total else 0.0
 
 
 @dataclass
@@ -28,6 +42,7 @@ class EngineStats:
     num_generation_tokens: int  # tokens generated
     num_computed_tokens: int  # tokens run through the model (prefills, recomputation, decodes)
     num_steps: int
+    step_time: StepTime = field(default_factory=StepTime)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -19,6 +19,7 @@ _HELP = {
     "num_gpu_blocks": "force the number of KV blocks (overrides --kv-cache-memory)",
     "swap_space": "GiB of CPU memory for swapped-out blocks",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "kv_cache_dtype": "dtype of the KV cache; auto = the model's (bfloat16 halves a float32 model's cache)",
     "enable_block_sharing": "share KV blocks between a request's samples and beams (off only to measure it)",
     "max_num_seqs": "most sequences running at once",
     "max_num_batched_tokens": "most tokens computed in one step",
@@ -27,7 +28,7 @@ _HELP = {
     "distributed_init_method": "torch.distributed init method (env:// under torchrun)",
     "disable_log_stats": "do not log periodic engine stats",
 }
-_CHOICES = {"dtype": DTYPES, "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda")}
+_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda")}
 
 
 def parse_bytes(text: str) -> int:

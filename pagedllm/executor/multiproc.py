@@ -89,12 +89,12 @@ class MultiprocExecutor(Executor):
                 )
                 proc.start()
                 self._processes.append(proc)
-        set_cpu_threads(tp_size)
+        previous_threads = set_cpu_threads(tp_size)
         self.group = init_tensor_parallel(0, tp_size, init_method, resolve_device(config.model.device))
         self.worker = Worker(config, max_model_len, self.group)
         self.block_bytes = self.worker.block_bytes
         logger.info("Tensor parallelism: %d ranks, driver is rank 0", tp_size)
-        self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.group, self._processes)
+        self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.group, self._processes, previous_threads)
 
     # --- remote calls ---------------------------------------------------------------------------
 
@@ -135,9 +135,11 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
     @staticmethod
-    def _stop(group, processes: list[multiprocessing.Process]) -> None:
+    def _stop(group, processes: list[multiprocessing.Process], threads: int) -> None:
+        import torch
         import torch.distributed as dist
 
+        torch.set_num_threads(threads)
         if all(p.is_alive() for p in processes):
             try:
                 group.broadcast_object((_SHUTDOWN, (), False))

@@ -38,11 +38,12 @@ class RMSNorm(nn.Module):
         self.weight = _new_param(size, dtype=dtype, loader=default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, as the reference implementation does.
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Reduced precision: normalise in float32, round, then scale (as transformers does).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 class ColumnParallelLinear(nn.Module):

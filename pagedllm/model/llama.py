@@ -44,8 +44,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.rotary(positions, qkv[:, : q_size + kv_size])  # queries and keys, in place
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, metadata))
 
 

@@ -45,17 +45,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [num_tokens]; q: [num_tokens, num_heads * head_dim]; k: [num_tokens, num_kv_heads * head_dim]
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> None:
+        """Rotate, in place, the query and key heads at the front of each row of `qk`.
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_dim)
+        positions: [num_tokens]; qk: [num_tokens, (num_heads + num_kv_heads) * head_dim], possibly
+        a strided view into the fused q/k/v projection's output.
+        """
+        num_tokens = qk.shape[0]
+        x = qk.view(num_tokens, -1, self.head_dim)  # [num_tokens, heads, head_dim]
         half = self.head_dim // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x * cos + rotated * sin).view(shape)
+        cos = self.cos[positions, :half].unsqueeze(1)  # [num_tokens, 1, half]
+        sin = self.sin[positions, :half].unsqueeze(1)
+        x1, x2 = x[..., :half], x[..., half:]
+        rotated_1 = x1 * cos - x2 * sin
+        x2.mul_(cos).addcmul_(x1, sin)
+        x1.copy_(rotated_1)

@@ -4,9 +4,10 @@ Order of operations for each row: min_tokens suppression, penalties (repetition,
 presence), then greedy argmax, or temperature, top-k, top-p and min-p followed by a random draw.
 Beam rows return their best candidate continuations for the engine to choose from.
 
-Random draws use the exponential-race form of sampling (argmax of p / q with q ~ Exp(1)), with
-the noise of a seeded request drawn from its own generator, one per (request, sample index), so
-a seeded request produces the same tokens whatever else shares its batch.
+Random draws invert each row's cumulative distribution at a uniform number (a cumsum and a
+binary search: much faster than `torch.multinomial` over a large vocabulary on a CPU). A seeded
+request draws its number from its own generator, one per (request, sample index), so it
+produces the same tokens whatever else shares its batch.
 Reported log-probabilities are those of the raw model distribution.
 """
 
@@ -92,15 +93,16 @@ class Sampler:
             top_p=[p.top_p for p in params],
             min_p=[p.min_p for p in params],
         )
-        probs = torch.softmax(rows, dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [j for j, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self._global)
+        cdf = torch.softmax(rows, dim=-1).cumsum_(dim=-1)  # [rows, vocab]
+        uniform = torch.rand(len(random_rows), 1, generator=self._global)
         for j, p in enumerate(params):
             if p.seed is not None:
-                noise[j].exponential_(generator=self._generator(items[random_rows[j]], sample_index[random_rows[j]]))
-        chosen[random_rows] = (probs / noise).argmax(dim=-1)
+                gen = self._generator(items[random_rows[j]], sample_index[random_rows[j]])
+                uniform[j] = torch.rand(1, generator=gen)
+        # The first token whose cumulative probability exceeds u: tokens of zero probability
+        # (masked by the filters) have empty intervals and are never drawn.
+        drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+        chosen[random_rows] = drawn.clamp_(max=cdf.shape[1] - 1)
         return chosen
 
     @staticmethod

@@ -36,6 +36,7 @@ class CacheEngine:
         device: torch.device,
     ) -> None:
         self.block_size = block_size
+        self.block_dim = backend.block_dim
         self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = num_cpu_blocks
         shape = backend.kv_cache_shape(num_device_blocks, block_size, num_kv_heads, head_dim)
@@ -48,16 +49,16 @@ class CacheEngine:
         self.cpu_key_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.cpu_value_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
 
-    @staticmethod
-    def _copy_blocks(src_pools, dst_pools, mapping: list[tuple[int, int]]) -> None:
+    def _copy_blocks(self, src_pools, dst_pools, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
             return
         device = dst_pools[0].device
         src_ids = torch.tensor([s for s, _ in mapping], dtype=torch.long, device=src_pools[0].device)
         dst_ids = torch.tensor([d for _, d in mapping], dtype=torch.long, device=device)
+        dim = self.block_dim
         for src, dst in zip(src_pools, dst_pools):
             # Gather first: a block may be a source and, elsewhere in the list, a destination.
-            dst.index_copy_(0, dst_ids, src.index_select(0, src_ids).to(device, non_blocking=True))
+            dst.index_copy_(dim, dst_ids, src.index_select(dim, src_ids).to(device, non_blocking=True))
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks: (device block, cpu block) pairs."""

@@ -53,7 +53,9 @@ class Worker:
             torch.cuda.set_device(tp.rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        self.backend = get_attention_backend(config.model.attention_backend, self.device)
+        cache_dtype = config.cache.kv_cache_dtype
+        self.cache_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype, self.device)
+        self.backend = get_attention_backend(config.model.attention_backend, self.device, self.dtype, self.cache_dtype)
         torch.manual_seed(config.model.seed)
         source = resolve_model(config.model.model)
         self.model = load_model(source, max_model_len, self.backend, self.dtype, self.device, tp)
@@ -62,7 +64,7 @@ class Worker:
         self.head_dim = arch.head_dim
         self.num_layers = arch.num_layers
         self.block_bytes = bytes_per_block(
-            self.num_layers, config.cache.block_size, self.num_kv_heads, self.head_dim, self.dtype
+            self.num_layers, config.cache.block_size, self.num_kv_heads, self.head_dim, self.cache_dtype
         )
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
@@ -95,7 +97,7 @@ class Worker:
             self.config.cache.block_size,
             num_device_blocks,
             num_cpu_blocks,
-            self.dtype,
+            self.cache_dtype,
             self.device,
         )
         self.model.bind_kv_cache(self.cache_engine.key_caches, self.cache_engine.value_caches)

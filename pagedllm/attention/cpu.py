@@ -1,0 +1,133 @@
+"""The fast CPU PagedAttention backend.
+
+Decode tokens, and prompt tokens that extend a cached context (prefix-cache hits, chunked
+prefill), go through the C++ kernel, which reads keys and values in place through the block
+tables, parallel over sequences and KV heads, with grouped-query attention computed per KV head
+(no repeated heads). A prompt with no cached context attends only to its own fresh keys and
+values, so it uses torch's fused causal attention on them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention import cpu_kernels
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+
+# Prompt tokens handled by one work item of the kernel: its keys and values are read once for
+# all of them.
+TILE_TOKENS = 16
+
+# (compute dtype, KV cache dtype) -> the kernel's type suffix.
+_KERNELS = {
+    (torch.float32, torch.float32): "f32_f32",
+    (torch.bfloat16, torch.bfloat16): "bf16_bf16",
+    (torch.float32, torch.bfloat16): "f32_bf16",
+}
+
+
+def supports(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    return (dtype, cache_dtype) in _KERNELS
+
+
+@dataclass
+class _Plan:
+    """How one step's batch splits between the kernel and fused attention (built once per step,
+    shared by every layer)."""
+
+    item_seq: torch.Tensor  # int32 [num_items]
+    item_first_token: torch.Tensor  # int32 [num_items]
+    item_num_tokens: torch.Tensor  # int32 [num_items]
+    token_context: torch.Tensor  # int32 [num_tokens]: keys visible to each token
+    block_tables: torch.Tensor  # int32, contiguous
+    fresh_prompts: list[tuple[int, int]]  # (first token, length) of prompts without cached context
+
+
+def _plan(metadata: AttentionMetadata) -> _Plan:
+    query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
+    seq_lens = np.asarray(metadata.seq_lens_list, dtype=np.int64)
+    starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=starts[1:])
+    # Each token sees the context up to and including itself.
+    offsets = np.arange(int(starts[-1])) - np.repeat(starts[:-1], query_lens)
+    token_context = np.repeat(seq_lens - query_lens, query_lens) + offsets + 1
+    fresh = (query_lens > 1) & (seq_lens == query_lens)
+    # Decodes are one-token items; other non-fresh sequences are cut into tiles.
+    tiles = np.where(fresh, 0, -(-query_lens // TILE_TOKENS))
+    item_seq = np.repeat(np.arange(len(query_lens)), tiles)
+    tile_index = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    item_first = starts[item_seq] + tile_index * TILE_TOKENS
+    item_count = np.minimum(TILE_TOKENS, query_lens[item_seq] - tile_index * TILE_TOKENS)
+    return _Plan(
+        item_seq=torch.from_numpy(item_seq.astype(np.int32)),
+        item_first_token=torch.from_numpy(item_first.astype(np.int32)),
+        item_num_tokens=torch.from_numpy(item_count.astype(np.int32)),
+        token_context=torch.from_numpy(token_context.astype(np.int32)),
+        block_tables=metadata.block_tables.to(torch.int32).contiguous(),
+        fresh_prompts=[(int(starts[i]), int(query_lens[i])) for i in np.flatnonzero(fresh)],
+    )
+
+
+class CPUAttentionBackend(AttentionBackend):
+    """Pools are [num_blocks, num_kv_heads, block_size, head_dim]: a block's KV heads lie side by
+    side, so the kernel reads each block as one contiguous run, and a sequence whose blocks have
+    consecutive ids (as the free queue tends to hand them out) as one long stream."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.lib = cpu_kernels.load()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def _kernels(self, dtype: torch.dtype, cache_dtype: torch.dtype):
+        types = _KERNELS.get((dtype, cache_dtype))
+        if types is None:
+            raise ValueError(
+                f"The cpu attention backend supports float32 and bfloat16 (and a bfloat16 cache for a float32 "
+                f"model), not {dtype} with a {cache_dtype} cache; use the reference backend."
+            )
+        return getattr(self.lib, f"paged_attention_{types}"), getattr(self.lib, f"write_kv_{types}")
+
+    def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
+        _, write = self._kernels(key.dtype, key_cache.dtype)
+        key, value = key.contiguous(), value.contiguous()
+        _, num_kv_heads, block_size, head_dim = key_cache.shape
+        slots = metadata.slot_mapping
+        write(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+              key_cache.stride(0), key_cache.stride(1), slots.data_ptr(), slots.shape[0], num_kv_heads, head_dim, block_size)
+
+    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
+        plan = metadata.backend_plan
+        if plan is None:
+            plan = metadata.backend_plan = _plan(metadata)
+        attention, _ = self._kernels(query.dtype, key_cache.dtype)
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        num_heads = query.shape[1]
+        _, num_kv_heads, block_size, head_dim = key_cache.shape
+        num_items = plan.item_seq.shape[0]
+        if num_items:
+            attention(
+                out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                key_cache.stride(0), key_cache.stride(1), plan.block_tables.data_ptr(), plan.block_tables.shape[1],
+                plan.item_seq.data_ptr(), plan.item_first_token.data_ptr(), plan.item_num_tokens.data_ptr(), num_items,
+                plan.token_context.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
+                torch.get_num_threads(),
+            )
+        if plan.fresh_prompts and key_cache.dtype != key.dtype:
+            # Use the keys and values as the cache holds them, as later steps will see them.
+            key, value = key.to(key_cache.dtype).to(key.dtype), value.to(key_cache.dtype).to(value.dtype)
+        for first, length in plan.fresh_prompts:
+            # q: [1, heads, length, head_dim]; k, v: [1, kv_heads, length, head_dim]
+            q = query[first : first + length].transpose(0, 1).unsqueeze(0)
+            k = key[first : first + length].transpose(0, 1).unsqueeze(0)
+            v = value[first : first + length].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads)
+            out[first : first + length] = o.squeeze(0).transpose(0, 1)
+        return out

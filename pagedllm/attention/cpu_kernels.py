@@ -1,0 +1,106 @@
+"""Build and load the CPU PagedAttention kernel (csrc/paged_attention.cpp).
+
+It is plain C++ with OpenMP and no torch headers, compiled once per machine with the system
+compiler (about a second) into the pagedllm cache folder and loaded with ctypes. `make setup`
+builds it ahead; otherwise the first engine that needs it does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("pagedllm")
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# fast-math lets the compiler vectorise exp() (libmvec); finite-math stays off because the
+# softmax starts from -inf.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+
+_P = ctypes.c_void_p
+_I32P = ctypes.POINTER(ctypes.c_int32)
+_I64P = ctypes.POINTER(ctypes.c_int64)
+_ATTENTION_ARGS = [
+    _P, _P, _P, _P,  # out, query, key_cache, value_cache
+    ctypes.c_int64, ctypes.c_int64,  # block_stride, head_stride (elements)
+    _P, ctypes.c_int64,  # block_tables, block_table_stride
+    _P, _P, _P, ctypes.c_int,  # item_seq, item_first_token, item_num_tokens, num_items
+    _P,  # token_context
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # num_heads, num_kv_heads, head_dim, block_size
+    ctypes.c_float, ctypes.c_int,  # scale, num_threads
+]
+_WRITE_ARGS = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+
+
+def _machine_key() -> str:
+    """The compiled library depends on the source, the flags and this CPU (-march=native)."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(platform.machine().encode())
+    try:
+        with open("/proc/cpuinfo") as f:
+            digest.update(next((line for line in f if line.startswith("flags")), "").encode())
+    except OSError:
+        pass
+    return digest.hexdigest()[:16]
+
+
+def library_path() -> Path:
+    from pagedllm.model.tokenizer import cache_dir
+
+    return cache_dir() / "kernels" / f"paged_attention-{_machine_key()}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel library if it is not built yet; returns its path."""
+    path = library_path()
+    if path.is_file() and not force:
+        return path
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (install g++ or set CXX) to build the CPU attention kernel")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        staging = Path(tmp) / path.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(staging)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"building the CPU attention kernel failed:\n{result.stderr[-2000:]}")
+        os.replace(staging, path)
+    logger.info("Built the CPU PagedAttention kernel: %s", path)
+    return path
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    # torch is loaded first, so the library shares torch's OpenMP runtime (same soname).
+    import torch  # noqa: F401
+
+    lib = ctypes.CDLL(str(build()))
+    for types in ("f32_f32", "bf16_bf16", "f32_bf16"):
+        getattr(lib, f"paged_attention_{types}").argtypes = _ATTENTION_ARGS
+        getattr(lib, f"paged_attention_{types}").restype = None
+        getattr(lib, f"write_kv_{types}").argtypes = _WRITE_ARGS
+        getattr(lib, f"write_kv_{types}").restype = None
+    return lib
+
+
+def available() -> bool:
+    try:
+        load()
+        return True
+    except (RuntimeError, OSError) as exc:
+        logger.warning("The fast CPU attention backend is unavailable (%s); using the reference backend.", exc)
+        return False
+
+
+if __name__ == "__main__":  # `python -m pagedllm.attention.cpu_kernels`: build ahead of time
+    logging.basicConfig(level=logging.INFO)
+    print(build())

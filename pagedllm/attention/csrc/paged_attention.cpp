@@ -1,0 +1,322 @@
+// PagedAttention for CPUs: attention computed by walking each sequence's block table, reading
+// keys and values where they lie in the block pools (no gather into a contiguous copy).
+//
+// Pools hold one contiguous block_size x head_dim tile per (block, KV head); where the tiles
+// lie is given by two strides (elements between blocks and between heads), so the layout is the
+// backend's choice. Work is split into (tile of query tokens of one
+// sequence) x (KV head) items, spread over OpenMP threads. An item computes every query row
+// that shares its KV head (the heads of a grouped-query group, for each token of the tile)
+// against each key and value it reads, so keys and values are read once per item and never
+// repeated per head. Two passes over the context: scores (q . k), then the softmax-weighted sum
+// of values; the next block is prefetched while one is processed (blocks lie anywhere).
+//
+// Plain C++ with no torch headers (it compiles in about a second); called through ctypes with
+// raw pointers. Element types: float32, and bfloat16 stored as uint16 (math in float32). With
+// AVX2 and head_dim a multiple of 8 the inner loops use intrinsics, else portable loops.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGED_AVX2 1
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void from_float(float x, float* out) { *out = x; }
+inline void from_float(float x, uint16_t* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+
+// How many blocks ahead to prefetch: enough to hide memory latency for blocks of 16 tokens.
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2
+#endif
+constexpr int kPrefetchAhead = PREFETCH_AHEAD;
+
+// Prefetch a tile into L1 (`Locality` 3) or L2 (1).
+template <int Locality = 3, typename T>
+inline void prefetch_tile(const T* tile, int64_t elements) {
+  const char* p = reinterpret_cast<const char*>(tile);
+  const int64_t bytes = elements * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, Locality);
+}
+
+#ifdef PAGED_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+// The four horizontal sums of a, b, c, d, in one vector.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  __m256 abcd = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// scores[j] = scale * q . keys[j] for n keys of one tile (head_dim a multiple of 8).
+template <typename T>
+inline void score_keys(const float* q, const T* keys, int n, int head_dim, float scale, float* scores) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const T* k0 = keys + static_cast<int64_t>(j) * head_dim;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int d = 0; d < head_dim; d += 8) {
+      __m256 qd = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(qd, load8(k0 + d), a0);
+      a1 = _mm256_fmadd_ps(qd, load8(k0 + head_dim + d), a1);
+      a2 = _mm256_fmadd_ps(qd, load8(k0 + 2 * head_dim + d), a2);
+      a3 = _mm256_fmadd_ps(qd, load8(k0 + 3 * head_dim + d), a3);
+    }
+    _mm_storeu_ps(scores + j, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+  }
+  for (; j < n; ++j) {
+    const T* k = keys + static_cast<int64_t>(j) * head_dim;
+    __m256 a = _mm256_setzero_ps();
+    for (int d = 0; d < head_dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a);
+    scores[j] = hsum(a) * scale;
+  }
+}
+
+// acc += sum_j p[j] * values[j] for n values of one tile.
+template <typename T>
+inline void accumulate_values(const float* p, const T* values, int n, int head_dim, float* acc) {
+  for (int d0 = 0; d0 < head_dim; d0 += 32) {
+    const int width = head_dim - d0 < 32 ? head_dim - d0 : 32;  // a multiple of 8
+    __m256 r[4];
+    for (int c = 0; c < width / 8; ++c) r[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
+    for (int j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const T* v = values + static_cast<int64_t>(j) * head_dim + d0;
+      for (int c = 0; c < width / 8; ++c) r[c] = _mm256_fmadd_ps(pj, load8(v + 8 * c), r[c]);
+    }
+    for (int c = 0; c < width / 8; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, r[c]);
+  }
+}
+#endif
+
+template <typename T>
+inline void score_keys_portable(const float* q, const T* keys, int n, int head_dim, float scale, float* scores) {
+  for (int j = 0; j < n; ++j) {
+    const T* k = keys + static_cast<int64_t>(j) * head_dim;
+    float dot = 0.0f;
+    for (int d = 0; d < head_dim; ++d) dot += q[d] * to_float(k[d]);
+    scores[j] = dot * scale;
+  }
+}
+
+template <typename T>
+inline void accumulate_values_portable(const float* p, const T* values, int n, int head_dim, float* acc) {
+  for (int j = 0; j < n; ++j) {
+    const T* v = values + static_cast<int64_t>(j) * head_dim;
+    for (int d = 0; d < head_dim; ++d) acc[d] += p[j] * to_float(v[d]);
+  }
+}
+
+// Q: the type of queries and outputs; T: the type of the pools (the KV cache may be stored in
+// a narrower type than the model computes in).
+template <typename Q, typename T>
+void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
+               int64_t block_stride, int64_t head_stride,
+               const int32_t* block_tables, int64_t block_table_stride,
+               const int32_t* item_seq, const int32_t* item_first_token, const int32_t* item_num_tokens,
+               int num_items, const int32_t* token_context,
+               int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+               int num_threads) {
+  const int group = num_heads / num_kv_heads;
+  const int64_t tile_elements = static_cast<int64_t>(block_size) * head_dim;
+  // With enough items to keep every thread busy, an item takes all KV heads: the heads of a
+  // block lie side by side, so each block is one contiguous read. Otherwise items are split
+  // by head too, for parallelism.
+  const int heads_per_item = num_items >= 2 * num_threads ? num_kv_heads : 1;
+  const int head_groups = num_kv_heads / heads_per_item;
+  // Prefetch a block's tiles of this item's heads: one region when they are adjacent.
+  const bool adjacent_heads = head_stride == tile_elements;
+#ifdef PAGED_AVX2
+  const bool vector = head_dim % 8 == 0;
+#else
+  const bool vector = false;
+#endif
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> q, scores, acc, inv_sum;
+#pragma omp for schedule(dynamic, 1) collapse(2)
+    for (int item = 0; item < num_items; ++item) {
+      for (int head_group = 0; head_group < head_groups; ++head_group) {
+        const int first_head = head_group * heads_per_item;
+        const int first = item_first_token[item];
+        const int count = item_num_tokens[item];
+        const int rows_per_head = count * group;  // the group's query heads for each token of the tile
+        const int rows = rows_per_head * heads_per_item;
+        int context = 0;  // keys seen by the tile's last token (the most)
+        for (int t = 0; t < count; ++t) context = context > token_context[first + t] ? context : token_context[first + t];
+        const int32_t* table = block_tables + item_seq[item] * block_table_stride;
+        const int num_blocks = (context + block_size - 1) / block_size;
+        auto tile = [&](const T* pool, int b, int h) { return pool + table[b] * block_stride + h * head_stride; };
+        auto prefetch = [&](const T* pool, int b, auto locality) {
+          constexpr int L = decltype(locality)::value;
+          if (adjacent_heads) {
+            prefetch_tile<L>(tile(pool, b, first_head), tile_elements * heads_per_item);
+          } else {
+            for (int h = 0; h < heads_per_item; ++h) prefetch_tile<L>(tile(pool, b, first_head + h), tile_elements);
+          }
+        };
+        using ToL1 = std::integral_constant<int, 3>;
+        using ToL2 = std::integral_constant<int, 1>;
+
+        // Query rows in (head, token, head of the group) order, as float32.
+        q.resize(static_cast<size_t>(rows) * head_dim);
+        scores.resize(static_cast<size_t>(rows) * context);
+        acc.assign(static_cast<size_t>(rows) * head_dim, 0.0f);
+        inv_sum.resize(rows);
+        for (int h = 0; h < heads_per_item; ++h)
+          for (int t = 0; t < count; ++t)
+            for (int g = 0; g < group; ++g) {
+              const Q* src = query + (static_cast<int64_t>(first + t) * num_heads + (first_head + h) * group + g) * head_dim;
+              float* dst = q.data() + static_cast<size_t>((h * count + t) * group + g) * head_dim;
+              for (int d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]);
+            }
+
+        // Pass 1: scores of every query row against every key, block by block; the values are
+        // brought toward L2 meanwhile, so the second pass does not wait on memory.
+        for (int b = 1; b < num_blocks && b < kPrefetchAhead; ++b) prefetch(key_cache, b, ToL1{});
+        for (int b = 0; b < num_blocks; ++b) {
+          if (b + kPrefetchAhead < num_blocks) prefetch(key_cache, b + kPrefetchAhead, ToL1{});
+          prefetch(value_cache, b, ToL2{});
+          const int n = context - b * block_size < block_size ? context - b * block_size : block_size;
+          for (int r = 0; r < rows; ++r) {
+            const T* keys = tile(key_cache, b, first_head + r / rows_per_head);
+            float* s = scores.data() + static_cast<size_t>(r) * context + b * block_size;
+            const float* qr = q.data() + static_cast<size_t>(r) * head_dim;
+#ifdef PAGED_AVX2
+            if (vector) { score_keys(qr, keys, n, head_dim, scale, s); continue; }
+#endif
+            score_keys_portable(qr, keys, n, head_dim, scale, s);
+          }
+        }
+        // Softmax of each row over the keys it may see (causal: token t sees token_context[t]).
+        for (int r = 0; r < rows; ++r) {
+          const int visible = token_context[first + (r % rows_per_head) / group];
+          float* s = scores.data() + static_cast<size_t>(r) * context;
+          float max = -INFINITY;
+          for (int pos = 0; pos < visible; ++pos) max = s[pos] > max ? s[pos] : max;
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int pos = 0; pos < visible; ++pos) {
+            s[pos] = std::exp(s[pos] - max);
+            sum += s[pos];
+          }
+          for (int pos = visible; pos < context; ++pos) s[pos] = 0.0f;
+          inv_sum[r] = 1.0f / sum;
+        }
+        // Pass 2: the weighted sum of values.
+        for (int b = 0; b < num_blocks; ++b) {
+          if (b + kPrefetchAhead < num_blocks) prefetch(value_cache, b + kPrefetchAhead, ToL1{});
+          const int n = context - b * block_size < block_size ? context - b * block_size : block_size;
+          for (int r = 0; r < rows; ++r) {
+            const T* values = tile(value_cache, b, first_head + r / rows_per_head);
+            const float* p = scores.data() + static_cast<size_t>(r) * context + b * block_size;
+            float* a = acc.data() + static_cast<size_t>(r) * head_dim;
+#ifdef PAGED_AVX2
+            if (vector) { accumulate_values(p, values, n, head_dim, a); continue; }
+#endif
+            accumulate_values_portable(p, values, n, head_dim, a);
+          }
+        }
+        for (int h = 0; h < heads_per_item; ++h)
+          for (int t = 0; t < count; ++t)
+            for (int g = 0; g < group; ++g) {
+              const int r = (h * count + t) * group + g;
+              Q* o = out + (static_cast<int64_t>(first + t) * num_heads + (first_head + h) * group + g) * head_dim;
+              for (int d = 0; d < head_dim; ++d) from_float(acc[static_cast<size_t>(r) * head_dim + d] * inv_sum[r], o + d);
+            }
+      }
+    }
+  }
+}
+
+template <typename S, typename T>
+inline void store_row(const S* src, T* dst, int n) {
+  if constexpr (std::is_same_v<S, T>) {
+    std::memcpy(dst, src, sizeof(T) * n);
+  } else {
+    for (int i = 0; i < n; ++i) from_float(to_float(src[i]), dst + i);
+  }
+}
+
+// S: the type of the new keys and values; T: the type of the pools.
+template <typename S, typename T>
+void write_kv(const S* key, const S* value, T* key_cache, T* value_cache, int64_t block_stride, int64_t head_stride,
+              const int64_t* slot_mapping, int num_tokens, int num_kv_heads, int head_dim, int block_size) {
+  for (int t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slot_mapping[t];
+    const int64_t base = (slot / block_size) * block_stride + (slot % block_size) * head_dim;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      const int64_t src = (static_cast<int64_t>(t) * num_kv_heads + h) * head_dim;
+      store_row(key + src, key_cache + base + h * head_stride, head_dim);
+      store_row(value + src, value_cache + base + h * head_stride, head_dim);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Entry points, named by (compute type)_(cache type): f32_f32, bf16_bf16, and f32_bf16 for a
+// float32 model with a bfloat16 KV cache.
+#define PAGED_ATTENTION_ENTRY(NAME, Q, T)                                                           \
+  void NAME(void* out, const void* query, const void* key_cache, const void* value_cache,          \
+            int64_t block_stride, int64_t head_stride, const int32_t* block_tables,                \
+            int64_t block_table_stride, const int32_t* item_seq, const int32_t* item_first_token,  \
+            const int32_t* item_num_tokens, int num_items, const int32_t* token_context,           \
+            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,            \
+            int num_threads) {                                                                     \
+    attention<Q, T>(static_cast<Q*>(out), static_cast<const Q*>(query),                            \
+                    static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),          \
+                    block_stride, head_stride, block_tables, block_table_stride, item_seq,         \
+                    item_first_token, item_num_tokens, num_items, token_context, num_heads,        \
+                    num_kv_heads, head_dim, block_size, scale, num_threads);                       \
+  }
+
+PAGED_ATTENTION_ENTRY(paged_attention_f32_f32, float, float)
+PAGED_ATTENTION_ENTRY(paged_attention_bf16_bf16, uint16_t, uint16_t)
+PAGED_ATTENTION_ENTRY(paged_attention_f32_bf16, float, uint16_t)
+
+#define WRITE_KV_ENTRY(NAME, S, T)                                                                  \
+  void NAME(const void* key, const void* value, void* key_cache, void* value_cache,                \
+            int64_t block_stride, int64_t head_stride, const int64_t* slot_mapping,                \
+            int num_tokens, int num_kv_heads, int head_dim, int block_size) {                      \
+    write_kv<S, T>(static_cast<const S*>(key), static_cast<const S*>(value),                       \
+                   static_cast<T*>(key_cache), static_cast<T*>(value_cache), block_stride,         \
+                   head_stride, slot_mapping, num_tokens, num_kv_heads, head_dim, block_size);     \
+  }
+
+WRITE_KV_ENTRY(write_kv_f32_f32, float, float)
+WRITE_KV_ENTRY(write_kv_bf16_bf16, uint16_t, uint16_t)
+WRITE_KV_ENTRY(write_kv_f32_bf16, float, uint16_t)
+
+}  // extern "C"

@@ -1,0 +1,38 @@
+"""What this machine can do, measured in the same run as a benchmark: matrix-product FLOP/s
+(the compute ceiling of decoding) and memory-copy bandwidth (the ceiling of attention)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def best_time(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a size x size x size matrix product."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    return 2 * size**3 / best_time(lambda: torch.mm(a, b), repeats)
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second moved by a large copy, reads and writes both counted."""
+    src = torch.empty(megabytes << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / best_time(lambda: dst.copy_(src), repeats)
+
+
+def roofline_fraction(tokens_per_s: float, num_parameters: int, flops: float) -> float:
+    """Share of the arithmetic ceiling reached: each token costs 2 FLOPs per parameter."""
+    return tokens_per_s * 2 * num_parameters / flops
