@@ -82,7 +82,8 @@ def test_cpu_backend_matches_reference(block_size, group, dtype, cache_dtype):
         for backend in (ReferenceAttentionBackend(), CPUAttentionBackend()):
             kc, vc = _fill_context(backend, tables, metadata, keys, values, block_size, (700, block_size, num_kv_heads, head_dim), cache_dtype)
             results.append(backend.forward(query, keys[fresh], values[fresh], kc, vc, metadata, head_dim**-0.5))
-        atol = 1e-5 if dtype == torch.float32 else 2e-2
+        # bfloat16 outputs: one rounding of a float32 result (attention math is float32 throughout).
+        atol = 1e-5 if dtype == torch.float32 else 4e-3
         torch.testing.assert_close(results[1].float(), results[0].float(), atol=atol, rtol=0)
 
 

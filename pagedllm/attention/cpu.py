@@ -124,10 +124,11 @@ class CPUAttentionBackend(AttentionBackend):
             # Use the keys and values as the cache holds them, as later steps will see them.
             key, value = key.to(key_cache.dtype).to(key.dtype), value.to(key_cache.dtype).to(value.dtype)
         for first, length in plan.fresh_prompts:
-            # q: [1, heads, length, head_dim]; k, v: [1, kv_heads, length, head_dim]
-            q = query[first : first + length].transpose(0, 1).unsqueeze(0)
-            k = key[first : first + length].transpose(0, 1).unsqueeze(0)
-            v = value[first : first + length].transpose(0, 1).unsqueeze(0)
+            # q: [1, heads, length, head_dim]; k, v: [1, kv_heads, length, head_dim]. The math is in
+            # float32 whatever the model's dtype, as in the kernel: bfloat16 softmax sums drift.
+            q = query[first : first + length].transpose(0, 1).unsqueeze(0).float()
+            k = key[first : first + length].transpose(0, 1).unsqueeze(0).float()
+            v = value[first : first + length].transpose(0, 1).unsqueeze(0).float()
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads)
-            out[first : first + length] = o.squeeze(0).transpose(0, 1)
+            out[first : first + length] = o.squeeze(0).transpose(0, 1).to(out.dtype)
         return out
