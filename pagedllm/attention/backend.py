@@ -87,7 +87,7 @@ def get_attention_backend(
     """`auto` picks the fast CPU kernel on a CPU (float32 and bfloat16, when it builds), else the
     reference backend."""
     if name == "auto":
-        from pagedllm.attention import cpu_kernels
+        from pagedllm.kernels import build as cpu_kernels
         from pagedllm.attention.cpu import supports
 
         fast = device.type == "cpu" and supports(dtype, cache_dtype or dtype) and cpu_kernels.available()

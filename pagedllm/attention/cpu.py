@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import cpu_kernels
+from pagedllm.kernels import build as cpu_kernels
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 
 # Prompt tokens handled by one work item of the kernel: its keys and values are read once for

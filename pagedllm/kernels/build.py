@@ -1,8 +1,8 @@
-"""Build and load the CPU PagedAttention kernel (csrc/paged_attention.cpp).
+"""Build and load pagedllm's CPU kernels (csrc/*.cpp): PagedAttention and quantized matmul.
 
-It is plain C++ with OpenMP and no torch headers, compiled once per machine with the system
-compiler (about a second) into the pagedllm cache folder and loaded with ctypes. `make setup`
-builds it ahead; otherwise the first engine that needs it does.
+They are plain C++ with OpenMP and no torch headers, compiled once per machine with the system
+compiler (a few seconds) into one library in the pagedllm cache folder and loaded with ctypes.
+`make setup` builds it ahead; otherwise the first engine that needs it does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 logger = logging.getLogger("pagedllm")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 # fast-math lets the compiler vectorise exp() (libmvec); finite-math stays off because the
 # softmax starts from -inf.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
@@ -42,7 +42,7 @@ _WRITE_ARGS = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int,
 
 def _machine_key() -> str:
     """The compiled library depends on the source, the flags and this CPU (-march=native)."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     digest.update(" ".join(FLAGS).encode())
     digest.update(platform.machine().encode())
     try:
@@ -56,7 +56,7 @@ def _machine_key() -> str:
 def library_path() -> Path:
     from pagedllm.model.tokenizer import cache_dir
 
-    return cache_dir() / "kernels" / f"paged_attention-{_machine_key()}.so"
+    return cache_dir() / "kernels" / f"pagedllm_kernels-{_machine_key()}.so"
 
 
 def build(force: bool = False) -> Path:
@@ -66,15 +66,15 @@ def build(force: bool = False) -> Path:
         return path
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        raise RuntimeError("no C++ compiler found (install g++ or set CXX) to build the CPU attention kernel")
+        raise RuntimeError("no C++ compiler found (install g++ or set CXX) to build the CPU kernels")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         staging = Path(tmp) / path.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(staging)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(staging)], capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"building the CPU attention kernel failed:\n{result.stderr[-2000:]}")
+            raise RuntimeError(f"building the CPU kernels failed:\n{result.stderr[-2000:]}")
         os.replace(staging, path)
-    logger.info("Built the CPU PagedAttention kernel: %s", path)
+    logger.info("Built the CPU kernels: %s", path)
     return path
 
 
@@ -89,6 +89,8 @@ def load() -> ctypes.CDLL:
         getattr(lib, f"paged_attention_{types}").restype = None
         getattr(lib, f"write_kv_{types}").argtypes = _WRITE_ARGS
         getattr(lib, f"write_kv_{types}").restype = None
+    lib.quant_matmul_f32.argtypes = [_P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.quant_matmul_f32.restype = None
     return lib
 
 
@@ -97,10 +99,10 @@ def available() -> bool:
         load()
         return True
     except (RuntimeError, OSError) as exc:
-        logger.warning("The fast CPU attention backend is unavailable (%s); using the reference backend.", exc)
+        logger.warning("The CPU kernels are unavailable (%s); using plain torch paths.", exc)
         return False
 
 
-if __name__ == "__main__":  # `python -m pagedllm.attention.cpu_kernels`: build ahead of time
+if __name__ == "__main__":  # `python -m pagedllm.kernels.build`: build ahead of time
     logging.basicConfig(level=logging.INFO)
     print(build())
