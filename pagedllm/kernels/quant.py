@@ -15,9 +15,10 @@ import torch
 # GGML type -> (kernel id, bytes per block of 32 weights)
 QUANT_TYPES = {"Q8_0": (0, 34), "Q4_1": (1, 20)}
 BLOCK = 32
-# Up to this many input rows, the quantized kernel is used (measured: `pagedllm bench kernel`
-# does not cover it; see the issue notes).
-MAX_ROWS = 8
+# Up to this many input rows (sequences decoding together), the quantized kernel is used.
+# Measured on the default model, 2-core AVX2 machine, decode step: batch 1 3.2x faster,
+# batch 16 1.24x, batch 24 1.07x, batch 32 0.91x.
+MAX_ROWS = 24
 
 
 @dataclass

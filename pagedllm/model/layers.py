@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
+from pagedllm.kernels.quant import QuantizedMatrix, quantized_matmul, usable
 from pagedllm.model.weights import LazyWeight
 
 
@@ -23,6 +24,35 @@ def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 def default_weight_loader(param: nn.Parameter, weight: LazyWeight) -> None:
     _copy_into(param, weight.load())
+
+
+def _keep_quantized(param: nn.Parameter, weight: LazyWeight, part: int = 0, num_parts: int = 1) -> None:
+    """Keep the checkpoint's quantized blocks beside the float weight (`param.quantized`), for
+    the quantized matmul kernel. A fused parameter gets them once every part has arrived, in
+    part order; if any part has none, the parameter has none."""
+    quantized = weight.load_quantized() if hasattr(weight, "load_quantized") else None
+    if num_parts == 1:
+        param.quantized = quantized
+        return
+    parts = param.__dict__.setdefault("quantized_parts", {})
+    parts[part] = quantized
+    if len(parts) < num_parts:
+        return
+    ordered = [parts[i] for i in range(num_parts)]
+    del param.quantized_parts
+    if any(q is None for q in ordered) or len({q.qtype for q in ordered}) != 1:
+        param.quantized = None
+        return
+    param.quantized = QuantizedMatrix(ordered[0].qtype, torch.cat([q.data for q in ordered]), ordered[0].in_features)
+
+
+def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b, from the quantized blocks for a few rows of x when the weight has them."""
+    quantized = getattr(weight, "quantized", None)
+    if usable(quantized, x):
+        y = quantized_matmul(x, quantized)
+        return y + bias if bias is not None else y
+    return F.linear(x, weight, bias)
 
 
 def _new_param(*shape: int, dtype: torch.dtype, loader) -> nn.Parameter:
@@ -58,10 +88,13 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
         start = self.tp.rank * self.out_per_rank
-        _copy_into(param, weight.narrow(0, start, self.out_per_rank).load())
+        shard = weight.narrow(0, start, self.out_per_rank)
+        _copy_into(param, shard.load())
+        if param is self.weight:
+            _keep_quantized(param, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -76,7 +109,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, shard_id: int) -> None:
         size = self.per_rank_sizes[shard_id]
         offset = sum(self.per_rank_sizes[:shard_id])
-        _copy_into(param.data.narrow(0, offset, size), weight.narrow(0, self.tp.rank * size, size).load())
+        shard = weight.narrow(0, self.tp.rank * size, size)
+        _copy_into(param.data.narrow(0, offset, size), shard.load())
+        if param is self.weight:
+            _keep_quantized(param, shard, shard_id, len(self.out_sizes))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -131,7 +167,10 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             size = self.kv_size
             start = (self.tp.rank // self.replication) * self.kv_size
-        _copy_into(param.data.narrow(0, offset, size), weight.narrow(0, start, size).load())
+        shard = weight.narrow(0, start, size)
+        _copy_into(param.data.narrow(0, offset, size), shard.load())
+        if param is self.weight:
+            _keep_quantized(param, shard, "qkv".index(shard_id), 3)
 
 
 class RowParallelLinear(nn.Module):
@@ -146,10 +185,12 @@ class RowParallelLinear(nn.Module):
         self.bias = _new_param(out_features, dtype=dtype, loader=default_weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
-        _copy_into(param, weight.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank).load())
+        shard = weight.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank)
+        _copy_into(param, shard.load())
+        _keep_quantized(param, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -167,8 +208,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
         rows = self.vocab_end - self.vocab_start
+        shard = weight.narrow(0, self.vocab_start, rows)
         param.data.zero_()
-        _copy_into(param.data.narrow(0, 0, rows), weight.narrow(0, self.vocab_start, rows).load())
+        _copy_into(param.data.narrow(0, 0, rows), shard.load())
+        _keep_quantized(param, shard)  # used when this table is also the output projection
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -183,5 +226,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, split like the embedding; logits gathered on rank 0."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather(F.linear(hidden, self.weight), dim=-1)
+        local = linear(hidden, self.weight)
+        if local.shape[-1] < self.rows_per_rank:  # the quantized blocks hold no padding rows
+            local = F.pad(local, (0, self.rows_per_rank - local.shape[-1]))
+        logits = self.tp.gather(local, dim=-1)
         return logits[..., : self.vocab_size] if logits is not None else None

@@ -95,6 +95,23 @@ class GGUFWeight:
         ranges = _narrowed_ranges(self.shape, self.ranges, dim, start, length)
         return GGUFWeight(self.tensor, self.rotary_head_dim, ranges)
 
+    def load_quantized(self):
+        """This slice's raw GGUF blocks as a `QuantizedMatrix`, when the type has a kernel and the
+        columns are cut at block boundaries; else None."""
+        from pagedllm.kernels.quant import BLOCK, QUANT_TYPES, QuantizedMatrix
+
+        qtype = self.tensor.tensor_type.name
+        if qtype not in QUANT_TYPES or len(self.ranges) != 2:
+            return None
+        rows, cols = self.ranges
+        if cols.start % BLOCK or len(cols) % BLOCK:
+            return None
+        block_bytes = QUANT_TYPES[qtype][1]
+        data = self.tensor.data[rows.start : rows.stop, cols.start // BLOCK * block_bytes : cols.stop // BLOCK * block_bytes]
+        if self.rotary_head_dim is not None:  # rows are independent: reorder whole quantized rows
+            data = unpermute_rotary_rows(data, len(rows) // self.rotary_head_dim)
+        return QuantizedMatrix(qtype, torch.from_numpy(np.array(data)), len(cols))  # a copy, off the memory map
+
     def load(self) -> torch.Tensor:
         import gguf
 

@@ -1,0 +1,49 @@
+"""Matmuls from GGUF-quantized blocks (Q4_1, Q8_0) against the dequantized float weights."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.kernels.quant import MAX_ROWS, QuantizedMatrix, quantized_matmul, usable
+
+
+def _quantized(qtype: str, out_features: int, in_features: int, seed: int):
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((out_features, in_features)).astype(np.float32)
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    blocks = gguf.quants.quantize(dense, kind)
+    return QuantizedMatrix(qtype, torch.from_numpy(blocks), in_features), torch.from_numpy(gguf.quants.dequantize(blocks, kind))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+@pytest.mark.parametrize("shape", [(96, 64), (130, 576)])
+def test_quantized_matmul_equals_the_dequantized_product(qtype, rows, shape):
+    matrix, dense = _quantized(qtype, *shape, seed=rows)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(quantized_matmul(x, matrix), x @ dense.T, atol=2e-4, rtol=1e-5)
+
+
+def test_only_small_float32_batches_use_it():
+    matrix, _ = _quantized("Q8_0", 8, 32, seed=0)
+    assert usable(matrix, torch.zeros(MAX_ROWS, 32))
+    assert not usable(matrix, torch.zeros(MAX_ROWS + 1, 32))
+    assert not usable(matrix, torch.zeros(1, 32, dtype=torch.bfloat16))
+    assert not usable(None, torch.zeros(1, 32))
+
+
+def test_the_default_model_keeps_its_quantized_blocks(smollm_llm):
+    model = smollm_llm.engine.executor.worker.model
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.quantized.qtype == "Q4_1"
+    assert layer.self_attn.qkv_proj.weight.quantized.out_features == 576 + 2 * 192
+    assert layer.mlp.gate_up_proj.weight.quantized.out_features == 2 * 1536
+    assert layer.mlp.down_proj.weight.quantized.in_features == 1536
+    assert model.lm_head.weight.quantized.qtype == "Q8_0"  # the tied embedding table
+    # Quantized and float paths agree on every layer's projections (and q/k row order).
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    for param in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight, model.lm_head.weight):
+        torch.testing.assert_close(quantized_matmul(x, param.quantized), x @ param.T, atol=5e-4, rtol=1e-4)
