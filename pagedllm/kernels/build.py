@@ -1,4 +1,5 @@
-"""Build and load pagedllm's CPU kernels (csrc/*.cpp): PagedAttention and quantized matmul.
+"""Build and load pagedllm's CPU kernels (csrc/*.cpp): PagedAttention, quantized matmul and
+the fused element-wise operators.
 
 They are plain C++ with OpenMP and no torch headers, compiled once per machine with the system
 compiler (a few seconds) into one library in the pagedllm cache folder and loaded with ctypes.
@@ -21,8 +22,9 @@ from pathlib import Path
 logger = logging.getLogger("pagedllm")
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
-# fast-math lets the compiler vectorise exp() (libmvec); finite-math stays off because the
-# softmax starts from -inf.
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
+# fast-math lets the compiler reorder float sums; finite-math stays off because the softmax
+# starts from -inf.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 
 _P = ctypes.c_void_p
@@ -42,7 +44,7 @@ _WRITE_ARGS = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int,
 
 def _machine_key() -> str:
     """The compiled library depends on the source, the flags and this CPU (-march=native)."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
     digest.update(" ".join(FLAGS).encode())
     digest.update(platform.machine().encode())
     try:
@@ -91,6 +93,11 @@ def load() -> ctypes.CDLL:
         getattr(lib, f"write_kv_{types}").restype = None
     lib.quant_matmul_f32.argtypes = [_P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.quant_matmul_f32.restype = None
+    lib.fused_add_rms_norm_f32.argtypes = [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    lib.rotary_neox_f32.argtypes = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.silu_and_mul_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    for name in ("fused_add_rms_norm_f32", "rotary_neox_f32", "silu_and_mul_f32"):
+        getattr(lib, name).restype = None
     return lib
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
+from pagedllm.kernels import ops as fused_ops
 from pagedllm.kernels.quant import QuantizedMatrix, quantized_matmul, usable
 from pagedllm.model.weights import LazyWeight
 
@@ -67,7 +68,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _new_param(size, dtype=dtype, loader=default_weight_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(residual + x), residual + x), the sum
+        written into `residual` in place on the fused CPU path."""
+        if fused_ops.applies(x) and x.dim() == 2:
+            out = fused_ops.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Reduced precision: normalise in float32, round, then scale (as transformers does).

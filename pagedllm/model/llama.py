@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedllm.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedllm.distributed import TensorParallelGroup
+from pagedllm.kernels import ops as fused_ops
 from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.layers import (
     MergedColumnParallelLinear,
@@ -58,7 +59,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_ops.applies(gate_up):
+            return self.down_proj(fused_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -70,9 +74,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
 
-    def forward(self, positions, hidden, metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, metadata):
+        """hidden: this layer's input, the previous layer's output not yet added to the residual
+        stream (None before the first layer); returns (output, residual) likewise."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -87,9 +99,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, metadata):
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 # Checkpoint projections that we fuse: (our parameter, checkpoint name, shard id).

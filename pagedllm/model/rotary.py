@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.kernels import ops as fused_ops
+
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -51,6 +53,9 @@ class RotaryEmbedding(nn.Module):
         positions: [num_tokens]; qk: [num_tokens, (num_heads + num_kv_heads) * head_dim], possibly
         a strided view into the fused q/k/v projection's output.
         """
+        if fused_ops.applies(qk) and self.cos.dtype == torch.float32:
+            fused_ops.rotary_(qk, positions, self.cos, self.sin, self.head_dim)
+            return
         num_tokens = qk.shape[0]
         x = qk.view(num_tokens, -1, self.head_dim)  # [num_tokens, heads, head_dim]
         half = self.head_dim // 2

@@ -22,7 +22,7 @@
 
 #include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "simd.h"
 #define PAGED_AVX2 1
 #endif
 
@@ -58,16 +58,12 @@ inline void prefetch_tile(const T* tile, int64_t elements) {
 }
 
 #ifdef PAGED_AVX2
+using namespace pagedllm_simd;
+
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
 }
 // The four horizontal sums of a, b, c, d, in one vector.
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -76,44 +72,93 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// scores[j] = scale * q . keys[j] for n keys of one tile (head_dim a multiple of 8).
-template <typename T>
-inline void score_keys(const float* q, const T* keys, int n, int head_dim, float scale, float* scores) {
+// s[i] = exp(s[i] - max s) for i < n; returns their sum.
+inline float softmax_numerators(float* s, int n) {
+  int i = 0;
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+  float max = hmax(vmax);
+  for (; i < n; ++i) max = s[i] > max ? s[i] : max;
+  const __m256 vm = _mm256_set1_ps(max);
+  __m256 vsum = _mm256_setzero_ps();
+  i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = hsum(vsum);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// Query rows that share a KV head (the heads of a grouped-query group, the tokens of a tile)
+// are processed R at a time: each key or value vector loaded from the pool feeds R rows.
+constexpr int kRowsPerPass = 3;
+
+// scores[r * score_stride + j] = scale * q_r . keys[j], for R query rows (stride head_dim) and
+// n keys of one tile (head_dim a multiple of 8). Four keys at a time: 4R accumulators.
+template <int R, typename T>
+inline void score_keys(const float* q, const T* keys, int n, int head_dim, float scale, float* scores,
+                       int64_t score_stride) {
+  const __m128 vscale = _mm_set1_ps(scale);
   int j = 0;
   for (; j + 4 <= n; j += 4) {
     const T* k0 = keys + static_cast<int64_t>(j) * head_dim;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_ps();
     for (int d = 0; d < head_dim; d += 8) {
-      __m256 qd = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qd, load8(k0 + d), a0);
-      a1 = _mm256_fmadd_ps(qd, load8(k0 + head_dim + d), a1);
-      a2 = _mm256_fmadd_ps(qd, load8(k0 + 2 * head_dim + d), a2);
-      a3 = _mm256_fmadd_ps(qd, load8(k0 + 3 * head_dim + d), a3);
+      __m256 qd[R];
+      for (int r = 0; r < R; ++r) qd[r] = _mm256_loadu_ps(q + r * head_dim + d);
+      for (int c = 0; c < 4; ++c) {
+        const __m256 k = load8(k0 + c * head_dim + d);
+        for (int r = 0; r < R; ++r) a[r][c] = _mm256_fmadd_ps(qd[r], k, a[r][c]);
+      }
     }
-    _mm_storeu_ps(scores + j, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_ps(scores + r * score_stride + j, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), vscale));
   }
   for (; j < n; ++j) {
     const T* k = keys + static_cast<int64_t>(j) * head_dim;
-    __m256 a = _mm256_setzero_ps();
-    for (int d = 0; d < head_dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a);
-    scores[j] = hsum(a) * scale;
+    for (int r = 0; r < R; ++r) {
+      __m256 a = _mm256_setzero_ps();
+      for (int d = 0; d < head_dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * head_dim + d), load8(k + d), a);
+      scores[r * score_stride + j] = hsum(a) * scale;
+    }
   }
 }
 
-// acc += sum_j p[j] * values[j] for n values of one tile.
-template <typename T>
-inline void accumulate_values(const float* p, const T* values, int n, int head_dim, float* acc) {
-  for (int d0 = 0; d0 < head_dim; d0 += 32) {
-    const int width = head_dim - d0 < 32 ? head_dim - d0 : 32;  // a multiple of 8
-    __m256 r[4];
-    for (int c = 0; c < width / 8; ++c) r[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
-    for (int j = 0; j < n; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const T* v = values + static_cast<int64_t>(j) * head_dim + d0;
-      for (int c = 0; c < width / 8; ++c) r[c] = _mm256_fmadd_ps(pj, load8(v + 8 * c), r[c]);
+// acc_r[d0 : d0 + 8W] += sum_j p_r[j] * values[j][d0 : d0 + 8W] for R rows: R x W accumulators.
+template <int R, int W, typename T>
+inline void accumulate_chunk(const float* p, int64_t p_stride, const T* values, int n, int head_dim, int d0,
+                             float* acc) {
+  __m256 a[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < W; ++c) a[r][c] = _mm256_loadu_ps(acc + r * head_dim + d0 + 8 * c);
+  for (int j = 0; j < n; ++j) {
+    __m256 pj[R];
+    for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r * p_stride + j]);
+    const T* v = values + static_cast<int64_t>(j) * head_dim + d0;
+    for (int c = 0; c < W; ++c) {
+      const __m256 vc = load8(v + 8 * c);
+      for (int r = 0; r < R; ++r) a[r][c] = _mm256_fmadd_ps(pj[r], vc, a[r][c]);
     }
-    for (int c = 0; c < width / 8; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, r[c]);
   }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + r * head_dim + d0 + 8 * c, a[r][c]);
+}
+
+// acc_r += sum_j p_r[j] * values[j] for R rows (acc stride head_dim, p stride p_stride) and n
+// values of one tile: 32 dimensions at a time, then 8.
+template <int R, typename T>
+inline void accumulate_values(const float* p, int64_t p_stride, const T* values, int n, int head_dim, float* acc) {
+  int d0 = 0;
+  for (; d0 + 32 <= head_dim; d0 += 32) accumulate_chunk<R, 4>(p, p_stride, values, n, head_dim, d0, acc);
+  for (; d0 < head_dim; d0 += 8) accumulate_chunk<R, 1>(p, p_stride, values, n, head_dim, d0, acc);
 }
 #endif
 
@@ -207,28 +252,42 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
           if (b + kPrefetchAhead < num_blocks) prefetch(key_cache, b + kPrefetchAhead, ToL1{});
           prefetch(value_cache, b, ToL2{});
           const int n = context - b * block_size < block_size ? context - b * block_size : block_size;
-          for (int r = 0; r < rows; ++r) {
-            const T* keys = tile(key_cache, b, first_head + r / rows_per_head);
-            float* s = scores.data() + static_cast<size_t>(r) * context + b * block_size;
-            const float* qr = q.data() + static_cast<size_t>(r) * head_dim;
+          for (int h = 0; h < heads_per_item; ++h) {
+            const T* keys = tile(key_cache, b, first_head + h);
+            for (int r0 = 0; r0 < rows_per_head; r0 += kRowsPerPass) {
+              const int r = h * rows_per_head + r0;
+              const int R = rows_per_head - r0 < kRowsPerPass ? rows_per_head - r0 : kRowsPerPass;
+              float* s = scores.data() + static_cast<size_t>(r) * context + b * block_size;
+              const float* qr = q.data() + static_cast<size_t>(r) * head_dim;
 #ifdef PAGED_AVX2
-            if (vector) { score_keys(qr, keys, n, head_dim, scale, s); continue; }
+              if (vector) {
+                if (R == 3) score_keys<3>(qr, keys, n, head_dim, scale, s, context);
+                else if (R == 2) score_keys<2>(qr, keys, n, head_dim, scale, s, context);
+                else score_keys<1>(qr, keys, n, head_dim, scale, s, context);
+                continue;
+              }
 #endif
-            score_keys_portable(qr, keys, n, head_dim, scale, s);
+              for (int i = 0; i < R; ++i)
+                score_keys_portable(qr + i * head_dim, keys, n, head_dim, scale, s + static_cast<size_t>(i) * context);
+            }
           }
         }
         // Softmax of each row over the keys it may see (causal: token t sees token_context[t]).
         for (int r = 0; r < rows; ++r) {
           const int visible = token_context[first + (r % rows_per_head) / group];
           float* s = scores.data() + static_cast<size_t>(r) * context;
+          float sum;
+#ifdef PAGED_AVX2
+          sum = softmax_numerators(s, visible);
+#else
           float max = -INFINITY;
           for (int pos = 0; pos < visible; ++pos) max = s[pos] > max ? s[pos] : max;
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
+          sum = 0.0f;
           for (int pos = 0; pos < visible; ++pos) {
             s[pos] = std::exp(s[pos] - max);
             sum += s[pos];
           }
+#endif
           for (int pos = visible; pos < context; ++pos) s[pos] = 0.0f;
           inv_sum[r] = 1.0f / sum;
         }
@@ -236,14 +295,24 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
         for (int b = 0; b < num_blocks; ++b) {
           if (b + kPrefetchAhead < num_blocks) prefetch(value_cache, b + kPrefetchAhead, ToL1{});
           const int n = context - b * block_size < block_size ? context - b * block_size : block_size;
-          for (int r = 0; r < rows; ++r) {
-            const T* values = tile(value_cache, b, first_head + r / rows_per_head);
-            const float* p = scores.data() + static_cast<size_t>(r) * context + b * block_size;
-            float* a = acc.data() + static_cast<size_t>(r) * head_dim;
+          for (int h = 0; h < heads_per_item; ++h) {
+            const T* values = tile(value_cache, b, first_head + h);
+            for (int r0 = 0; r0 < rows_per_head; r0 += kRowsPerPass) {
+              const int r = h * rows_per_head + r0;
+              const int R = rows_per_head - r0 < kRowsPerPass ? rows_per_head - r0 : kRowsPerPass;
+              const float* p = scores.data() + static_cast<size_t>(r) * context + b * block_size;
+              float* a = acc.data() + static_cast<size_t>(r) * head_dim;
 #ifdef PAGED_AVX2
-            if (vector) { accumulate_values(p, values, n, head_dim, a); continue; }
+              if (vector) {
+                if (R == 3) accumulate_values<3>(p, context, values, n, head_dim, a);
+                else if (R == 2) accumulate_values<2>(p, context, values, n, head_dim, a);
+                else accumulate_values<1>(p, context, values, n, head_dim, a);
+                continue;
+              }
 #endif
-            accumulate_values_portable(p, values, n, head_dim, a);
+              for (int i = 0; i < R; ++i)
+                accumulate_values_portable(p + static_cast<size_t>(i) * context, values, n, head_dim, a + i * head_dim);
+            }
           }
         }
         for (int h = 0; h < heads_per_item; ++h)

@@ -14,7 +14,7 @@
 
 #include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
+#include "simd.h"
 #define QUANT_AVX2 1
 #endif
 
@@ -71,6 +71,8 @@ inline void expand_block(const uint8_t* block, bool q4_1, float* q) {
 }
 
 #ifdef QUANT_AVX2
+using namespace pagedllm_simd;
+
 struct Expanded {
   __m256 q[4];
 };
@@ -96,12 +98,6 @@ inline Expanded expand_block_avx2(const uint8_t* block, bool q4_1) {
   return e;
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 void quant_matmul(float* y, const float* x, const uint8_t* w, int num_rows, int out_features, int in_features,

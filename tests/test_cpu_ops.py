@@ -1,0 +1,66 @@
+"""The fused float32 CPU operators against the plain torch formulas they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels import ops
+from pagedllm.model.layers import RMSNorm
+from pagedllm.model.rotary import RotaryEmbedding
+
+
+
+@pytest.mark.parametrize("rows", [1, 7, 200])  # 200 x 576 takes the multi-threaded path
+def test_rms_norm_with_and_without_residual(rows):
+    torch.manual_seed(rows)
+    x, residual, weight = torch.randn(rows, 576), torch.randn(rows, 576) * 3, torch.randn(576)
+    expected = F.rms_norm(x, (576,), weight, 1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), expected, rtol=1e-5, atol=1e-5)
+
+    total = residual + x
+    stream = residual.clone()
+    out = ops.rms_norm(x, weight, 1e-5, stream)
+    torch.testing.assert_close(stream, total)  # the sum is written into the residual stream
+    torch.testing.assert_close(out, F.rms_norm(total, (576,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_layer_fused_and_plain_paths_agree():
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6, torch.float32)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    fused_out, fused_residual = norm(x, residual.clone())
+    plain_residual = residual + x
+    torch.testing.assert_close(fused_residual, plain_residual)
+    torch.testing.assert_close(fused_out, norm._norm(plain_residual), rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_in_place_on_strided_rows_leaves_values_alone():
+    torch.manual_seed(0)
+    head_dim, heads, kv_heads = 64, 9, 3
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, torch.float32)
+    qkv = torch.randn(33, (heads + 2 * kv_heads) * head_dim)
+    positions = torch.randint(0, 4096, (33,))
+    qk_width = (heads + kv_heads) * head_dim
+    expected = qkv.clone()
+    # The rotation by hand: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin on each head's halves.
+    x = expected[:, :qk_width].view(33, -1, head_dim)
+    half = head_dim // 2
+    cos, sin = rotary.cos[positions, :half].unsqueeze(1), rotary.sin[positions, :half].unsqueeze(1)
+    x1, x2 = x[..., :half].clone(), x[..., half:].clone()
+    x[..., :half], x[..., half:] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+    rotary(positions, qkv[:, :qk_width])  # a strided view: rows are qkv's full width apart
+    torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qkv[:, qk_width:], expected[:, qk_width:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 1536), (3, 13), (64, 1536)])
+def test_silu_and_mul(rows, dim):
+    torch.manual_seed(dim)
+    x = torch.randn(rows, 2 * dim) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0])  # saturated ends of the sigmoid
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
