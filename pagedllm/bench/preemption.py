@@ -22,7 +22,7 @@ from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("preemption", help="swap vs recompute at several block sizes")
     add_engine_args(p)
-    p.add_argument("--dataset", choices=("sharegpt", "alpaca"), default="alpaca")
+    p.add_argument("--dataset", choices=("sharegpt", "alpaca"), default="sharegpt")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
     p.add_argument("--modes", nargs="+", default=["recompute", "swap", "auto"], choices=("recompute", "swap", "auto"))
