@@ -194,8 +194,13 @@ class BlockManager:
                 table.blocks[index] = new
                 self.num_copy_on_writes += 1
         total = self.blocks_for_tokens(num_computed + num_new_tokens)
-        while len(table.blocks) < total:
-            table.blocks.append(self.pool.allocate())
+        if len(table.blocks) < total:
+            # Blocks taken together go in ascending id order (the same blocks, the same evictions):
+            # the free queue holds freed chains tail first, and the CPU attention kernel streams
+            # ascending runs of blocks about twice as fast as descending or scattered ones.
+            fresh = [self.pool.allocate() for _ in range(total - len(table.blocks))]
+            fresh.sort(key=lambda block: block.block_id)
+            table.blocks.extend(fresh)
         return num_cached
 
     def commit(self, seq: Sequence) -> None:

@@ -75,8 +75,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp, dtype)
 
     def forward(self, positions, hidden, residual, metadata):
-        """hidden: this layer's input, the previous layer's output not yet added to the residual
-        stream (None before the first layer); returns (output, residual) likewise."""
+        """hidden: the previous layer's output, not yet added to `residual` (the residual
+        stream); for the first layer, the embeddings, with residual None. Returns this layer's
+        (output, residual) in the same form."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
