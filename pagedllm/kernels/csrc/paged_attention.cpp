@@ -57,6 +57,21 @@ inline void prefetch_tile(const T* tile, int64_t elements) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, Locality);
 }
 
+// Query rows that share a KV head (the heads of a grouped-query group, the tokens of a tile)
+// are processed R at a time: each key or value vector loaded from the pool feeds R rows.
+constexpr int kRowsPerPass = 3;
+
+// f(first row, std::integral_constant<int, R>) over `rows` rows from `first_row`, R <= 3 at a time.
+template <typename F>
+inline void for_row_groups(int first_row, int rows, F&& f) {
+  for (int r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+    const int left = rows - r0;
+    if (left >= 3) f(first_row + r0, std::integral_constant<int, 3>{});
+    else if (left == 2) f(first_row + r0, std::integral_constant<int, 2>{});
+    else f(first_row + r0, std::integral_constant<int, 1>{});
+  }
+}
+
 #ifdef PAGED_AVX2
 using namespace pagedllm_simd;
 
@@ -94,10 +109,6 @@ inline float softmax_numerators(float* s, int n) {
   }
   return sum;
 }
-
-// Query rows that share a KV head (the heads of a grouped-query group, the tokens of a tile)
-// are processed R at a time: each key or value vector loaded from the pool feeds R rows.
-constexpr int kRowsPerPass = 3;
 
 // scores[r * score_stride + j] = scale * q_r . keys[j], for R query rows (stride head_dim) and
 // n keys of one tile (head_dim a multiple of 8). Four keys at a time: 4R accumulators.
@@ -254,22 +265,16 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
           const int n = context - b * block_size < block_size ? context - b * block_size : block_size;
           for (int h = 0; h < heads_per_item; ++h) {
             const T* keys = tile(key_cache, b, first_head + h);
-            for (int r0 = 0; r0 < rows_per_head; r0 += kRowsPerPass) {
-              const int r = h * rows_per_head + r0;
-              const int R = rows_per_head - r0 < kRowsPerPass ? rows_per_head - r0 : kRowsPerPass;
+            for_row_groups(h * rows_per_head, rows_per_head, [&](int r, auto rows_here) {
+              constexpr int R = decltype(rows_here)::value;
               float* s = scores.data() + static_cast<size_t>(r) * context + b * block_size;
               const float* qr = q.data() + static_cast<size_t>(r) * head_dim;
 #ifdef PAGED_AVX2
-              if (vector) {
-                if (R == 3) score_keys<3>(qr, keys, n, head_dim, scale, s, context);
-                else if (R == 2) score_keys<2>(qr, keys, n, head_dim, scale, s, context);
-                else score_keys<1>(qr, keys, n, head_dim, scale, s, context);
-                continue;
-              }
+              if (vector) return score_keys<R>(qr, keys, n, head_dim, scale, s, context);
 #endif
               for (int i = 0; i < R; ++i)
                 score_keys_portable(qr + i * head_dim, keys, n, head_dim, scale, s + static_cast<size_t>(i) * context);
-            }
+            });
           }
         }
         // Softmax of each row over the keys it may see (causal: token t sees token_context[t]).
@@ -297,22 +302,16 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
           const int n = context - b * block_size < block_size ? context - b * block_size : block_size;
           for (int h = 0; h < heads_per_item; ++h) {
             const T* values = tile(value_cache, b, first_head + h);
-            for (int r0 = 0; r0 < rows_per_head; r0 += kRowsPerPass) {
-              const int r = h * rows_per_head + r0;
-              const int R = rows_per_head - r0 < kRowsPerPass ? rows_per_head - r0 : kRowsPerPass;
+            for_row_groups(h * rows_per_head, rows_per_head, [&](int r, auto rows_here) {
+              constexpr int R = decltype(rows_here)::value;
               const float* p = scores.data() + static_cast<size_t>(r) * context + b * block_size;
               float* a = acc.data() + static_cast<size_t>(r) * head_dim;
 #ifdef PAGED_AVX2
-              if (vector) {
-                if (R == 3) accumulate_values<3>(p, context, values, n, head_dim, a);
-                else if (R == 2) accumulate_values<2>(p, context, values, n, head_dim, a);
-                else accumulate_values<1>(p, context, values, n, head_dim, a);
-                continue;
-              }
+              if (vector) return accumulate_values<R>(p, context, values, n, head_dim, a);
 #endif
               for (int i = 0; i < R; ++i)
                 accumulate_values_portable(p + static_cast<size_t>(i) * context, values, n, head_dim, a + i * head_dim);
-            }
+            });
           }
         }
         for (int h = 0; h < heads_per_item; ++h)
