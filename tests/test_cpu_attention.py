@@ -55,6 +55,11 @@ CASES = [
     ([1, 1, 1, 1], [1, 37, 128, 300]),  # decodes
     ([5, 1, 17], [5, 60, 40]),  # a fresh prompt, a decode, a chunk extending a cached context
     ([33, 1], [100, 1]),
+    # Too few sequences to keep every thread busy: long contexts are split into partitions
+    # whose partial softmax sums are merged.
+    ([1], [1000]),
+    ([1, 1], [700, 5]),
+    ([40], [650]),
 ]
 
 
@@ -70,7 +75,7 @@ def test_cpu_backend_matches_reference(block_size, group, dtype, cache_dtype):
     num_heads = num_kv_heads * group
     for case, (query_lens, context_lens) in enumerate(CASES):
         gen = torch.Generator().manual_seed(case * 100 + block_size + group)
-        tables, metadata = _batch(query_lens, context_lens, block_size, num_blocks=700, seed=case)
+        tables, metadata = _batch(query_lens, context_lens, block_size, num_blocks=1200, seed=case)
         num_ctx = sum(context_lens)
         keys = torch.randn(num_ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
         values = torch.randn(num_ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
@@ -80,7 +85,7 @@ def test_cpu_backend_matches_reference(block_size, group, dtype, cache_dtype):
         fresh = torch.cat([torch.arange(e - q, e) for e, q in zip(ends, query_lens)])
         results = []
         for backend in (ReferenceAttentionBackend(), CPUAttentionBackend()):
-            kc, vc = _fill_context(backend, tables, metadata, keys, values, block_size, (700, block_size, num_kv_heads, head_dim), cache_dtype)
+            kc, vc = _fill_context(backend, tables, metadata, keys, values, block_size, (1200, block_size, num_kv_heads, head_dim), cache_dtype)
             results.append(backend.forward(query, keys[fresh], values[fresh], kc, vc, metadata, head_dim**-0.5))
         # bfloat16 outputs: one rounding of a float32 result (attention math is float32 throughout).
         atol = 1e-5 if dtype == torch.float32 else 4e-3

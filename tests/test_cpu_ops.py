@@ -64,3 +64,43 @@ def test_silu_and_mul(rows, dim):
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0])  # saturated ends of the sigmoid
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_and_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [5, 49152, 1003])  # short rows, whole 8-wide blocks, a ragged tail
+def test_logsumexp_rows_matches_torch(vocab):
+    torch.manual_seed(vocab)
+    x = torch.randn(6, vocab) * 4
+    x[2, : vocab // 2] = float("-inf")  # masked tokens
+    torch.testing.assert_close(ops.logsumexp_rows(x), torch.logsumexp(x, dim=-1, keepdim=True), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(3, 2 * vocab)[:, ::2]  # rows read through a stride
+    torch.testing.assert_close(ops.logsumexp_rows(strided), torch.logsumexp(strided, dim=-1, keepdim=True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [7, 4096, 1003])
+def test_sample_rows_inverts_the_cumulative_distribution(vocab):
+    """At each uniform u, the kernel's token is the first whose cumulative probability exceeds
+    u (what searchsorted on the torch cumsum gives), up to float rounding at interval edges."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 64
+    x = torch.randn(rows, vocab, generator=gen) * 3
+    x[::4, 1::2] = float("-inf")  # every fourth row: odd tokens masked
+    temperature = torch.linspace(0.3, 2.0, rows)
+    uniform = torch.rand(rows, generator=gen)
+    tokens = ops.sample_rows(x, temperature, uniform)
+    cdf = torch.softmax(x.double() / temperature.double().unsqueeze(1), dim=-1).cumsum(-1)
+    expected = torch.searchsorted(cdf, uniform.double().unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    # Where the two disagree, u sits within float rounding of an interval edge.
+    for r in torch.nonzero(tokens != expected).flatten().tolist():
+        edge = cdf[r, min(int(tokens[r]), int(expected[r]))] / cdf[r, -1]
+        assert abs(float(edge) - float(uniform[r])) < 1e-5, (r, int(tokens[r]), int(expected[r]))
+    assert (tokens[::4] % 2 == 0).all()  # masked tokens are never drawn
+    assert (tokens != expected).float().mean() < 0.05
+
+
+def test_sample_rows_extremes_of_the_uniform_stay_on_allowed_tokens():
+    x = torch.full((2, 50), float("-inf"))
+    x[0, 10], x[0, 20] = 0.0, 0.0  # two equally likely tokens, the rest masked
+    x[1, 49] = 1.0
+    low = ops.sample_rows(x, torch.ones(2), torch.zeros(2))
+    high = ops.sample_rows(x, torch.ones(2), torch.full((2,), 1 - 2**-24))
+    assert low.tolist() == [10, 49] and high.tolist() == [20, 49]

@@ -1,6 +1,7 @@
-"""Fused float32 CPU operators of the decoder layer (csrc/cpu_ops.cpp): RMSNorm with the
-residual add, rotary embedding in place, and SiLU-and-multiply. Each replaces several torch
-operators; `applies` says when a tensor can take them (float32, CPU, the kernels built)."""
+"""Fused float32 CPU operators: of the decoder layer (csrc/cpu_ops.cpp: RMSNorm with the
+residual add, rotary embedding in place, SiLU-and-multiply) and of sampling (csrc/sampling.cpp:
+row log-sum-exp, drawing from softmax(logits / T)). Each replaces several torch operators;
+`applies` says when a tensor can take them (float32, CPU, the kernels built)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, width // 2, dtype=x.dtype)
     _lib().silu_and_mul_f32(out.data_ptr(), x.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, n] -> log sum_j exp(x[:, j]): [rows, 1]."""
+    x = _rows(x)
+    out = torch.empty(x.shape[0], 1, dtype=torch.float32)
+    _lib().logsumexp_rows_f32(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), torch.get_num_threads())
+    return out
+
+
+def sample_rows(x: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One draw per row from softmax(x / temperature) by inverting its cumulative distribution
+    at `uniform` (in [0, 1)): the first token whose cumulative probability exceeds it.
+    x: [rows, n]; temperature, uniform: [rows] -> token ids [rows] (int64)."""
+    x = _rows(x)
+    inv_t = (1.0 / temperature.to(torch.float32)).contiguous()
+    uniform = uniform.to(torch.float32).contiguous()
+    tokens = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().sample_rows_f32(
+        tokens.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), inv_t.data_ptr(), uniform.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return tokens

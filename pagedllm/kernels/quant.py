@@ -18,7 +18,7 @@ BLOCK = 32
 # Up to this many input rows (sequences decoding together), the quantized kernel is used.
 # Measured on the default model, 2-core AVX2 machine, decode step: batch 1 3.2x faster,
 # batch 16 1.24x, batch 24 1.07x, batch 32 0.91x.
-MAX_ROWS = 24
+MAX_ROWS = 12
 
 
 @dataclass

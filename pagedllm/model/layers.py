@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
+from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.kernels.quant import QuantizedMatrix, quantized_matmul, usable
 from pagedllm.model.weights import LazyWeight
@@ -48,12 +49,24 @@ def _keep_quantized(param: nn.Parameter, weight: LazyWeight, part: int = 0, num_
 
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, from the quantized blocks for a few rows of x when the weight has them."""
+    """x W^T + b: from the quantized blocks for a few rows of x when the weight has them, else
+    from the oneDNN-packed weight when it has one (`pack_linear_weights`), else `F.linear`."""
     quantized = getattr(weight, "quantized", None)
     if usable(quantized, x):
         y = quantized_matmul(x, quantized)
         return y + bias if bias is not None else y
+    packed = getattr(weight, "packed", None)
+    if packed is not None and x.dtype == torch.float32:
+        return onednn.packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Reorder every projection weight of `model` for oneDNN (float32 on CPU); call once the
+    weights are loaded and placed. Returns how many weights were packed."""
+    linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    params = {id(m.weight): m.weight for m in model.modules() if isinstance(m, linears)}
+    return onednn.pack_weights(list(params.values()))
 
 
 def _new_param(*shape: int, dtype: torch.dtype, loader) -> nn.Parameter:

@@ -18,6 +18,7 @@ from pagedllm.attention import AttentionBackend
 from pagedllm.config import DEFAULT_MODEL
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.arch import ModelArchConfig
+from pagedllm.model.layers import pack_linear_weights
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.weights import GGUFWeight, LazyWeight, SafetensorsWeight
 
@@ -186,4 +187,6 @@ def load_model(
             arch, weights = _hf_arch(source.path), _hf_weights(source.path, stack)
         model = LlamaForCausalLM(arch, max_position, backend, tp, dtype)
         model.load_weights(weights)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    pack_linear_weights(model)
+    return model

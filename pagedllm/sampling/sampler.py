@@ -4,8 +4,9 @@ Order of operations for each row: min_tokens suppression, penalties (repetition,
 presence), then greedy argmax, or temperature, top-k, top-p and min-p followed by a random draw.
 Beam rows return their best candidate continuations for the engine to choose from.
 
-Random draws invert each row's cumulative distribution at a uniform number (a cumsum and a
-binary search: much faster than `torch.multinomial` over a large vocabulary on a CPU). A seeded
+Random draws invert each row's cumulative distribution at a uniform number (on the CPU a fused
+kernel, csrc/sampling.cpp; elsewhere a cumsum and a binary search: both much faster than
+`torch.multinomial` over a large vocabulary). A seeded
 request draws its number from its own generator, one per (request, sample index), so it
 produces the same tokens whatever else shares its batch.
 Reported log-probabilities are those of the raw model distribution.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.core.model_output import SampledToken, TopLogprobs
+from pagedllm.kernels import ops as fused_ops
 from pagedllm.core.scheduler_output import ScheduledSequence
 from pagedllm.sampling.penalties import apply_min_tokens, apply_penalties
 from pagedllm.sampling_params import SamplingType
@@ -58,7 +60,7 @@ class Sampler:
                 sample_index.extend(range(item.num_samples))
         expanded = [items[i] for i in row_of]
         raw = logits[row_of] if len(row_of) != len(items) else logits
-        log_norm = torch.logsumexp(raw, dim=-1, keepdim=True)  # [rows, 1]
+        log_norm = fused_ops.logsumexp_rows(raw) if fused_ops.applies(raw) else torch.logsumexp(raw, dim=-1, keepdim=True)
 
         processed = apply_min_tokens(raw, expanded)
         processed = apply_penalties(processed, expanded)
@@ -80,29 +82,35 @@ class Sampler:
         return results
 
     def _choose(self, logits: torch.Tensor, items: list[ScheduledSequence], sample_index: list[int]) -> torch.Tensor:
-        chosen = logits.argmax(dim=-1)
         random_rows = [r for r, item in enumerate(items) if item.sampling_params.sampling_type is SamplingType.RANDOM]
+        if len(random_rows) < len(items):
+            chosen = logits.argmax(dim=-1)  # greedy (and beam) rows; random rows are overwritten
+            rows = logits[random_rows]
+        else:
+            chosen = torch.empty(len(items), dtype=torch.int64)
+            rows = logits
         if not random_rows:
             return chosen
         params = [items[r].sampling_params for r in random_rows]
-        rows = logits[random_rows]
-        temperature = torch.tensor([p.temperature for p in params], dtype=rows.dtype).unsqueeze(1)
-        rows = filter_top_k_top_p_min_p(
-            rows / temperature,
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-        )
-        cdf = torch.softmax(rows, dim=-1).cumsum_(dim=-1)  # [rows, vocab]
-        uniform = torch.rand(len(random_rows), 1, generator=self._global)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        top_k, top_p, min_p = [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params]
+        if filters_apply(top_k, top_p, min_p):
+            rows = filter_top_k_top_p_min_p(rows / temperature.unsqueeze(1), top_k, top_p, min_p)
+            temperature = torch.ones_like(temperature)
+        uniform = torch.rand(len(random_rows), generator=self._global)
         for j, p in enumerate(params):
             if p.seed is not None:
                 gen = self._generator(items[random_rows[j]], sample_index[random_rows[j]])
                 uniform[j] = torch.rand(1, generator=gen)
-        # The first token whose cumulative probability exceeds u: tokens of zero probability
-        # (masked by the filters) have empty intervals and are never drawn.
-        drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
-        chosen[random_rows] = drawn.clamp_(max=cdf.shape[1] - 1)
+        if fused_ops.applies(rows):
+            drawn = fused_ops.sample_rows(rows, temperature, uniform)
+        else:
+            cdf = torch.softmax(rows / temperature.unsqueeze(1), dim=-1).cumsum_(dim=-1)  # [rows, vocab]
+            # The first token whose cumulative probability exceeds u: tokens of zero probability
+            # (masked by the filters) have empty intervals and are never drawn.
+            drawn = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+            drawn = drawn.clamp_(max=cdf.shape[1] - 1)
+        chosen[random_rows] = drawn
         return chosen
 
     @staticmethod
@@ -118,6 +126,10 @@ class Sampler:
             values, ids = torch.topk(raw[r] - log_norm[r], k)
             out[r] = [SampledToken(t, v) for t, v in zip(ids.tolist(), values.tolist())]
         return out
+
+
+def filters_apply(top_k: list[int], top_p: list[float], min_p: list[float]) -> bool:
+    return any(top_k) or any(p < 1.0 for p in top_p) or any(min_p)
 
 
 def filter_top_k_top_p_min_p(

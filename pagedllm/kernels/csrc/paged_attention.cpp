@@ -3,17 +3,20 @@
 //
 // Pools hold one contiguous block_size x head_dim tile per (block, KV head); where the tiles
 // lie is given by two strides (elements between blocks and between heads), so the layout is the
-// backend's choice. Work is split into (tile of query tokens of one
-// sequence) x (KV head) items, spread over OpenMP threads. An item computes every query row
-// that shares its KV head (the heads of a grouped-query group, for each token of the tile)
-// against each key and value it reads, so keys and values are read once per item and never
+// backend's choice. Work is split into units of (tile of query tokens of one sequence) x (KV
+// heads) x (partition of its context), spread over OpenMP threads. A unit computes every query
+// row that shares its KV heads (the heads of a grouped-query group, for each token of the tile)
+// against each key and value it reads, so keys and values are read once per unit and never
 // repeated per head. Two passes over the context: scores (q . k), then the softmax-weighted sum
-// of values; the next block is prefetched while one is processed (blocks lie anywhere).
+// of values; the next block is prefetched while one is processed (blocks lie anywhere). A
+// context is split into partitions only when there are too few sequences to keep every thread
+// busy (a few long decodes); their partial softmax sums are merged at the end.
 //
 // Plain C++ with no torch headers (it compiles in about a second); called through ctypes with
 // raw pointers. Element types: float32, and bfloat16 stored as uint16 (math in float32). With
 // AVX2 and head_dim a multiple of 8 the inner loops use intrinsics, else portable loops.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -87,16 +90,21 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// s[i] = exp(s[i] - max s) for i < n; returns their sum.
-inline float softmax_numerators(float* s, int n) {
+// The largest of s[0..n).
+inline float max_of(const float* s, int n) {
   int i = 0;
   __m256 vmax = _mm256_set1_ps(-INFINITY);
   for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
   float max = hmax(vmax);
   for (; i < n; ++i) max = s[i] > max ? s[i] : max;
+  return max;
+}
+
+// s[i] = exp(s[i] - max) for i < n; returns their sum.
+inline float softmax_numerators(float* s, int n, float max) {
   const __m256 vm = _mm256_set1_ps(max);
   __m256 vsum = _mm256_setzero_ps();
-  i = 0;
+  int i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
     _mm256_storeu_ps(s + i, e);
@@ -191,6 +199,18 @@ inline void accumulate_values_portable(const float* p, const T* values, int n, i
   }
 }
 
+// A context shorter than this is never split across work units.
+constexpr int kMinPartitionTokens = 128;
+// Work units wanted per thread, for the dynamic schedule to balance uneven items.
+constexpr int kUnitsPerThread = 4;
+
+// One work unit: the query rows of an item (a tile of one sequence's query tokens) for a group
+// of KV heads, against the keys of blocks [block_begin, block_end) of its context.
+struct Unit {
+  int item, first_head, block_begin, block_end;
+  int64_t partial;  // where its partial result goes (in rows), or -1: the unit is the whole context
+};
+
 // Q: the type of queries and outputs; T: the type of the pools (the KV cache may be stored in
 // a narrower type than the model computes in).
 template <typename Q, typename T>
@@ -203,124 +223,208 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
                int num_threads) {
   const int group = num_heads / num_kv_heads;
   const int64_t tile_elements = static_cast<int64_t>(block_size) * head_dim;
-  // With enough items to keep every thread busy, an item takes all KV heads: the heads of a
-  // block lie side by side, so each block is one contiguous read. Otherwise items are split
-  // by head too, for parallelism.
-  const int heads_per_item = num_items >= 2 * num_threads ? num_kv_heads : 1;
-  const int head_groups = num_kv_heads / heads_per_item;
-  // Prefetch a block's tiles of this item's heads: one region when they are adjacent.
   const bool adjacent_heads = head_stride == tile_elements;
 #ifdef PAGED_AVX2
   const bool vector = head_dim % 8 == 0;
 #else
   const bool vector = false;
 #endif
+  auto item_context = [&](int item) {  // keys seen by the item's last token (the most)
+    int context = 0;
+    for (int t = 0; t < item_num_tokens[item]; ++t) {
+      const int c = token_context[item_first_token[item] + t];
+      context = context > c ? context : c;
+    }
+    return context;
+  };
+
+  // Units. An item takes all KV heads (a block's heads lie side by side: one contiguous read)
+  // and, when there are too few items to keep every thread busy, its context is split into
+  // partitions whose partial softmax results are merged afterwards (as flash-decoding does).
+  // Only when even that leaves threads idle (short contexts) are items split by head instead.
+  const int wanted_units = kUnitsPerThread * num_threads;
+  const int min_partition_blocks = (kMinPartitionTokens + block_size - 1) / block_size;
+  const int partitions_wanted = (wanted_units + num_items - 1) / num_items;
+  std::vector<int> item_blocks(num_items), item_partitions(num_items);
+  int64_t num_units = 0;
+  for (int item = 0; item < num_items; ++item) {
+    item_blocks[item] = (item_context(item) + block_size - 1) / block_size;
+    int parts = item_blocks[item] / min_partition_blocks;
+    parts = parts < 1 ? 1 : parts > partitions_wanted ? partitions_wanted : parts;
+    // Whole blocks per partition; rounding up may leave fewer partitions than asked for.
+    const int per_part = (item_blocks[item] + parts - 1) / parts;
+    item_partitions[item] = (item_blocks[item] + per_part - 1) / per_part;
+    num_units += item_partitions[item];
+  }
+  const int heads_per_unit = num_units >= 2 * num_threads ? num_kv_heads : 1;
+  std::vector<Unit> units;
+  units.reserve(static_cast<size_t>(num_units) * (num_kv_heads / heads_per_unit));
+  int64_t partial_rows = 0;
+  for (int item = 0; item < num_items; ++item) {
+    const int parts = item_partitions[item], blocks = item_blocks[item];
+    const int per_part = (blocks + parts - 1) / parts;
+    const int rows = item_num_tokens[item] * group * heads_per_unit;
+    for (int first_head = 0; first_head < num_kv_heads; first_head += heads_per_unit)
+      for (int b = 0; b < blocks; b += per_part) {  // every token sees itself: blocks >= 1
+        units.push_back({item, first_head, b, std::min(b + per_part, blocks), parts > 1 ? partial_rows : -1});
+        if (parts > 1) partial_rows += rows;
+      }
+  }
+  // Per row of a partial result: the unnormalised output, the running max, the sum of exps.
+  const int partial_width = head_dim + 2;
+  std::vector<float> partials(static_cast<size_t>(partial_rows) * partial_width);
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> q, scores, acc, inv_sum;
-#pragma omp for schedule(dynamic, 1) collapse(2)
-    for (int item = 0; item < num_items; ++item) {
-      for (int head_group = 0; head_group < head_groups; ++head_group) {
-        const int first_head = head_group * heads_per_item;
-        const int first = item_first_token[item];
-        const int count = item_num_tokens[item];
-        const int rows_per_head = count * group;  // the group's query heads for each token of the tile
-        const int rows = rows_per_head * heads_per_item;
-        int context = 0;  // keys seen by the tile's last token (the most)
-        for (int t = 0; t < count; ++t) context = context > token_context[first + t] ? context : token_context[first + t];
-        const int32_t* table = block_tables + item_seq[item] * block_table_stride;
-        const int num_blocks = (context + block_size - 1) / block_size;
-        auto tile = [&](const T* pool, int b, int h) { return pool + table[b] * block_stride + h * head_stride; };
-        auto prefetch = [&](const T* pool, int b, auto locality) {
-          constexpr int L = decltype(locality)::value;
-          if (adjacent_heads) {
-            prefetch_tile<L>(tile(pool, b, first_head), tile_elements * heads_per_item);
-          } else {
-            for (int h = 0; h < heads_per_item; ++h) prefetch_tile<L>(tile(pool, b, first_head + h), tile_elements);
-          }
-        };
-        using ToL1 = std::integral_constant<int, 3>;
-        using ToL2 = std::integral_constant<int, 1>;
-
-        // Query rows in (head, token, head of the group) order, as float32.
-        q.resize(static_cast<size_t>(rows) * head_dim);
-        scores.resize(static_cast<size_t>(rows) * context);
-        acc.assign(static_cast<size_t>(rows) * head_dim, 0.0f);
-        inv_sum.resize(rows);
-        for (int h = 0; h < heads_per_item; ++h)
-          for (int t = 0; t < count; ++t)
-            for (int g = 0; g < group; ++g) {
-              const Q* src = query + (static_cast<int64_t>(first + t) * num_heads + (first_head + h) * group + g) * head_dim;
-              float* dst = q.data() + static_cast<size_t>((h * count + t) * group + g) * head_dim;
-              for (int d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]);
-            }
-
-        // Pass 1: scores of every query row against every key, block by block; the values are
-        // brought toward L2 meanwhile, so the second pass does not wait on memory.
-        for (int b = 1; b < num_blocks && b < kPrefetchAhead; ++b) prefetch(key_cache, b, ToL1{});
-        for (int b = 0; b < num_blocks; ++b) {
-          if (b + kPrefetchAhead < num_blocks) prefetch(key_cache, b + kPrefetchAhead, ToL1{});
-          prefetch(value_cache, b, ToL2{});
-          const int n = context - b * block_size < block_size ? context - b * block_size : block_size;
-          for (int h = 0; h < heads_per_item; ++h) {
-            const T* keys = tile(key_cache, b, first_head + h);
-            for_row_groups(h * rows_per_head, rows_per_head, [&](int r, auto rows_here) {
-              constexpr int R = decltype(rows_here)::value;
-              float* s = scores.data() + static_cast<size_t>(r) * context + b * block_size;
-              const float* qr = q.data() + static_cast<size_t>(r) * head_dim;
-#ifdef PAGED_AVX2
-              if (vector) return score_keys<R>(qr, keys, n, head_dim, scale, s, context);
-#endif
-              for (int i = 0; i < R; ++i)
-                score_keys_portable(qr + i * head_dim, keys, n, head_dim, scale, s + static_cast<size_t>(i) * context);
-            });
-          }
+    std::vector<float> q, scores, acc, inv_sum, row_max;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t u = 0; u < units.size(); ++u) {
+      const Unit& unit = units[u];
+      const int item = unit.item, first_head = unit.first_head;
+      const int first = item_first_token[item];
+      const int count = item_num_tokens[item];
+      const int rows_per_head = count * group;  // the group's query heads for each token of the tile
+      const int rows = rows_per_head * heads_per_unit;
+      const int begin = unit.block_begin * block_size;  // the partition's first key position
+      const int length = std::min(item_context(item), unit.block_end * block_size) - begin;  // keys in it
+      const int32_t* table = block_tables + item_seq[item] * block_table_stride;
+      auto tile = [&](const T* pool, int b, int h) { return pool + table[b] * block_stride + h * head_stride; };
+      auto prefetch = [&](const T* pool, int b, auto locality) {
+        constexpr int L = decltype(locality)::value;
+        if (adjacent_heads) {
+          prefetch_tile<L>(tile(pool, b, first_head), tile_elements * heads_per_unit);
+        } else {
+          for (int h = 0; h < heads_per_unit; ++h) prefetch_tile<L>(tile(pool, b, first_head + h), tile_elements);
         }
-        // Softmax of each row over the keys it may see (causal: token t sees token_context[t]).
-        for (int r = 0; r < rows; ++r) {
-          const int visible = token_context[first + (r % rows_per_head) / group];
-          float* s = scores.data() + static_cast<size_t>(r) * context;
-          float sum;
+      };
+      using ToL1 = std::integral_constant<int, 3>;
+      using ToL2 = std::integral_constant<int, 1>;
+
+      // Query rows in (head, token, head of the group) order, as float32.
+      q.resize(static_cast<size_t>(rows) * head_dim);
+      scores.resize(static_cast<size_t>(rows) * length);
+      acc.assign(static_cast<size_t>(rows) * head_dim, 0.0f);
+      inv_sum.resize(rows);
+      row_max.resize(rows);
+      for (int h = 0; h < heads_per_unit; ++h)
+        for (int t = 0; t < count; ++t)
+          for (int g = 0; g < group; ++g) {
+            const Q* src = query + (static_cast<int64_t>(first + t) * num_heads + (first_head + h) * group + g) * head_dim;
+            float* dst = q.data() + static_cast<size_t>((h * count + t) * group + g) * head_dim;
+            for (int d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]);
+          }
+
+      // Pass 1: scores of every query row against every key, block by block; the values are
+      // brought toward L2 meanwhile, so the second pass does not wait on memory.
+      const int b0 = unit.block_begin, b1 = unit.block_end;
+      for (int b = b0 + 1; b < b1 && b < b0 + kPrefetchAhead; ++b) prefetch(key_cache, b, ToL1{});
+      for (int b = b0; b < b1; ++b) {
+        if (b + kPrefetchAhead < b1) prefetch(key_cache, b + kPrefetchAhead, ToL1{});
+        prefetch(value_cache, b, ToL2{});
+        const int offset = (b - b0) * block_size;
+        const int n = length - offset < block_size ? length - offset : block_size;
+        for (int h = 0; h < heads_per_unit; ++h) {
+          const T* keys = tile(key_cache, b, first_head + h);
+          for_row_groups(h * rows_per_head, rows_per_head, [&](int r, auto rows_here) {
+            constexpr int R = decltype(rows_here)::value;
+            float* s = scores.data() + static_cast<size_t>(r) * length + offset;
+            const float* qr = q.data() + static_cast<size_t>(r) * head_dim;
 #ifdef PAGED_AVX2
-          sum = softmax_numerators(s, visible);
+            if (vector) return score_keys<R>(qr, keys, n, head_dim, scale, s, length);
+#endif
+            for (int i = 0; i < R; ++i)
+              score_keys_portable(qr + i * head_dim, keys, n, head_dim, scale, s + static_cast<size_t>(i) * length);
+          });
+        }
+      }
+      // Softmax numerators of each row over the keys of the partition it may see (causal: token
+      // t sees token_context[t] keys; a partition may hold none of them).
+      for (int r = 0; r < rows; ++r) {
+        const int seen = token_context[first + (r % rows_per_head) / group] - begin;
+        const int visible = seen < 0 ? 0 : seen > length ? length : seen;
+        float* s = scores.data() + static_cast<size_t>(r) * length;
+#ifdef PAGED_AVX2
+        const float max = max_of(s, visible);
+        const float sum = visible > 0 ? softmax_numerators(s, visible, max) : 0.0f;
 #else
-          float max = -INFINITY;
-          for (int pos = 0; pos < visible; ++pos) max = s[pos] > max ? s[pos] : max;
-          sum = 0.0f;
-          for (int pos = 0; pos < visible; ++pos) {
-            s[pos] = std::exp(s[pos] - max);
-            sum += s[pos];
-          }
-#endif
-          for (int pos = visible; pos < context; ++pos) s[pos] = 0.0f;
-          inv_sum[r] = 1.0f / sum;
+        float max = -INFINITY;
+        for (int pos = 0; pos < visible; ++pos) max = s[pos] > max ? s[pos] : max;
+        float sum = 0.0f;
+        for (int pos = 0; pos < visible; ++pos) {
+          s[pos] = std::exp(s[pos] - max);
+          sum += s[pos];
         }
-        // Pass 2: the weighted sum of values.
-        for (int b = 0; b < num_blocks; ++b) {
-          if (b + kPrefetchAhead < num_blocks) prefetch(value_cache, b + kPrefetchAhead, ToL1{});
-          const int n = context - b * block_size < block_size ? context - b * block_size : block_size;
-          for (int h = 0; h < heads_per_item; ++h) {
-            const T* values = tile(value_cache, b, first_head + h);
-            for_row_groups(h * rows_per_head, rows_per_head, [&](int r, auto rows_here) {
-              constexpr int R = decltype(rows_here)::value;
-              const float* p = scores.data() + static_cast<size_t>(r) * context + b * block_size;
-              float* a = acc.data() + static_cast<size_t>(r) * head_dim;
+#endif
+        for (int pos = visible; pos < length; ++pos) s[pos] = 0.0f;
+        row_max[r] = max;
+        inv_sum[r] = sum;
+      }
+      // Pass 2: the weighted sum of values.
+      for (int b = b0; b < b1; ++b) {
+        if (b + kPrefetchAhead < b1) prefetch(value_cache, b + kPrefetchAhead, ToL1{});
+        const int offset = (b - b0) * block_size;
+        const int n = length - offset < block_size ? length - offset : block_size;
+        for (int h = 0; h < heads_per_unit; ++h) {
+          const T* values = tile(value_cache, b, first_head + h);
+          for_row_groups(h * rows_per_head, rows_per_head, [&](int r, auto rows_here) {
+            constexpr int R = decltype(rows_here)::value;
+            const float* p = scores.data() + static_cast<size_t>(r) * length + offset;
+            float* a = acc.data() + static_cast<size_t>(r) * head_dim;
 #ifdef PAGED_AVX2
-              if (vector) return accumulate_values<R>(p, context, values, n, head_dim, a);
+            if (vector) return accumulate_values<R>(p, length, values, n, head_dim, a);
 #endif
-              for (int i = 0; i < R; ++i)
-                accumulate_values_portable(p + static_cast<size_t>(i) * context, values, n, head_dim, a + i * head_dim);
-            });
-          }
+            for (int i = 0; i < R; ++i)
+              accumulate_values_portable(p + static_cast<size_t>(i) * length, values, n, head_dim, a + i * head_dim);
+          });
         }
-        for (int h = 0; h < heads_per_item; ++h)
-          for (int t = 0; t < count; ++t)
-            for (int g = 0; g < group; ++g) {
-              const int r = (h * count + t) * group + g;
-              Q* o = out + (static_cast<int64_t>(first + t) * num_heads + (first_head + h) * group + g) * head_dim;
-              for (int d = 0; d < head_dim; ++d) from_float(acc[static_cast<size_t>(r) * head_dim + d] * inv_sum[r], o + d);
-            }
+      }
+      if (unit.partial >= 0) {  // keep the unnormalised sums for the merge
+        for (int r = 0; r < rows; ++r) {
+          float* dst = partials.data() + static_cast<size_t>(unit.partial + r) * partial_width;
+          std::memcpy(dst, acc.data() + static_cast<size_t>(r) * head_dim, sizeof(float) * head_dim);
+          dst[head_dim] = row_max[r];
+          dst[head_dim + 1] = inv_sum[r];
+        }
+        continue;
+      }
+      for (int h = 0; h < heads_per_unit; ++h)
+        for (int t = 0; t < count; ++t)
+          for (int g = 0; g < group; ++g) {
+            const int r = (h * count + t) * group + g;
+            Q* o = out + (static_cast<int64_t>(first + t) * num_heads + (first_head + h) * group + g) * head_dim;
+            const float inv = 1.0f / inv_sum[r];
+            for (int d = 0; d < head_dim; ++d) from_float(acc[static_cast<size_t>(r) * head_dim + d] * inv, o + d);
+          }
+    }
+
+    // Merge the partitions of each split item: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
+#pragma omp for schedule(dynamic, 1)
+    for (size_t u = 0; u < units.size(); ++u) {
+      const Unit& unit = units[u];
+      if (unit.partial < 0 || unit.block_begin != 0) continue;  // one merge per split item and head group
+      const int item = unit.item, first = item_first_token[item], count = item_num_tokens[item];
+      const int rows = count * group * heads_per_unit;
+      const int parts = item_partitions[item];
+      std::vector<float> merged(head_dim);
+      for (int r = 0; r < rows; ++r) {
+        float max = -INFINITY;
+        for (int p = 0; p < parts; ++p) {
+          const float* part = partials.data() + static_cast<size_t>(units[u + p].partial + r) * partial_width;
+          if (part[head_dim + 1] > 0.0f) max = part[head_dim] > max ? part[head_dim] : max;
+        }
+        float sum = 0.0f;
+        std::fill(merged.begin(), merged.end(), 0.0f);
+        for (int p = 0; p < parts; ++p) {
+          const float* part = partials.data() + static_cast<size_t>(units[u + p].partial + r) * partial_width;
+          if (part[head_dim + 1] <= 0.0f) continue;  // saw no keys
+          const float w = std::exp(part[head_dim] - max);
+          sum += w * part[head_dim + 1];
+          for (int d = 0; d < head_dim; ++d) merged[d] += w * part[d];
+        }
+        const int h = r / (count * group), t = (r / group) % count, g = r % group;
+        Q* o = out + (static_cast<int64_t>(first + t) * num_heads + (unit.first_head + h) * group + g) * head_dim;
+        const float inv = 1.0f / sum;
+        for (int d = 0; d < head_dim; ++d) from_float(merged[d] * inv, o + d);
       }
     }
   }

@@ -1,0 +1,124 @@
+// Sampling over the vocabulary, one row of logits per sequence, rows spread over threads:
+//   logsumexp_rows: log sum_j exp(x_j) (the normaliser of the reported log-probabilities)
+//   sample_rows: the token whose interval of the cumulative distribution softmax(x / T) holds
+//                u * total, for a uniform u drawn by the caller
+// Each replaces a chain of torch operators (divide, softmax, cumsum, search) that each stream
+// the whole [rows, vocab] tensor through memory; here a row is read three times from cache.
+// Masked tokens (x = -inf) have probability exactly zero and are never drawn.
+
+#include <cmath>
+#include <cstdint>
+
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include "simd.h"
+#define SAMPLING_AVX2 1
+#endif
+
+namespace {
+
+#ifdef SAMPLING_AVX2
+using namespace pagedllm_simd;
+
+// exp((x - max) * inv_t) for 8 logits, exactly 0 where x is -inf.
+inline __m256 weights8(const float* x, __m256 max, __m256 inv_t) {
+  const __m256 v = _mm256_loadu_ps(x);
+  const __m256 finite = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ);
+  return _mm256_and_ps(exp8(_mm256_mul_ps(_mm256_sub_ps(v, max), inv_t)), finite);
+}
+#endif
+
+inline float weight1(float x, float max, float inv_t) { return x == -INFINITY ? 0.0f : std::exp((x - max) * inv_t); }
+
+float row_max(const float* x, int64_t n) {
+  float max = -INFINITY;
+  int64_t j = 0;
+#ifdef SAMPLING_AVX2
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + j));
+  max = hmax(vmax);
+#endif
+  for (; j < n; ++j) max = x[j] > max ? x[j] : max;
+  return max;
+}
+
+// Sum of the weights, in blocks of 8 added in order: `draw` walks the same blocks in the same
+// order, so its running sum reaches exactly this total.
+float row_total(const float* x, int64_t n, float max, float inv_t) {
+  float total = 0.0f;
+  int64_t j = 0;
+#ifdef SAMPLING_AVX2
+  const __m256 vmax = _mm256_set1_ps(max), vinv = _mm256_set1_ps(inv_t);
+  for (; j + 8 <= n; j += 8) total += hsum(weights8(x + j, vmax, vinv));
+#endif
+  for (; j < n; ++j) total += weight1(x[j], max, inv_t);
+  return total;
+}
+
+// The first token whose running sum of weights exceeds target (the cumulative distribution
+// inverted at target); if rounding leaves the sum just short, the last token of positive weight.
+int64_t draw(const float* x, int64_t n, float max, float inv_t, float target) {
+  float running = 0.0f;
+  int64_t j = 0, last_positive = 0;
+#ifdef SAMPLING_AVX2
+  const __m256 vmax = _mm256_set1_ps(max), vinv = _mm256_set1_ps(inv_t);
+  alignas(32) float lanes[8];
+  for (; j + 8 <= n; j += 8) {
+    const __m256 w = weights8(x + j, vmax, vinv);
+    const float block = hsum(w);
+    if (block <= 0.0f) continue;
+    _mm256_store_ps(lanes, w);
+    if (running + block > target) {  // the draw lies in this block
+      for (int i = 0; i < 8; ++i) {
+        if (lanes[i] <= 0.0f) continue;
+        running += lanes[i];
+        last_positive = j + i;
+        if (running > target) return j + i;
+      }
+      return last_positive;
+    }
+    running += block;
+    for (int i = 7; i >= 0; --i)
+      if (lanes[i] > 0.0f) {
+        last_positive = j + i;
+        break;
+      }
+  }
+#endif
+  for (; j < n; ++j) {
+    const float w = weight1(x[j], max, inv_t);
+    if (w <= 0.0f) continue;
+    running += w;
+    last_positive = j;
+    if (running > target) return j;
+  }
+  return last_positive;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [rows, row_stride] float32; out: [rows].
+void logsumexp_rows_f32(float* out, const float* x, int rows, int64_t cols, int64_t row_stride, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int r = 0; r < rows; ++r) {
+    const float* row = x + r * row_stride;
+    const float max = row_max(row, cols);
+    out[r] = max == -INFINITY ? -INFINITY : max + std::log(row_total(row, cols, max, 1.0f));
+  }
+}
+
+// tokens[r]: the draw from softmax(x[r] * inv_temperature[r]) at uniform[r] in [0, 1).
+void sample_rows_f32(int64_t* tokens, const float* x, int rows, int64_t cols, int64_t row_stride,
+                     const float* inv_temperature, const float* uniform, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int r = 0; r < rows; ++r) {
+    const float* row = x + r * row_stride;
+    const float max = row_max(row, cols);
+    const float total = row_total(row, cols, max, inv_temperature[r]);
+    tokens[r] = draw(row, cols, max, inv_temperature[r], uniform[r] * total);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,51 @@
+"""Projections through oneDNN with weights packed at load time, against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.reference import ReferenceAttentionBackend
+from pagedllm.kernels import onednn
+from pagedllm.model.layers import linear
+from pagedllm.model.loader import load_model, resolve_model
+
+
+def test_onednn_is_available_on_this_build():
+    # The fast float32 path of every CPU projection; a torch without it falls back to F.linear.
+    assert onednn.available()
+
+
+@pytest.mark.parametrize("rows", [1, 13, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 160, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    x = torch.randn(rows, 160, generator=gen)
+    packed = onednn.pack(weight)
+    torch.testing.assert_close(onednn.packed_linear(x, packed, b), F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
+    # Strided rows and a leading batch dimension are taken as they come.
+    wide = torch.randn(rows, 320, generator=gen)[:, ::2]
+    torch.testing.assert_close(onednn.packed_linear(wide, packed, b), F.linear(wide, weight, b), atol=1e-4, rtol=1e-5)
+    x3 = torch.randn(2, rows, 160, generator=gen)
+    torch.testing.assert_close(onednn.packed_linear(x3, packed, b), F.linear(x3, weight, b), atol=1e-4, rtol=1e-5)
+
+
+def test_pack_declines_what_it_cannot_take():
+    assert onednn.pack(torch.randn(8, 16, dtype=torch.bfloat16)) is None
+    assert onednn.pack(torch.randn(16)) is None
+
+
+def test_loaded_models_pack_every_projection_and_linear_uses_it(tiny_llama, monkeypatch):
+    model = load_model(resolve_model(str(tiny_llama)), 64, ReferenceAttentionBackend(), torch.float32, torch.device("cpu"))
+    layer = model.model.layers[0]
+    weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+               layer.mlp.down_proj.weight, model.lm_head.weight]
+    assert all(w.packed is not None for w in weights)
+    x = torch.randn(5, weights[0].shape[1])
+    calls = []
+    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append(args) or F.linear(x, weights[0]))
+    linear(x, weights[0])
+    assert len(calls) == 1 and calls[0][1] is weights[0].packed
