@@ -19,7 +19,7 @@ def _quantized(qtype: str, out_features: int, in_features: int, seed: int):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 15])  # every row-group size, and a group plus a rest
 @pytest.mark.parametrize("shape", [(96, 64), (130, 576)])
 def test_quantized_matmul_equals_the_dequantized_product(qtype, rows, shape):
     matrix, dense = _quantized(qtype, *shape, seed=rows)

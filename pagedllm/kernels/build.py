@@ -91,7 +91,7 @@ def load() -> ctypes.CDLL:
         getattr(lib, f"paged_attention_{types}").restype = None
         getattr(lib, f"write_kv_{types}").argtypes = _WRITE_ARGS
         getattr(lib, f"write_kv_{types}").restype = None
-    lib.quant_matmul_f32.argtypes = [_P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.quant_matmul_f32.argtypes = [_P, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.quant_matmul_f32.restype = None
     lib.fused_add_rms_norm_f32.argtypes = [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     lib.rotary_neox_f32.argtypes = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]

@@ -50,7 +50,7 @@ def _keep_quantized(param: nn.Parameter, weight: LazyWeight, part: int = 0, num_
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b: from the quantized blocks for a few rows of x when the weight has them, else
-    from the oneDNN-packed weight when it has one (`pack_linear_weights`), else `F.linear`."""
+    from the oneDNN-packed weight when it has one (`prepare_linear_weights`), else `F.linear`."""
     quantized = getattr(weight, "quantized", None)
     if usable(quantized, x):
         y = quantized_matmul(x, quantized)
@@ -61,11 +61,15 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Reorder every projection weight of `model` for oneDNN (float32 on CPU); call once the
-    weights are loaded and placed. Returns how many weights were packed."""
+def prepare_linear_weights(model: nn.Module) -> int:
+    """Lay out every projection weight of `model` for its kernels, once the weights are loaded
+    and placed: reordered for oneDNN (float32 on CPU), and quantized blocks unpacked for the
+    quantized kernel. Returns how many weights were packed for oneDNN."""
     linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
     params = {id(m.weight): m.weight for m in model.modules() if isinstance(m, linears)}
+    for param in params.values():
+        if getattr(param, "quantized", None) is not None:
+            param.quantized.unpack()
     return onednn.pack_weights(list(params.values()))
 
 

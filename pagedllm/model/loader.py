@@ -18,7 +18,7 @@ from pagedllm.attention import AttentionBackend
 from pagedllm.config import DEFAULT_MODEL
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.arch import ModelArchConfig
-from pagedllm.model.layers import pack_linear_weights
+from pagedllm.model.layers import prepare_linear_weights
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.weights import GGUFWeight, LazyWeight, SafetensorsWeight
 
@@ -188,5 +188,5 @@ def load_model(
         model = LlamaForCausalLM(arch, max_position, backend, tp, dtype)
         model.load_weights(weights)
     model = model.to(device).eval()
-    pack_linear_weights(model)
+    prepare_linear_weights(model)
     return model

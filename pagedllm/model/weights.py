@@ -106,7 +106,7 @@ class GGUFWeight:
         rows, cols = self.ranges
         if cols.start % BLOCK or len(cols) % BLOCK:
             return None
-        block_bytes = QUANT_TYPES[qtype][1]
+        block_bytes = QUANT_TYPES[qtype]
         data = self.tensor.data[rows.start : rows.stop, cols.start // BLOCK * block_bytes : cols.stop // BLOCK * block_bytes]
         if self.rotary_head_dim is not None:  # rows are independent: reorder whole quantized rows
             data = unpermute_rotary_rows(data, len(rows) // self.rotary_head_dim)
