@@ -58,6 +58,43 @@ inline void dot_rows(float* y, int64_t out_features, const float* x, int64_t in_
   }
 }
 
+// y[r * out_features] = x_r . w for `rows` rows of x (at most kRowGroup) and one row of W.
+template <bool kSigned, bool kMin>
+inline void row_group(float* y, int64_t out_features, const float* x, int64_t in_features, const uint8_t* values,
+                      const float* scales, const float* mins, int num_blocks, int rows) {
+  switch (rows) {
+    case 1: return dot_rows<1, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+    case 2: return dot_rows<2, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+    case 3: return dot_rows<3, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+    case 4: return dot_rows<4, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+    case 5: return dot_rows<5, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+    case 6: return dot_rows<6, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+    case 7: return dot_rows<7, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+    default: return dot_rows<8, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+  }
+}
+
+#else  // portable
+
+template <bool kSigned, bool kMin>
+inline void row_group(float* y, int64_t out_features, const float* x, int64_t in_features, const uint8_t* values,
+                      const float* scales, const float* mins, int num_blocks, int rows) {
+  for (int r = 0; r < rows; ++r) {
+    float dot = 0.0f;
+    for (int b = 0; b < num_blocks; ++b) {
+      const float m = kMin ? mins[b] : 0.0f;
+      for (int j = 0; j < kBlock; ++j) {
+        const int k = b * kBlock + j;
+        const float q = kSigned ? static_cast<float>(static_cast<int8_t>(values[k])) : static_cast<float>(values[k]);
+        dot += (q * scales[b] + m) * x[r * in_features + k];
+      }
+    }
+    y[r * out_features] = dot;
+  }
+}
+
+#endif
+
 template <bool kSigned, bool kMin>
 void matmul(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins, int num_rows,
             int out_features, int in_features, int num_threads) {
@@ -68,49 +105,12 @@ void matmul(float* y, const float* x, const uint8_t* values, const float* scales
     const float* d = scales + static_cast<int64_t>(n) * num_blocks;
     const float* m = kMin ? mins + static_cast<int64_t>(n) * num_blocks : nullptr;
     for (int r0 = 0; r0 < num_rows; r0 += kRowGroup) {
-      float* yr = y + static_cast<int64_t>(r0) * out_features + n;
-      const float* xr = x + static_cast<int64_t>(r0) * in_features;
-      switch (num_rows - r0 < kRowGroup ? num_rows - r0 : kRowGroup) {
-        case 1: dot_rows<1, kSigned, kMin>(yr, out_features, xr, in_features, v, d, m, num_blocks); break;
-        case 2: dot_rows<2, kSigned, kMin>(yr, out_features, xr, in_features, v, d, m, num_blocks); break;
-        case 3: dot_rows<3, kSigned, kMin>(yr, out_features, xr, in_features, v, d, m, num_blocks); break;
-        case 4: dot_rows<4, kSigned, kMin>(yr, out_features, xr, in_features, v, d, m, num_blocks); break;
-        case 5: dot_rows<5, kSigned, kMin>(yr, out_features, xr, in_features, v, d, m, num_blocks); break;
-        case 6: dot_rows<6, kSigned, kMin>(yr, out_features, xr, in_features, v, d, m, num_blocks); break;
-        case 7: dot_rows<7, kSigned, kMin>(yr, out_features, xr, in_features, v, d, m, num_blocks); break;
-        default: dot_rows<8, kSigned, kMin>(yr, out_features, xr, in_features, v, d, m, num_blocks); break;
-      }
+      const int rows = num_rows - r0 < kRowGroup ? num_rows - r0 : kRowGroup;
+      row_group<kSigned, kMin>(y + static_cast<int64_t>(r0) * out_features + n, out_features,
+                               x + static_cast<int64_t>(r0) * in_features, in_features, v, d, m, num_blocks, rows);
     }
   }
 }
-
-#else  // portable
-
-template <bool kSigned, bool kMin>
-void matmul(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins, int num_rows,
-            int out_features, int in_features, int num_threads) {
-  const int num_blocks = in_features / kBlock;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int n = 0; n < out_features; ++n) {
-    const uint8_t* v = values + static_cast<int64_t>(n) * in_features;
-    for (int r = 0; r < num_rows; ++r) {
-      const float* xr = x + static_cast<int64_t>(r) * in_features;
-      float dot = 0.0f;
-      for (int b = 0; b < num_blocks; ++b) {
-        const float d = scales[static_cast<int64_t>(n) * num_blocks + b];
-        const float m = kMin ? mins[static_cast<int64_t>(n) * num_blocks + b] : 0.0f;
-        for (int j = 0; j < kBlock; ++j) {
-          const int k = b * kBlock + j;
-          const float q = kSigned ? static_cast<float>(static_cast<int8_t>(v[k])) : static_cast<float>(v[k]);
-          dot += (q * d + m) * xr[k];
-        }
-      }
-      y[static_cast<int64_t>(r) * out_features + n] = dot;
-    }
-  }
-}
-
-#endif
 
 }  // namespace
 
