@@ -43,6 +43,8 @@ def test_the_default_model_keeps_its_quantized_blocks(smollm_llm):
     assert layer.mlp.gate_up_proj.weight.quantized.out_features == 2 * 1536
     assert layer.mlp.down_proj.weight.quantized.in_features == 1536
     assert model.lm_head.weight.quantized.qtype == "Q8_0"  # the tied embedding table
+    # Unpacked for the kernel at load time, not during the first request's step.
+    assert layer.mlp.down_proj.weight.quantized.is_unpacked and model.lm_head.weight.quantized.is_unpacked
     # Quantized and float paths agree on every layer's projections (and q/k row order).
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
     for param in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight, model.lm_head.weight):

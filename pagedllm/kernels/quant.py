@@ -43,6 +43,10 @@ class QuantizedMatrix:
     def out_features(self) -> int:
         return self.data.shape[0]
 
+    @property
+    def is_unpacked(self) -> bool:
+        return self._unpacked is not None
+
     def unpack(self) -> Unpacked:
         """The kernel's layout of these blocks, built on first call."""
         if self._unpacked is None:

@@ -68,7 +68,8 @@ def prepare_linear_weights(model: nn.Module) -> int:
     linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
     params = {id(m.weight): m.weight for m in model.modules() if isinstance(m, linears)}
     for param in params.values():
-        if getattr(param, "quantized", None) is not None:
+        # The quantized kernel serves float32 on a CPU only; elsewhere the blocks stay packed.
+        if getattr(param, "quantized", None) is not None and param.dtype == torch.float32 and param.device.type == "cpu":
             param.quantized.unpack()
     return onednn.pack_weights(list(params.values()))
 
