@@ -4,16 +4,20 @@ Pure Python: nothing here imports torch, numpy or any other heavy library, so th
 tested in milliseconds and drive the workers only through plain-data `SchedulerOutput`s.
 """
 
-from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.block_manager import BlockManager, PendingCacheOps
 from pagedllm.core.block_pool import BlockPool, KVBlock
-from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.core.scheduler import PreemptionMode, Scheduler, SchedulerStats
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
-from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core.sequence import BeamState, Detokenizer, Sequence, SequenceGroup, SequenceStatus
 
 __all__ = [
+    "BeamState",
     "BlockManager",
     "BlockPool",
+    "Detokenizer",
     "KVBlock",
+    "PendingCacheOps",
+    "PreemptionMode",
     "ScheduledSequence",
     "Scheduler",
     "SchedulerOutput",

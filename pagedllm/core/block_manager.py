@@ -4,10 +4,18 @@ Each sequence sees a contiguous run of logical blocks; its block table maps them
 blocks anywhere in the pool. Slots are allocated one block at a time as tokens arrive, so a
 sequence wastes at most its last, partly filled block.
 
-Every mutation comes in a check-then-act pair (`blocks_needed` + `can_allocate` / `allocate`,
-`can_swap_out` / `swap_out`, `swap_in_blocks_needed` / `swap_in`), so state never changes
-halfway. Copies and swaps to be carried out by the workers accumulate in `pending_*` lists,
-which the scheduler drains into each step's control message.
+Every mutation comes in a check-then-act pair (`blocks_needed` + `can_allocate` /
+`adopt_cached_prefix` and `allocate`, `can_fork` / `fork`, `can_swap_out` / `swap_out`,
+`swap_in_blocks_needed` / `swap_in`), so state never changes halfway, and each act returns what
+it did. Copies and swaps to be carried out by the workers accumulate until the scheduler drains
+them (`drain_pending`) into each step's control message.
+
+Invariants (`check_invariants` verifies them):
+- a device or CPU block's reference count equals the number of block tables holding it;
+- the free queue holds exactly the blocks with no reference (free + referenced = total);
+- a block table is append-only while its sequence runs, except for the one copy-on-write swap
+  of a shared, partly filled last block;
+- every block in the prefix-cache index carries the hash it is indexed under.
 """
 
 from __future__ import annotations
@@ -15,9 +23,21 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.sequence import Sequence
+from pagedllm.utils import cdiv
+
+BlockMove = tuple[int, int]  # (source block id, destination block id)
+
+
+class PendingCacheOps(NamedTuple):
+    """Block moves the workers must carry out before the next step's model run."""
+
+    swap_out: list[BlockMove]  # (device block, CPU block)
+    swap_in: list[BlockMove]  # (CPU block, device block)
+    copies: list[BlockMove]  # (source, destination), both on the device
 
 
 def hash_block(parent_hash: bytes | None, token_ids: Iterable[int]) -> bytes:
@@ -61,9 +81,7 @@ class BlockManager:
         self._tables: dict[int, _Table] = {}
         self._cpu_tables: dict[int, list[KVBlock]] = {}
         self._hashes: dict[int, list[bytes]] = {}
-        self.pending_copies: list[tuple[int, int]] = []
-        self.pending_swap_out: list[tuple[int, int]] = []
-        self.pending_swap_in: list[tuple[int, int]] = []
+        self._pending = PendingCacheOps([], [], [])
         # Counters for stats.
         self.num_copy_on_writes = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -80,6 +98,14 @@ class BlockManager:
         return self.pool.num_blocks
 
     @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free_blocks
+
+    @property
     def usage(self) -> float:
         """Fraction of device blocks referenced by some sequence."""
         return 1.0 - self.pool.num_free_blocks / max(1, self.pool.num_blocks)
@@ -94,7 +120,7 @@ class BlockManager:
         return seq_id in self._tables
 
     def ref_count(self, block_id: int) -> int:
-        return self.pool.blocks[block_id].ref_cnt
+        return self.pool.blocks[block_id].ref_count
 
     def live_tables(self) -> dict[int, list[int]]:
         """Every device block table, for invariant checks."""
@@ -104,7 +130,7 @@ class BlockManager:
         return {seq_id: [b.block_id for b in blocks] for seq_id, blocks in self._cpu_tables.items()}
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # --- prefix cache -----------------------------------------------------------------------
 
@@ -143,16 +169,17 @@ class BlockManager:
 
     def _needs_copy_on_write(self, table: _Table, num_computed: int) -> bool:
         index = num_computed // self.block_size
-        return index < len(table.blocks) and table.blocks[index].ref_cnt > 1
+        return index < len(table.blocks) and table.blocks[index].ref_count > 1
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: list[KVBlock] | None = None) -> int:
-        """Free blocks that `allocate(seq, num_new_tokens, prefix)` would take."""
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] | None = None) -> int:
+        """Free blocks that `num_new_tokens` more tokens of `seq` would take; for a sequence
+        without blocks, after adopting `cached_prefix` (from `find_cached_prefix`)."""
         table = self._tables.get(seq.seq_id)
         if table is None:
-            prefix = prefix or []
+            prefix = cached_prefix or []
             total = self.blocks_for_tokens(len(prefix) * self.block_size + num_new_tokens)
             # A cache hit on an unreferenced block takes it out of the free queue.
-            revived = sum(1 for b in prefix if b.ref_cnt == 0)
+            revived = sum(1 for b in prefix if b.ref_count == 0)
             return total - len(prefix) + revived
         total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
         needed = max(0, total - len(table.blocks))
@@ -164,44 +191,43 @@ class BlockManager:
         reserve = self.watermark_blocks if keep_watermark else 0
         return self.pool.num_free_blocks - num_blocks >= reserve
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[KVBlock] | None = None) -> int:
-        """Make room for `num_new_tokens` more tokens of `seq`, starting at its computed tokens.
+    def adopt_cached_prefix(self, seq: Sequence, cached_prefix: list[KVBlock]) -> int:
+        """Start the block table of a sequence that has none with `cached_prefix` (from
+        `find_cached_prefix`, possibly empty), taking a reference to each block. Returns the
+        number of tokens those blocks hold, which the caller marks computed."""
+        if seq.seq_id in self._tables:
+            raise RuntimeError(f"sequence {seq.seq_id} already has blocks; only a new or preempted one adopts a prefix")
+        for block in cached_prefix:
+            self.pool.share(block)
+        self._tables[seq.seq_id] = _Table(list(cached_prefix), num_published=len(cached_prefix))
+        num_cached = len(cached_prefix) * self.block_size
+        if seq.num_computed_tokens == 0 and seq.num_output_tokens == 0:
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += num_cached
+        return num_cached
 
-        For a sequence without blocks, `prefix` (from `find_cached_prefix`) becomes the start of
-        its table, and the number of tokens it covers is returned (the caller marks them computed).
-        A shared, partly filled block about to be written is copied first (copy-on-write).
-        """
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make room for `num_new_tokens` more tokens of `seq`, after its computed tokens. A
+        shared, partly filled block about to be written is copied first (copy-on-write)."""
         table = self._tables.get(seq.seq_id)
-        num_cached = 0
         if table is None:
-            prefix = prefix or []
-            for block in prefix:
-                self.pool.share(block)
-            table = self._tables[seq.seq_id] = _Table(list(prefix), num_published=len(prefix))
-            num_cached = len(prefix) * self.block_size
-            if seq.num_computed_tokens == 0 and seq.num_output_tokens == 0:
-                self.prefix_queries += seq.num_prompt_tokens
-                self.prefix_hits += num_cached
-            num_computed = num_cached
-        else:
-            num_computed = seq.num_computed_tokens
-            if self._needs_copy_on_write(table, num_computed):
-                index = num_computed // self.block_size
-                old = table.blocks[index]
-                new = self.pool.allocate()
-                self.pending_copies.append((old.block_id, new.block_id))
-                self.pool.release([old])
-                table.blocks[index] = new
-                self.num_copy_on_writes += 1
-        total = self.blocks_for_tokens(num_computed + num_new_tokens)
+            table = self._tables[seq.seq_id] = _Table([])
+        elif self._needs_copy_on_write(table, seq.num_computed_tokens):
+            index = seq.num_computed_tokens // self.block_size
+            old = table.blocks[index]
+            new = self.pool.allocate()
+            self._pending.copies.append((old.block_id, new.block_id))
+            self.pool.free([old])
+            table.blocks[index] = new
+            self.num_copy_on_writes += 1
+        total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
         if len(table.blocks) < total:
             # Blocks taken together go in ascending id order (the same blocks, the same evictions):
             # the free queue holds freed chains tail first, and the CPU attention kernel streams
-            # ascending runs of blocks about twice as fast as descending or scattered ones.
+            # ascending runs of blocks faster than descending or scattered ones.
             fresh = [self.pool.allocate() for _ in range(total - len(table.blocks))]
             fresh.sort(key=lambda block: block.block_id)
             table.blocks.extend(fresh)
-        return num_cached
 
     def commit(self, seq: Sequence) -> None:
         """After a step advanced `seq.num_computed_tokens`: publish its newly full blocks."""
@@ -221,25 +247,23 @@ class BlockManager:
             self._tables[child.seq_id] = _Table(list(table.blocks), table.num_published)
         else:
             copies = [self.pool.allocate() for _ in table.blocks]
-            self.pending_copies.extend((old.block_id, new.block_id) for old, new in zip(table.blocks, copies))
+            self._pending.copies.extend((old.block_id, new.block_id) for old, new in zip(table.blocks, copies))
             self._tables[child.seq_id] = _Table(copies, table.num_published)
         if parent.seq_id in self._hashes:
             self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
 
-    def free(self, seq: Sequence) -> None:
-        """Release the sequence's device blocks, tail first (so the prefix cache evicts a chain's
-        end before its beginning). Its hashes stay, for a resumed (recomputed) sequence."""
+    def free(self, seq: Sequence, keep_hashes: bool = False) -> None:
+        """Release the sequence's device and CPU blocks, tail first (so the prefix cache evicts a
+        chain's end before its beginning). `keep_hashes` keeps its block hashes for when it is
+        recomputed after a preemption."""
         table = self._tables.pop(seq.seq_id, None)
         if table is not None:
-            self.pool.release(reversed(table.blocks))
+            self.pool.free(reversed(table.blocks))
         cpu_blocks = self._cpu_tables.pop(seq.seq_id, None)
         if cpu_blocks is not None:
-            self.cpu_pool.release(reversed(cpu_blocks))
-
-    def forget(self, seq: Sequence) -> None:
-        """A finished sequence: release everything, hashes included."""
-        self.free(seq)
-        self._hashes.pop(seq.seq_id, None)
+            self.cpu_pool.free(reversed(cpu_blocks))
+        if not keep_hashes:
+            self._hashes.pop(seq.seq_id, None)
 
     # --- swapping ---------------------------------------------------------------------------
 
@@ -247,9 +271,9 @@ class BlockManager:
         blocks = _distinct(self._tables[s.seq_id].blocks for s in seqs)
         return len(blocks) <= self.cpu_pool.num_free_blocks
 
-    def swap_out(self, seqs: list[Sequence]) -> None:
-        """Move the sequences' blocks to CPU blocks. A block shared inside the group is copied
-        once and stays shared on the CPU."""
+    def swap_out(self, seqs: list[Sequence]) -> int:
+        """Move the sequences' blocks to CPU blocks; returns how many blocks were copied out. A
+        block shared inside the group is copied once and stays shared on the CPU."""
         mapping: dict[int, KVBlock] = {}
         for seq in seqs:
             table = self._tables.pop(seq.seq_id)
@@ -258,12 +282,13 @@ class BlockManager:
                 cpu_block = mapping.get(id(block))
                 if cpu_block is None:
                     cpu_block = mapping[id(block)] = self.cpu_pool.allocate()
-                    self.pending_swap_out.append((block.block_id, cpu_block.block_id))
+                    self._pending.swap_out.append((block.block_id, cpu_block.block_id))
                 else:
                     self.cpu_pool.share(cpu_block)
                 cpu_blocks.append(cpu_block)
             self._cpu_tables[seq.seq_id] = cpu_blocks
-            self.pool.release(reversed(table.blocks))
+            self.pool.free(reversed(table.blocks))
+        return len(mapping)
 
     def swap_in_blocks_needed(self, seqs: list[Sequence]) -> int:
         """Device blocks needed to bring the sequences back and give each room for one token."""
@@ -272,11 +297,12 @@ class BlockManager:
             cpu_blocks = self._cpu_tables[seq.seq_id]
             needed += max(0, self.blocks_for_tokens(seq.num_computed_tokens + 1) - len(cpu_blocks))
             index = seq.num_computed_tokens // self.block_size
-            if index < len(cpu_blocks) and cpu_blocks[index].ref_cnt > 1:
+            if index < len(cpu_blocks) and cpu_blocks[index].ref_count > 1:
                 needed += 1  # its last block is shared inside the group: copy-on-write
         return needed
 
-    def swap_in(self, seqs: list[Sequence]) -> None:
+    def swap_in(self, seqs: list[Sequence]) -> int:
+        """Bring the sequences' blocks back from the CPU; returns how many blocks were copied in."""
         mapping: dict[int, KVBlock] = {}
         for seq in seqs:
             cpu_blocks = self._cpu_tables.pop(seq.seq_id)
@@ -285,18 +311,50 @@ class BlockManager:
                 block = mapping.get(id(cpu_block))
                 if block is None:
                     block = mapping[id(cpu_block)] = self.pool.allocate()
-                    self.pending_swap_in.append((cpu_block.block_id, block.block_id))
+                    self._pending.swap_in.append((cpu_block.block_id, block.block_id))
                 else:
                     self.pool.share(block)
                 blocks.append(block)
             self._tables[seq.seq_id] = _Table(blocks)
-            self.cpu_pool.release(reversed(cpu_blocks))
+            self.cpu_pool.free(reversed(cpu_blocks))
+        return len(mapping)
 
-    def drain_pending(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
-        """(swap_out, swap_in, copies) accumulated since the last call."""
-        out = (self.pending_swap_out, self.pending_swap_in, self.pending_copies)
-        self.pending_swap_out, self.pending_swap_in, self.pending_copies = [], [], []
-        return out
+    def drain_pending(self) -> PendingCacheOps:
+        """The swaps and copies asked for since the last call."""
+        pending, self._pending = self._pending, PendingCacheOps([], [], [])
+        return pending
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()
+
+    # --- invariants -------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise `AssertionError` naming the first broken invariant (see the module docstring).
+        O(blocks + table entries): for tests and the engine's debug mode, not the hot path."""
+        for name, pool, tables in (
+            ("device", self.pool, [t.blocks for t in self._tables.values()]),
+            ("CPU", self.cpu_pool, list(self._cpu_tables.values())),
+        ):
+            holders = [0] * pool.num_blocks
+            for blocks in tables:
+                for block in blocks:
+                    if pool.blocks[block.block_id] is not block:
+                        raise AssertionError(f"a {name} table holds block {block.block_id} of another pool")
+                    holders[block.block_id] += 1
+            for block in pool.blocks:
+                if block.ref_count != holders[block.block_id]:
+                    raise AssertionError(
+                        f"{name} block {block.block_id} has reference count {block.ref_count} "
+                        f"but {holders[block.block_id]} block tables hold it"
+                    )
+            queued = [block.block_id for block in pool.free_queue]
+            unreferenced = sorted(block.block_id for block in pool.blocks if block.ref_count == 0)
+            if len(queued) != pool.num_free_blocks or sorted(queued) != unreferenced:
+                raise AssertionError(
+                    f"the {name} free queue holds {len(queued)} blocks but {len(unreferenced)} are unreferenced "
+                    f"(free + referenced must equal the {pool.num_blocks} blocks)"
+                )
+            for block_hash, block in pool.cached.items():
+                if block.block_hash != block_hash:
+                    raise AssertionError(f"{name} block {block.block_id} is indexed under a hash it does not carry")

@@ -17,17 +17,17 @@ from collections.abc import Iterable, Iterator
 class KVBlock:
     """One physical block. `prev_free`/`next_free` link it into the free queue while free."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
-        self.ref_cnt = 0
+        self.ref_count = 0
         self.block_hash: bytes | None = None
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+        return f"KVBlock(id={self.block_id}, ref_count={self.ref_count}, cached={self.block_hash is not None})"
 
 
 class FreeBlockQueue:
@@ -96,23 +96,23 @@ class BlockPool:
             del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1
-        block.ref_cnt = 1
+        block.ref_count = 1
         return block
 
     def share(self, block: KVBlock) -> None:
         """Take one more reference to `block` (a fork, or a prefix-cache hit on a free block)."""
-        if block.ref_cnt == 0:
+        if block.ref_count == 0:
             self.free_queue.remove(block)
-        block.ref_cnt += 1
+        block.ref_count += 1
 
-    def release(self, blocks: Iterable[KVBlock]) -> None:
+    def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference to each block, in the given order; blocks reaching 0 join the free
         queue in that order (so pass a chain tail first)."""
         for block in blocks:
-            if block.ref_cnt <= 0:
+            if block.ref_count <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            block.ref_count -= 1
+            if block.ref_count == 0:
                 self.free_queue.append(block)
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
@@ -130,7 +130,7 @@ class BlockPool:
         """Forget every cached block that nobody references; returns how many were forgotten."""
         forgotten = 0
         for block_hash, block in list(self.cached.items()):
-            if block.ref_cnt == 0:
+            if block.ref_count == 0:
                 del self.cached[block_hash]
                 block.block_hash = None
                 forgotten += 1

@@ -17,14 +17,22 @@ preempted and resumed together, and they sample in the same step.
 from __future__ import annotations
 
 import bisect
+import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.sampling_params import SamplingType
+
+
+class PreemptionMode(enum.Enum):
+    """How a preempted group gives its blocks back (the configuration's `auto` picks one per victim)."""
+
+    SWAP = "swap"  # copy its blocks to the CPU pool, and back when it resumes
+    RECOMPUTE = "recompute"  # drop its blocks; it resumes as one prefill of all its tokens
 
 
 @dataclass
@@ -34,6 +42,15 @@ class SchedulerStats:
     num_swap_preemptions: int = 0
     num_blocks_swapped_out: int = 0
     num_blocks_swapped_in: int = 0
+
+
+@dataclass
+class _Step:
+    """What one `schedule()` call has decided so far, handed from phase to phase."""
+
+    budget: int  # tokens still allowed this step
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: bool = False  # a running group was preempted: nothing else is admitted
 
 
 class Scheduler:
@@ -54,14 +71,14 @@ class Scheduler:
         self.waiting.append(group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
-        """Stop a request wherever it is and release its blocks at once."""
+        """Stop a request wherever it is and free its blocks at once."""
         for queue in (self.waiting, self.running, self.swapped):
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
                     for seq in group.unfinished_seqs():
                         seq.status = SequenceStatus.FINISHED_ABORTED
-                    self._release(group)
+                    self._free_group(group)
                     return group
         return None
 
@@ -80,15 +97,29 @@ class Scheduler:
     # --- scheduling -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
-        preempted = False
+        """Decide the next step, in the three phases of the module docstring."""
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step)
+        if not step.preempted and not self.swapped:
+            self._schedule_waiting(step)
+        cache_ops = self.block_manager.drain_pending()
+        finished, self._finished_request_ids = self._finished_request_ids, []
+        return SchedulerOutput(
+            seqs=step.scheduled,
+            blocks_to_swap_out=cache_ops.swap_out,
+            blocks_to_swap_in=cache_ops.swap_in,
+            blocks_to_copy=cache_ops.copies,
+            finished_request_ids=finished,
+        )
 
-        # 1) Running groups, oldest first; preempt from the newest end when blocks run out.
+    def _schedule_running(self, step: _Step) -> None:
+        """Running groups, oldest first; preempt from the newest end when blocks run out."""
         index = 0
         while index < len(self.running):
             group = self.running[index]
-            plan = self._plan_tokens(group, budget)
+            plan = self._plan_tokens(group, step.budget)
             if plan is None:
                 index += 1
                 continue
@@ -96,70 +127,62 @@ class Scheduler:
             while not self.block_manager.can_allocate(needed):
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted = True
+                step.preempted = True
                 if victim is group:
                     break
             else:
-                budget -= self._allocate_and_emit(group, plan, scheduled)
+                self._allocate_and_emit(group, plan, step)
                 index += 1
 
-        # 2) Swapped groups come back oldest first, unless this step had to preempt.
-        while self.swapped and not preempted:
+    def _schedule_swapped(self, step: _Step) -> None:
+        """Swapped groups come back oldest first, before any new prompt."""
+        bm = self.block_manager
+        while self.swapped:
             group = self.swapped[0]
             seqs = group.unfinished_seqs()
-            if len(seqs) > budget or self.num_running_seqs + len(seqs) > self.config.max_num_seqs:
-                break
-            needed = self.block_manager.swap_in_blocks_needed(seqs)
-            if not self.block_manager.can_allocate(needed, keep_watermark=True):
-                if not self.running and needed > self.block_manager.num_total_blocks - self.block_manager.watermark_blocks:
+            if len(seqs) > step.budget or self.num_running_seqs + len(seqs) > self.config.max_num_seqs:
+                return
+            needed = bm.swap_in_blocks_needed(seqs)
+            if not bm.can_allocate(needed, keep_watermark=True):
+                if not self.running and needed > bm.num_total_blocks - bm.watermark_blocks:
                     self.swapped.pop(0)
                     self._fail(group, "its sequences need more KV cache blocks than the device has")
                     continue
-                break
+                return
             self.swapped.pop(0)
-            before = len(self.block_manager.pending_swap_in)
-            self.block_manager.swap_in(seqs)
-            self.stats.num_blocks_swapped_in += len(self.block_manager.pending_swap_in) - before
+            self.stats.num_blocks_swapped_in += bm.swap_in(seqs)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
-            plan = self._plan_tokens(group, budget)
-            budget -= self._allocate_and_emit(group, plan, scheduled)
+            self._allocate_and_emit(group, self._plan_tokens(group, step.budget), step)
 
-        # 3) Waiting groups, oldest first, while everything fits.
-        while self.waiting and not preempted and not self.swapped and budget > 0:
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Waiting groups, oldest first, while the budget, `max_num_seqs` and the free blocks
+        (minus the watermark) allow. Each sequence first adopts its cached prefix."""
+        bm = self.block_manager
+        while self.waiting and step.budget > 0:
             group = self.waiting[0]
             if self.num_running_seqs + self._reserved_seqs(group) > self.config.max_num_seqs:
-                break
+                return
             prefixes = {seq.seq_id: self._cached_prefix(group, seq) for seq in group.unfinished_seqs()}
-            cached = {seq_id: len(p) * self.block_manager.block_size for seq_id, p in prefixes.items()}
-            plan = self._plan_tokens(group, budget, cached)
+            cached = {seq_id: len(p) * bm.block_size for seq_id, p in prefixes.items()}
+            plan = self._plan_tokens(group, step.budget, cached)
             if plan is None:
-                break
-            needed = sum(self.block_manager.blocks_needed(seq, n, prefixes[seq.seq_id]) for seq, n in plan)
-            if not self.block_manager.can_allocate(needed, keep_watermark=True):
+                return
+            needed = sum(bm.blocks_needed(seq, n, prefixes[seq.seq_id]) for seq, n in plan)
+            if not bm.can_allocate(needed, keep_watermark=True):
                 if not self.running and not self._can_ever_fit(group):
                     self.waiting.popleft()
                     self._fail(group, "it needs more KV cache blocks than the device has")
                     continue
-                break
+                return
             self.waiting.popleft()
             for seq, _ in plan:
-                seq.num_computed_tokens = self.block_manager.allocate(seq, 0, prefixes[seq.seq_id])
+                seq.num_computed_tokens = bm.adopt_cached_prefix(seq, prefixes[seq.seq_id])
             if group.num_cached_tokens is None:  # first admission
                 group.num_cached_tokens = group.seqs[0].num_computed_tokens
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
-            budget -= self._allocate_and_emit(group, plan, scheduled)
-
-        swap_out, swap_in, copies = self.block_manager.drain_pending()
-        finished, self._finished_request_ids = self._finished_request_ids, []
-        return SchedulerOutput(
-            seqs=scheduled,
-            blocks_to_swap_out=swap_out,
-            blocks_to_swap_in=swap_in,
-            blocks_to_copy=copies,
-            finished_request_ids=finished,
-        )
+            self._allocate_and_emit(group, plan, step)
 
     def _reserved_seqs(self, group: SequenceGroup) -> int:
         """Sequences the group will run once admitted (a parallel-sampling prompt forks into best_of)."""
@@ -197,12 +220,10 @@ class Scheduler:
             return []  # prompt log-probabilities need every prompt position computed
         return self.block_manager.find_cached_prefix(seq)
 
-    def _allocate_and_emit(
-        self, group: SequenceGroup, plan: list[tuple[Sequence, int]], out: list[ScheduledSequence]
-    ) -> int:
+    def _allocate_and_emit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: _Step) -> None:
+        """Take the blocks the plan needs and add its sequences to the step's control message."""
         params = group.sampling_params
         penalties = params.needs_penalties
-        num_tokens = 0
         for seq, n in plan:
             self.block_manager.allocate(seq, n)
             start = seq.num_computed_tokens
@@ -216,7 +237,7 @@ class Scheduler:
             targets = None
             if params.prompt_logprobs is not None and seq.num_output_tokens == 0:
                 targets = seq.token_ids[start + 1 : min(end + 1, seq.num_prompt_tokens)]
-            out.append(
+            step.scheduled.append(
                 ScheduledSequence(
                     seq_id=seq.seq_id,
                     request_id=group.request_id,
@@ -232,8 +253,7 @@ class Scheduler:
                     prompt_logprob_targets=targets,
                 )
             )
-            num_tokens += n
-        return num_tokens
+            step.budget -= n
 
     # --- preemption -------------------------------------------------------------------------
 
@@ -241,24 +261,22 @@ class Scheduler:
         """Evict all of the group's blocks: to CPU memory (swap) or dropped (recompute)."""
         self.stats.num_preemptions += 1
         seqs = group.unfinished_seqs()
-        if self._choose_preemption_mode(group) == "swap" and self.block_manager.can_swap_out(seqs):
-            before = len(self.block_manager.pending_swap_out)
-            self.block_manager.swap_out(seqs)
+        if self._choose_preemption_mode(group) is PreemptionMode.SWAP and self.block_manager.can_swap_out(seqs):
+            self.stats.num_blocks_swapped_out += self.block_manager.swap_out(seqs)
             self.stats.num_swap_preemptions += 1
-            self.stats.num_blocks_swapped_out += len(self.block_manager.pending_swap_out) - before
             group.set_status(SequenceStatus.SWAPPED)
             self._insert_by_arrival(self.swapped, group)
             return
         self.stats.num_recompute_preemptions += 1
         for seq in seqs:
-            self.block_manager.free(seq)
+            self.block_manager.free(seq, keep_hashes=True)
             seq.num_computed_tokens = 0
         group.set_status(SequenceStatus.WAITING)
         # Preempted groups arrived before every waiting one (admission is first-come-first-served).
         self.waiting.appendleft(group)
 
-    def _choose_preemption_mode(self, group: SequenceGroup) -> str:
-        """`recompute` or `swap` for this victim.
+    def _choose_preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
+        """How to evict this victim.
 
         A group still computing its prompt is always recomputed: its blocks are incomplete and
         resuming it is a prefill either way. Otherwise `auto` swaps a group of several sequences
@@ -267,16 +285,16 @@ class Scheduler:
         estimated to cost less than recomputing its tokens.
         """
         seqs = group.unfinished_seqs()
-        if any(seq.num_uncomputed_tokens > 1 for seq in seqs) or self.block_manager.cpu_pool.num_blocks == 0:
-            return "recompute"
-        mode = self.config.preemption_mode
-        if mode != "auto":
-            return mode
+        if any(seq.num_uncomputed_tokens > 1 for seq in seqs) or self.block_manager.num_cpu_blocks == 0:
+            return PreemptionMode.RECOMPUTE
+        if self.config.preemption_mode != "auto":
+            return PreemptionMode(self.config.preemption_mode)
         if len(seqs) > 1:
-            return "swap"
+            return PreemptionMode.SWAP
         tokens = sum(seq.num_computed_tokens for seq in seqs)
         blocks = sum(self.block_manager.blocks_for_tokens(seq.num_computed_tokens) for seq in seqs)
-        return "swap" if blocks * self.config.swap_cost_per_block < tokens * self.config.recompute_cost_per_token else "recompute"
+        swap_cost = blocks * self.config.swap_cost_per_block
+        return PreemptionMode.SWAP if swap_cost < tokens * self.config.recompute_cost_per_token else PreemptionMode.RECOMPUTE
 
     @staticmethod
     def _insert_by_arrival(queue: list[SequenceGroup], group: SequenceGroup) -> None:
@@ -292,7 +310,7 @@ class Scheduler:
         group.error = f"Request {group.request_id} cannot be scheduled: {reason}."
         for seq in group.unfinished_seqs():
             seq.status = SequenceStatus.FINISHED_ERROR
-        self._release(group)
+        self._free_group(group)
         self._failed.append(group)
 
     # --- after a step -----------------------------------------------------------------------
@@ -305,21 +323,21 @@ class Scheduler:
             seq.num_computed_tokens += len(item.token_ids)
             self.block_manager.commit(seq)
 
-    def release_finished(self) -> None:
-        """Free the blocks of every finished sequence and drop finished groups from the running
-        queue. Finished sequences of a still-running group release their blocks at once."""
+    def free_finished(self) -> None:
+        """Free the blocks of every finished sequence and take finished groups off the running
+        queue. Finished sequences of a still-running group free their blocks at once."""
         still_running = []
         for group in self.running:
             for seq in group.seqs:
                 if seq.is_finished and self.block_manager.has_blocks(seq.seq_id):
-                    self.block_manager.forget(seq)
+                    self.block_manager.free(seq)
             if group.is_finished:
                 self._finished_request_ids.append(group.request_id)
             else:
                 still_running.append(group)
         self.running = still_running
 
-    def _release(self, group: SequenceGroup) -> None:
+    def _free_group(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
-            self.block_manager.forget(seq)  # device and CPU blocks alike
+            self.block_manager.free(seq)  # device and CPU blocks alike
         self._finished_request_ids.append(group.request_id)

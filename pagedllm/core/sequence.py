@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from pagedllm.outputs import PositionLogprobs, RequestMetrics
 from pagedllm.sampling_params import SamplingParams
@@ -43,6 +43,19 @@ _FINISHED = frozenset(
 )
 
 
+class Detokenizer(Protocol):
+    """Turns a sequence's growing output tokens into growing text (the engine supplies one)."""
+
+    def add_token(self, token_id: int) -> str:
+        """Append a token; return the newly completed text."""
+
+    def flush(self) -> str:
+        """At the end of the sequence: return whatever text is still held back."""
+
+    def fork(self) -> "Detokenizer":
+        """An independent copy, for a forked sequence."""
+
+
 @dataclass(eq=False)
 class Sequence:
     """One token stream. `num_computed_tokens` counts the leading tokens whose keys and values are
@@ -59,7 +72,7 @@ class Sequence:
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)
     output_text: str = ""
     stop_reason: int | str | None = None
-    detokenizer: Any = None  # owned by the engine (an IncrementalDetokenizer)
+    detokenizer: Detokenizer | None = None  # set by the engine with the first output token
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -96,7 +109,7 @@ class Sequence:
 
     def fork(self, seq_id: int, sample_index: int | None = None) -> "Sequence":
         """A copy that shares nothing mutable with this sequence (block tables are forked by the
-        block manager, the detokenizer by the engine)."""
+        block manager)."""
         return Sequence(
             seq_id=seq_id,
             prompt_token_ids=self.prompt_token_ids,
@@ -108,13 +121,22 @@ class Sequence:
             cumulative_logprob=self.cumulative_logprob,
             output_logprobs=list(self.output_logprobs),
             output_text=self.output_text,
+            detokenizer=self.detokenizer.fork() if self.detokenizer is not None else None,
         )
+
+
+@dataclass
+class BeamState:
+    """A beam search request's bookkeeping that outlives individual beams."""
+
+    finished: list[tuple[float, Sequence]] = field(default_factory=list)  # (score, hypothesis), best first
+    improvable: bool = True  # transformers' early-stop heuristic, sticky once False
 
 
 @dataclass(eq=False)
 class SequenceGroup:
     """One request and its sequences. Sequences that finish stay in `seqs` (their results are
-    reported) but release their blocks at once."""
+    reported) but free their blocks at once."""
 
     request_id: str
     seqs: list[Sequence]
@@ -127,8 +149,8 @@ class SequenceGroup:
     error: str | None = None
     # Set once the group's sequences have been forked from the first one (parallel sampling).
     forked: bool = False
-    # Beam search bookkeeping, owned by the engine (finished hypotheses and the stop heuristic).
-    beam_state: Any = None
+    # Beam search bookkeeping (finished hypotheses and the stop heuristic); None for other requests.
+    beam_state: BeamState | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

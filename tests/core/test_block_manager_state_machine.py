@@ -92,7 +92,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         needed = self.bm.blocks_needed(seq, n, prefix)
         if not self.bm.can_allocate(needed):
             return
-        seq.num_computed_tokens = self.bm.allocate(seq, 0, prefix)
+        seq.num_computed_tokens = self.bm.adopt_cached_prefix(seq, prefix)
         assert seq.num_computed_tokens == cached
         self.bm.allocate(seq, n)
         assert free_before - self.bm.num_free_blocks <= needed
@@ -151,13 +151,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def finish(self, i):
         seq = self.running.pop(i % len(self.running))
-        self.bm.forget(seq)
+        self.bm.free(seq)
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 100))
     def preempt_by_recompute(self, i):
         seq = self.running.pop(i % len(self.running))
-        self.bm.free(seq)
+        self.bm.free(seq, keep_hashes=True)
         seq.num_computed_tokens = 0
         self.waiting.append(seq)
 
@@ -202,7 +202,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for table in self.bm.live_cpu_tables().values():
             for b in table:
                 cpu_refs[b] += 1
-        assert [blk.ref_cnt for blk in self.bm.cpu_pool.blocks] == cpu_refs
+        assert [blk.ref_count for blk in self.bm.cpu_pool.blocks] == cpu_refs
 
     @invariant()
     def free_queue_holds_exactly_unreferenced_blocks(self):
@@ -211,7 +211,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for pool in (self.bm.pool, self.bm.cpu_pool):
             queued = [b.block_id for b in pool.free_queue]
             assert len(queued) == len(set(queued)) == pool.num_free_blocks
-            assert sorted(queued) == sorted(b.block_id for b in pool.blocks if b.ref_cnt == 0)
+            assert sorted(queued) == sorted(b.block_id for b in pool.blocks if b.ref_count == 0)
 
     @invariant()
     def tables_waste_at_most_one_partial_block(self):
@@ -236,6 +236,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert stored == seq.token_ids[: seq.num_computed_tokens]
 
     @invariant()
+    def the_managers_own_invariant_check_agrees(self):
+        if not hasattr(self, "bm"):
+            return
+        self.bm.check_invariants()
+
+    @invariant()
     def cache_index_is_consistent(self):
         if not hasattr(self, "bm"):
             return
@@ -248,7 +254,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "bm"):
             return
         for seq in self.running + self.swapped:
-            self.bm.forget(seq)
+            self.bm.free(seq)
         assert self.bm.num_free_blocks == self.bm.num_total_blocks, "device blocks leaked"
         assert self.bm.cpu_pool.num_free_blocks == self.bm.cpu_pool.num_blocks, "CPU blocks leaked"
 

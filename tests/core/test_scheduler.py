@@ -40,7 +40,7 @@ class Harness:
                 seq.append_token(7, 0.0)
                 if seq.num_output_tokens >= self.groups[item.request_id].sampling_params.max_tokens:
                     seq.status = SequenceStatus.FINISHED_LENGTH
-        self.scheduler.release_finished()
+        self.scheduler.free_finished()
         return out
 
     def run(self, max_steps=1000):
