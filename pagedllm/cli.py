@@ -1,4 +1,7 @@
-"""The `pagedllm` command: generate, chat, demo, serve and bench."""
+"""The `pagedllm` command: generate, chat, demo, serve and bench.
+
+The top layer: it dispatches to the entry points (`pagedllm.entrypoints`) and the benchmarks
+(`pagedllm.bench`, which drive the entry points themselves)."""
 
 from __future__ import annotations
 

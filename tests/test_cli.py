@@ -8,7 +8,7 @@ import sys
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.datasets import PROFILES, sample_requests
-from pagedllm.entrypoints.cli import main
+from pagedllm.cli import main
 
 
 def test_generate_prints_the_engine_output(tiny_llama, capsys):
@@ -26,7 +26,7 @@ def test_bad_engine_argument_is_a_clear_error(tiny_llama, capsys):
 
 
 def test_cli_entry_point_is_installed():
-    result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "pagedllm.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     for command in ("generate", "chat", "demo", "bench"):
         assert command in result.stdout

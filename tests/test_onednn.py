@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from pagedllm.attention.reference import ReferenceAttentionBackend
 from pagedllm.kernels import onednn
 from pagedllm.model.layers import linear
-from pagedllm.model.loader import load_model, resolve_model
+from pagedllm.model.loader import load_model
+from pagedllm.transformers_utils import resolve_model
 
 
 def test_onednn_is_available_on_this_build():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.model import IncrementalDetokenizer, get_tokenizer, resolve_model
+from pagedllm.transformers_utils import IncrementalDetokenizer, get_tokenizer, resolve_model
 
 TRICKY_TEXT = "Hello 世界! Ünïcödé 🙂👍🏽 naïve café — 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ok\n  done"
 

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         for mode in args.modes:
             engine_args = replace(base, block_size=block_size, num_gpu_blocks=num_blocks, preemption_mode=mode)
             if requests is None:
-                from pagedllm.model import load_arch_config, resolve_model
+                from pagedllm.transformers_utils import load_arch_config, resolve_model
 
                 vocab = load_arch_config(resolve_model(base.model)).vocab_size
                 requests = sample_requests(args.dataset, args.num_prompts, base.max_model_len, vocab, seed=0)

@@ -66,7 +66,7 @@ def load_hf_model(model: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.model import resolve_model
+    from pagedllm.transformers_utils import resolve_model
 
     source = resolve_model(model)
     torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if engine is not None:
         max_model_len, vocab = engine.max_model_len, engine.arch.vocab_size
     else:
-        from pagedllm.model import load_arch_config, resolve_model
+        from pagedllm.transformers_utils import load_arch_config, resolve_model
 
         arch = load_arch_config(resolve_model(engine_args.model))
         max_model_len, vocab = engine_args.max_model_len or arch.max_position_embeddings, arch.vocab_size

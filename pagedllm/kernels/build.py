@@ -56,7 +56,7 @@ def _machine_key() -> str:
 
 
 def library_path() -> Path:
-    from pagedllm.model.tokenizer import cache_dir
+    from pagedllm.paths import cache_dir
 
     return cache_dir() / "kernels" / f"pagedllm_kernels-{_machine_key()}.so"
 

@@ -1,19 +1,7 @@
-"""Llama-family models (Llama, Mistral, Qwen2) from GGUF or safetensors, and their tokenizers."""
+"""Llama-family models (Llama, Mistral, Qwen2) from tensor-parallel-aware layers, with weights
+loaded from GGUF or safetensors."""
 
-from pagedllm.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.loader import ModelSource, load_arch_config, load_model, resolve_dtype, resolve_model
-from pagedllm.model.tokenizer import IncrementalDetokenizer, get_tokenizer
+from pagedllm.model.loader import load_model, resolve_dtype
 
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "IncrementalDetokenizer",
-    "LlamaForCausalLM",
-    "ModelArchConfig",
-    "ModelSource",
-    "get_tokenizer",
-    "load_arch_config",
-    "load_model",
-    "resolve_dtype",
-    "resolve_model",
-]
+__all__ = ["LlamaForCausalLM", "load_model", "resolve_dtype"]

@@ -16,7 +16,7 @@ from torch import nn
 from pagedllm.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.kernels import ops as fused_ops
-from pagedllm.model.arch import ModelArchConfig
+from pagedllm.transformers_utils.arch import ModelArchConfig
 from pagedllm.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedllm.transformers_utils.source import ModelSource
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -158,3 +162,32 @@ class ModelArchConfig:
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
         )
+
+
+def read_gguf_fields(reader) -> dict:
+    fields = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key not in (
+            "tokenizer.ggml.bos_token_id",
+            "tokenizer.ggml.eos_token_id",
+        ):
+            continue  # vocabularies are large; the tokenizer reads them through transformers
+        fields[key] = field.contents()
+    if "tokenizer.ggml.tokens" in reader.fields:
+        fields["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
+    return fields
+
+
+def gguf_arch_config(reader) -> ModelArchConfig:
+    """The architecture described by an open `gguf.GGUFReader`'s metadata."""
+    names = {t.name for t in reader.tensors}
+    return ModelArchConfig.from_gguf_fields(read_gguf_fields(reader), has_output_tensor="output.weight" in names)
+
+
+def load_arch_config(source: "ModelSource") -> ModelArchConfig:
+    """The architecture of `source`, from its config.json or its GGUF metadata."""
+    if source.kind == "hf":
+        return ModelArchConfig.from_hf_config(json.loads((source.path / "config.json").read_text()))
+    import gguf
+
+    return gguf_arch_config(gguf.GGUFReader(str(source.path)))

@@ -1,5 +1,5 @@
-"""Tokenizers through `transformers`, from the same source as the weights, and incremental
-detokenization (text that grows correctly token by token)."""
+"""Tokenizers through `transformers`, from the same source as the weights (imported only when a
+tokenizer is built)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pagedllm.model.loader import ModelSource
+from pagedllm.paths import cache_dir
+from pagedllm.transformers_utils.source import ModelSource
 
 logger = logging.getLogger("pagedllm")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
 
 
 def get_tokenizer(source: ModelSource):
@@ -55,69 +52,3 @@ def eos_token_ids(tokenizer, model_eos_ids: list[int]) -> list[int]:
     if not ids and tokenizer.eos_token_id is not None:
         ids = [tokenizer.eos_token_id]
     return ids
-
-
-# How many prompt tokens precede the output in the decoding window, so that the first output
-# token decodes with its leading space (some tokenizers drop it at the start of a string).
-_PROMPT_CONTEXT_TOKENS = 5
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of output token ids into a growing string.
-
-    It decodes a small window of tokens and emits only the text beyond what the window's
-    already-emitted part decodes to. While the newest tokens form an incomplete UTF-8 character
-    (a multi-byte character split across byte tokens), nothing is emitted until it completes.
-    """
-
-    def __init__(
-        self,
-        tokenizer,
-        prompt_token_ids: list[int],
-        skip_special_tokens: bool = True,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self.token_ids = context
-        self.prefix_offset = 0
-        self.read_offset = len(context)
-        self.text = ""
-
-    def fork(self) -> "IncrementalDetokenizer":
-        twin = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
-        twin.__dict__.update(self.__dict__)
-        twin.token_ids = list(self.token_ids)
-        return twin
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
-
-    def add_token(self, token_id: int) -> str:
-        """Append one token; return the newly completed text (possibly empty)."""
-        self.token_ids.append(token_id)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""  # nothing visible yet, or a character is still incomplete
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
-        self.text += delta
-        return delta
-
-    def flush(self) -> str:
-        """At the end of a sequence: emit whatever is still held back (an incomplete character
-        decodes to U+FFFD, as a full decode would show it)."""
-        if self.read_offset == len(self.token_ids):
-            return ""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset :])
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset = len(self.token_ids)
-        self.text += delta
-        return delta

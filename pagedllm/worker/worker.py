@@ -12,8 +12,9 @@ from pagedllm.config import GiB, EngineConfig
 from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.distributed import TensorParallelGroup
-from pagedllm.model import load_model, resolve_dtype, resolve_model
+from pagedllm.model import load_model, resolve_dtype
 from pagedllm.sampling import Sampler
+from pagedllm.transformers_utils import resolve_model
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -21,6 +22,14 @@ logger = logging.getLogger("pagedllm")
 
 # Default KV cache budget on the CPU, before the cap by available memory.
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * GiB
+# Without kv_cache_memory, the share of free GPU memory the KV cache takes (the weights are
+# loaded by then; the rest leaves room for activations).
+GPU_KV_CACHE_FRACTION = 0.85
+# The most of the available host memory the KV cache may take on a CPU.
+CPU_KV_CACHE_MAX_FRACTION = 0.8
+# Start-up measurement of the preemption costs: blocks swapped out and in, tokens recomputed.
+PROFILE_SWAP_BLOCKS = 16
+PROFILE_PREFILL_TOKENS = 256
 
 
 def resolve_device(device: str) -> torch.device:
@@ -79,11 +88,11 @@ class Worker:
                 budget = cache.kv_cache_memory
             elif self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info()
-                budget = int(free * 0.85)
+                budget = int(free * GPU_KV_CACHE_FRACTION)
             else:
                 budget = DEFAULT_CPU_KV_CACHE_MEMORY
             if self.device.type == "cpu":
-                budget = min(budget, int(available_memory() * 0.8))
+                budget = min(budget, int(available_memory() * CPU_KV_CACHE_MAX_FRACTION))
             num_device_blocks = budget // self.block_bytes
         num_cpu_blocks = min(int(cache.swap_space * GiB) // self.block_bytes, num_device_blocks)
         return num_device_blocks, num_cpu_blocks
@@ -113,7 +122,7 @@ class Worker:
         on the real pools and model at start-up, while nothing lives in the cache."""
         cache = self.cache_engine
         block_size = self.config.cache.block_size
-        num = min(16, cache.num_device_blocks, cache.num_cpu_blocks)
+        num = min(PROFILE_SWAP_BLOCKS, cache.num_device_blocks, cache.num_cpu_blocks)
         swap_cost = float("inf")
         if num:
             mapping = [(i, i) for i in range(num)]
@@ -123,7 +132,7 @@ class Worker:
             cache.swap_in(mapping)
             self._synchronize()
             swap_cost = (time.perf_counter() - start) / num
-        num_tokens = min(256, cache.num_device_blocks * block_size, self.max_model_len)
+        num_tokens = min(PROFILE_PREFILL_TOKENS, cache.num_device_blocks * block_size, self.max_model_len)
         recompute_cost = self.runner.time_prefill(num_tokens) / num_tokens
         return swap_cost, recompute_cost
 
