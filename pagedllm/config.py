@@ -8,7 +8,7 @@ Imports nothing from the package and nothing heavy.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GiB = 1 << 30
@@ -25,7 +25,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     device: str = "auto"  # "auto", "cpu" or "cuda"
-    attention_backend: str = "auto"  # "auto", "reference", "cpu", "triton"
+    attention_backend: str = "auto"  # "auto", "reference", "cpu"
 
 
 @dataclass
@@ -95,11 +95,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None
     disable_log_stats: bool = False
-    extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(

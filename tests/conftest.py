@@ -7,6 +7,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Every engine step in the tests (servers they start included) checks the KV cache manager's
+# invariants: a leaked or double-counted block fails the test that caused it.
+os.environ.setdefault("PAGEDLLM_CHECK_INVARIANTS", "1")
 
 import pytest  # noqa: E402
 
@@ -16,7 +19,7 @@ from tests.helpers import build_tiny_model  # noqa: E402
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """The default model's tokenizer, saved as a Hugging Face folder (tiny models reuse it)."""
-    from pagedllm.model import get_tokenizer, resolve_model
+    from pagedllm.transformers_utils import get_tokenizer, resolve_model
 
     tokenizer = get_tokenizer(resolve_model(None))
     path = tmp_path_factory.mktemp("tokenizer")
@@ -48,7 +51,7 @@ def smollm_hf():
     """transformers' own load of the embedded GGUF: the oracle for the default model."""
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.model import resolve_model
+    from pagedllm.transformers_utils import resolve_model
 
     source = resolve_model(None)
     return AutoModelForCausalLM.from_pretrained(str(source.folder), gguf_file=source.path.name).eval()

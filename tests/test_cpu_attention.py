@@ -107,6 +107,6 @@ def test_engine_outputs_equal_with_either_backend(tiny_llama, kv_cache_dtype):
 
 def test_auto_picks_the_cpu_kernel_on_cpu(tiny_llama):
     llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=16)
-    assert llm.engine.executor.worker.backend.name == "cpu"
+    assert llm.llm_engine.executor.worker.backend.name == "cpu"
     half = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=16, dtype="float16")
     assert half.engine.executor.worker.backend.name == "reference"  # the kernel has no float16

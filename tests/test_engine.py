@@ -35,10 +35,10 @@ def llm(tiny_llama):
 
 
 def assert_all_free(llm):
-    stats = llm.engine.get_stats()
+    stats = llm.llm_engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_greedy_batch_matches_transformers(llm, prompts, expected):
@@ -56,7 +56,7 @@ def test_greedy_stops_at_eos_like_transformers(tiny_models, prompts, expected):
     path = tiny_models("llama", eos_token_id=eos)
     hf_eos = load_hf(path)
     llm = LLM(str(path), max_model_len=256, num_gpu_blocks=64)
-    assert llm.engine.eos_token_ids == [eos]
+    assert llm.llm_engine.eos_token_ids == [eos]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_eos, p, 24) for p in prompts]
     stopped = [o.outputs[0] for o in outputs if o.outputs[0].finish_reason == "stop"]
@@ -76,7 +76,7 @@ def test_greedy_matches_under_preemption(tiny_llama, prompts, expected, block_si
         max_num_seqs=12,
     )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    stats = llm.engine.get_stats()
+    stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions > 0 and stats.num_recompute_preemptions == stats.num_preemptions
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_all_free(llm)
@@ -92,14 +92,14 @@ def test_reference_and_prefix_cached_runs_agree(tiny_llama, prompts, expected):
     """A second pass over the same prompts hits the prefix cache and still produces the same tokens."""
     llm = LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=256, enable_prefix_caching=True)
     llm.generate(prompts, GREEDY, use_tqdm=False)
-    hits_before = llm.engine.get_stats().prefix_cache_hits
+    hits_before = llm.llm_engine.get_stats().prefix_cache_hits
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.get_stats().prefix_cache_hits > hits_before
+    assert llm.llm_engine.get_stats().prefix_cache_hits > hits_before
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_blocks_are_free_after_finish_and_abort(llm, prompts):
-    engine = llm.engine
+    engine = llm.llm_engine
     for i, p in enumerate(prompts):
         engine.add_request(f"abort-test-{i}", p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     for _ in range(3):
@@ -187,7 +187,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, hf, prompts):
 def test_bad_requests_raise_clear_errors_and_leave_the_engine_working(llm, prompts, expected):
     with pytest.raises(ValueError, match="max_model_len is 256"):
         llm.generate([prompts[0], list(range(100, 400))], GREEDY, use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()  # the good prompt was withdrawn too
+    assert not llm.llm_engine.has_unfinished_requests()  # the good prompt was withdrawn too
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 49152\)"):
@@ -196,10 +196,10 @@ def test_bad_requests_raise_clear_errors_and_leave_the_engine_working(llm, promp
         llm.generate(prompts[0], SamplingParams(n=300, temperature=1.0), use_tqdm=False)
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate(prompts[:3], [GREEDY, GREEDY], use_tqdm=False)
-    llm.engine.add_request("dup", prompts[0], GREEDY)
+    llm.llm_engine.add_request("dup", prompts[0], GREEDY)
     with pytest.raises(ValueError, match="already running"):
-        llm.engine.add_request("dup", prompts[1], GREEDY)
-    llm.engine.abort_request("dup")
+        llm.llm_engine.add_request("dup", prompts[1], GREEDY)
+    llm.llm_engine.abort_request("dup")
     outputs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected[:2]
 
@@ -223,7 +223,7 @@ def test_chat_uses_the_chat_template(llm):
 def test_stats_snapshot_counts_tokens(tiny_llama, prompts):
     llm = LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=64, enable_prefix_caching=False)
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-    stats = llm.engine.get_stats()
+    stats = llm.llm_engine.get_stats()
     num_prompt = sum(len(p) for p in prompts[:4])
     assert stats.num_prompt_tokens == num_prompt
     assert stats.num_generation_tokens == 20

@@ -52,7 +52,7 @@ def unconstrained(tiny_llama):
     prompts, params = _workload()
     llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=512)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.get_stats().num_preemptions == 0
+    assert llm.llm_engine.get_stats().num_preemptions == 0
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
@@ -61,7 +61,7 @@ def test_outputs_are_identical_under_heavy_preemption(tiny_llama, unconstrained,
     prompts, params = _workload()
     # 12 blocks of 16 tokens for requests that together want about 40.
     llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=12, swap_space=0.01, preemption_mode=mode, max_num_seqs=16)
-    engine = llm.engine
+    engine = llm.llm_engine
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, sp)
     outputs, peak_cpu_blocks = {}, 0
@@ -88,9 +88,9 @@ def test_full_cpu_pool_falls_back_to_recomputation(tiny_llama, unconstrained):
     # Bytes per block of the tiny model: 2 layers x (keys + values) x 16 tokens x 2 heads x 16 x 4 B = 8 KiB.
     two_blocks = 2 * 8192 / 2**30
     llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=12, swap_space=two_blocks, preemption_mode="swap", max_num_seqs=16)
-    assert llm.engine.get_stats().num_cpu_blocks == 2
+    assert llm.llm_engine.get_stats().num_cpu_blocks == 2
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.engine.get_stats()
+    stats = llm.llm_engine.get_stats()
     assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions > 0
     assert [[c.token_ids for c in o.outputs] for o in outputs] == unconstrained
 
@@ -109,11 +109,11 @@ def test_a_request_that_can_never_fit_fails_and_others_proceed(tiny_llama, mode)
     assert outputs[0].error and "more KV cache blocks than the device has" in outputs[0].error
     assert all(c.finish_reason == "error" for c in outputs[0].outputs)
     assert all(o.error is None and len(o.outputs[0].token_ids) == 10 for o in outputs[1:])
-    stats = llm.engine.get_stats()
+    stats = llm.llm_engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
 
 
 def test_swap_space_is_never_larger_than_the_device_pool(tiny_llama):
     llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=10, swap_space=4)
-    assert llm.engine.get_stats().num_cpu_blocks == 10
+    assert llm.llm_engine.get_stats().num_cpu_blocks == 10

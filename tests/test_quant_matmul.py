@@ -36,7 +36,7 @@ def test_only_small_float32_batches_use_it():
 
 
 def test_the_default_model_keeps_its_quantized_blocks(smollm_llm):
-    model = smollm_llm.engine.executor.worker.model
+    model = smollm_llm.llm_engine.executor.worker.model
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.quantized.qtype == "Q4_1"
     assert layer.self_attn.qkv_proj.weight.quantized.out_features == 576 + 2 * 192

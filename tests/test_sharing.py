@@ -64,9 +64,9 @@ def test_best_of_returns_the_n_most_likely_samples(tiny_llama):
 
 
 def _step_until_forked(llm, request_id, prompt, params):
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request(request_id, prompt, params)
-    group = engine._groups[request_id]
+    group = engine.requests.groups[request_id]
     while not group.forked:
         engine.step()
     return engine, group
@@ -92,7 +92,7 @@ def test_fork_shares_prompt_blocks_and_copies_only_a_partial_last_block(tiny_lla
         engine.step()
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
-    assert all(block.ref_cnt == 0 for block in bm.pool.blocks)
+    assert all(block.ref_count == 0 for block in bm.pool.blocks)
 
 
 def test_sharing_saves_blocks_for_parallel_samples(tiny_llama):
@@ -127,7 +127,7 @@ def test_beam_search_matches_transformers(tiny_models, tiny_llama):
             assert ours == hf_beams(hf, prompt, width, 12, eos, length_penalty=length_penalty, early_stopping=early_stopping)
             ended_early += sum(s.tokens[-1] == eos for s in result.sequences)
     assert ended_early > 0
-    stats = llm.engine.get_stats()
+    stats = llm.llm_engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
@@ -135,9 +135,9 @@ def test_beam_search_through_sampling_params_and_block_accounting(tiny_llama, hf
     llm = make_llm(tiny_llama, enable_prefix_caching=False)
     prompt = random_prompts(1, [40], seed=13)[0]
     params = SamplingParams(n=3, best_of=3, use_beam_search=True, temperature=0, max_tokens=6, ignore_eos=True)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("beam", prompt, params)
-    group = engine._groups["beam"]
+    group = engine.requests.groups["beam"]
     peak_beams = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -161,9 +161,9 @@ def test_second_request_with_a_common_prefix_computes_only_its_own_tokens(tiny_l
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm = make_llm(tiny_llama)
     out_first = llm.generate(first, params, use_tqdm=False)[0]
-    before = llm.engine.get_stats()
+    before = llm.llm_engine.get_stats()
     out_second = llm.generate(second, params, use_tqdm=False)[0]
-    after = llm.engine.get_stats()
+    after = llm.llm_engine.get_stats()
     assert out_second.num_cached_tokens == 64
     assert after.prefix_cache_hits - before.prefix_cache_hits == 64
     assert after.prefix_cache_queries - before.prefix_cache_queries == len(second)
@@ -194,7 +194,7 @@ def test_cached_blocks_are_evicted_least_recently_used_first_chain_tail_first(ti
     llm.generate(recent, params, use_tqdm=False)
     llm.generate(random_prompts(1, [192], seed=23)[0], params, use_tqdm=False)
     # Look the prompts up without admitting them (admitting would itself evict).
-    lookup = llm.engine.block_manager.find_cached_prefix
+    lookup = llm.llm_engine.block_manager.find_cached_prefix
     hits = [len(lookup(Sequence(-1 - i, p))) for i, p in enumerate((recent, old))]
     assert hits == [2, 1]  # recent intact (2 = all but the last block); old lost its tail only
 

@@ -45,7 +45,7 @@ def test_greedy_matches_under_preemption(expected):
     # 9 blocks of 16 tokens: one prompt plus its answer fits, all six together do not.
     llm = LLM(max_model_len=128, num_gpu_blocks=9, swap_space=0)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
-    stats = llm.engine.get_stats()
+    stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert stats.num_free_blocks == stats.num_total_blocks
@@ -58,7 +58,7 @@ def test_beam_search_matches_transformers(smollm_llm, smollm_hf, chat_prompts):
 
     prompts = chat_prompts[:2]
     results = smollm_llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=16))
-    eos = smollm_llm.engine.eos_token_ids[0]
+    eos = smollm_llm.llm_engine.eos_token_ids[0]
     for prompt, result in zip(prompts, results):
         ids = torch.tensor([prompt])
         with torch.inference_mode():

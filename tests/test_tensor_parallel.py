@@ -42,12 +42,12 @@ def test_tensor_parallel_matches_one_worker(tiny_llama, tiny_reference, tp, kv_h
     llm = LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=64, tensor_parallel_size=tp)
     try:
         _compare(reference, llm.generate(prompts, PARAMS, use_tqdm=False))
-        shapes = llm.engine.executor.collective_rpc("kv_cache_shape")
-        expected = llm.engine.executor.worker.backend.kv_cache_shape(64, 16, kv_heads_per_rank, 16)
+        shapes = llm.llm_engine.executor.collective_rpc("kv_cache_shape")
+        expected = llm.llm_engine.executor.worker.backend.kv_cache_shape(64, 16, kv_heads_per_rank, 16)
         assert shapes == [expected] * tp  # the same blocks on every rank, each with its own heads only
-        assert llm.engine.get_stats().num_free_blocks == 64
+        assert llm.llm_engine.get_stats().num_free_blocks == 64
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
 
 
 def test_invalid_tensor_parallel_size_names_the_valid_ones(tiny_llama):
@@ -57,7 +57,7 @@ def test_invalid_tensor_parallel_size_names_the_valid_ones(tiny_llama):
 
 def test_worker_death_fails_requests_and_stops_cleanly(tiny_llama):
     llm = LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=64, tensor_parallel_size=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     for i, prompt in enumerate(random_prompts(4, [10, 20], seed=51)):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     for _ in range(3):
@@ -84,7 +84,7 @@ def test_torchrun_launch_generates_like_one_worker(tiny_llama, tiny_reference):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     assert torchrun, "torchrun ships with torch"
     command = [
-        torchrun, "--standalone", "--nproc-per-node", "2", "-m", "pagedllm.entrypoints.cli",
+        torchrun, "--standalone", "--nproc-per-node", "2", "-m", "pagedllm.cli",
         "generate", "--model", str(tiny_llama), "Hello there", "--max-tokens", "8",
         "--max-model-len", "256", "--num-gpu-blocks", "64",
         "--tensor-parallel-size", "2", "--distributed-init-method", "env://",
@@ -106,8 +106,8 @@ def test_tensor_parallel_three_on_the_default_model(smollm_llm):
     llm = LLM(kv_cache_memory=64 << 20, max_model_len=512, tensor_parallel_size=3)
     try:
         _compare(reference, llm.generate(prompts, PARAMS, use_tqdm=False))
-        shapes = llm.engine.executor.collective_rpc("kv_cache_shape")
-        expected = llm.engine.executor.worker.backend.kv_cache_shape(shapes[0][0], 16, 1, 64)
+        shapes = llm.llm_engine.executor.collective_rpc("kv_cache_shape")
+        expected = llm.llm_engine.executor.worker.backend.kv_cache_shape(shapes[0][0], 16, 1, 64)
         assert shapes == [expected] * 3  # 3 KV heads over 3 ranks: one each
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
         runs[dtype] = {"tokens": [o.outputs[0].token_ids for o in outputs], "texts": [o.outputs[0].text for o in outputs],
                        "tok_per_s": len(QUESTIONS) * args.num_tokens / elapsed}
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
     reference = args.dtypes[0]
     rows = []
     for dtype in args.dtypes:

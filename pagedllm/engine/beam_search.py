@@ -4,7 +4,7 @@ Every step, each live beam proposes its best continuations; the group keeps the 
 best by cumulative log-probability. A new beam that descends from a surviving parent reuses the
 parent's sequence; further children fork it, sharing all its blocks (the partly filled last
 block is copied on the first write); a parent with no surviving child is dropped and its blocks
-are released at once. Beams that end (EOS, a stop token, or the length limit) join a pool of
+are freed at once. Beams that end (EOS, a stop token, or the length limit) join a pool of
 finished hypotheses scored with the length penalty.
 
 The stopping rule is the one of `transformers` (`generate(num_beams=..., early_stopping=...)`):
@@ -15,49 +15,73 @@ The stopping rule is the one of `transformers` (`generate(num_beams=..., early_s
   maximum length (the canonical, exhaustive rule);
 - always when the length limit is reached. Only candidates ranked in the top `beam_width` of a
   step may finish there.
+
+This module only decides (`decide_beam_step`); the output processor carries the decision out
+(appending tokens, forking and freeing sequences).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagedllm.core.model_output import SampledToken
-from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
-
-if TYPE_CHECKING:
-    from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.core.sequence import BeamState, Sequence, SequenceGroup
 
 
 @dataclass
-class BeamState:
-    """Per-request beam bookkeeping that outlives individual beams."""
+class FinishedBeam:
+    """A candidate that ends here: `parent` followed by `sample` becomes a finished hypothesis."""
 
-    finished: list[tuple[float, Sequence]] = field(default_factory=list)  # (score, hypothesis), best first
-    improvable: bool = True  # transformers' early-stop heuristic, sticky once False
+    score: float  # with the length penalty
+    parent: Sequence
+    sample: SampledToken
+    stopped: bool  # ended on a stop token (else on the length limit)
 
 
-def _score(cumulative_logprob: float, length: int, length_penalty: float) -> float:
+@dataclass
+class BeamStep:
+    """One step's decision for one beam search request."""
+
+    finished: list[FinishedBeam] = field(default_factory=list)
+    # The next live beams, grouped by parent in the parents' order: the first sample continues
+    # the parent itself, each further one continues a fork of it.
+    continued: list[tuple[Sequence, list[SampledToken]]] = field(default_factory=list)
+    dropped: list[Sequence] = field(default_factory=list)  # live beams with no future
+    improvable: bool = True  # the new value of `BeamState.improvable`
+    done: bool = False  # the search is over: report the finished hypotheses
+
+
+def length_penalized_score(cumulative_logprob: float, length: int, length_penalty: float) -> float:
     return cumulative_logprob / (length**length_penalty)
 
 
 def ranked_beams(group: SequenceGroup) -> list[Sequence]:
     """Finished hypotheses best first; while running, the live beams best first."""
-    state: BeamState | None = group.beam_state
+    state = group.beam_state
     if group.is_finished and state is not None and state.finished:
         return [seq for _, seq in state.finished]
     return sorted(group.unfinished_seqs(), key=lambda s: s.cumulative_logprob, reverse=True)
 
 
-def step_beams(processor: "OutputProcessor", group: SequenceGroup, proposals: list[tuple[Sequence, list[SampledToken]]]) -> None:
+def add_hypothesis(state: BeamState, score: float, hypothesis: Sequence, beam_width: int) -> None:
+    """Put a finished hypothesis in the pool, which keeps the `beam_width` best, best first."""
+    state.finished.append((score, hypothesis))
+    state.finished.sort(key=lambda item: item[0], reverse=True)
+    del state.finished[beam_width:]
+
+
+def decide_beam_step(
+    group: SequenceGroup, proposals: list[tuple[Sequence, list[SampledToken]]], max_new_tokens: int
+) -> BeamStep:
+    """Which beams go on, which finish and which are dropped, given each live beam's proposed
+    continuations. Reads the group and its `beam_state`; changes nothing."""
     params = group.sampling_params
+    state = group.beam_state or BeamState()
     width = params.best_of
-    state: BeamState = group.beam_state or BeamState()
-    group.beam_state = state
     parents = [seq for seq, _ in proposals]
     generated = parents[0].num_output_tokens  # all live beams have the same length
-    max_new = processor.max_tokens(parents[0], params)
-    at_limit = generated + 1 >= max_new
+    length = generated + 1
+    at_limit = length >= max_new_tokens
 
     # The K best continuations over all beams (K = max(2, 1 + #stop tokens) * width, as transformers).
     num_keep = max(2, 1 + len(params.all_stop_token_ids)) * width
@@ -67,68 +91,42 @@ def step_beams(processor: "OutputProcessor", group: SequenceGroup, proposals: li
         reverse=True,
     )[:num_keep]
 
+    step = BeamStep()
     pool_full_early = len(state.finished) >= width and params.early_stopping is True
     survivors: list[tuple[Sequence, SampledToken]] = []
     for rank, (score, parent, sample) in enumerate(candidates):
-        ends = at_limit or sample.token_id in params.all_stop_token_ids
-        if not ends:
+        stopped = sample.token_id in params.all_stop_token_ids
+        if not (at_limit or stopped):
             if len(survivors) < width:
                 survivors.append((parent, sample))
             continue
         if rank < width and state.improvable and not pool_full_early:
-            _add_finished(processor, group, state, parent, sample, score, generated + 1, at_limit)
+            penalized = length_penalized_score(score, length, params.length_penalty)
+            step.finished.append(FinishedBeam(penalized, parent, sample, stopped))
 
-    # Is improvement still possible? (checked with the new best live beam, as transformers does)
-    if survivors:
+    # The pool's scores once this step's hypotheses are in it, best first.
+    pool = sorted([s for s, _ in state.finished] + [f.score for f in step.finished], reverse=True)[:width]
+    step.improvable = state.improvable
+    if survivors:  # is improvement still possible? (checked with the new best live beam, as transformers does)
         best = survivors[0][0].cumulative_logprob + survivors[0][1].logprob
-        length = generated + 1
-        if params.early_stopping == "never" and params.length_penalty > 0:
-            length = max_new
-        worst_finished = state.finished[-1][0] if len(state.finished) >= width else float("-inf")
-        state.improvable = state.improvable and _score(best, length, params.length_penalty) > worst_finished
-    done = (
+        best_length = max_new_tokens if params.early_stopping == "never" and params.length_penalty > 0 else length
+        worst_finished = pool[-1] if len(pool) >= width else float("-inf")
+        step.improvable = state.improvable and length_penalized_score(best, best_length, params.length_penalty) > worst_finished
+    step.done = (
         not survivors
         or at_limit
-        or not state.improvable
-        or (len(state.finished) >= width and params.early_stopping is True)
+        or not step.improvable
+        or (len(pool) >= width and params.early_stopping is True)
     )
-    if done:
-        for seq in group.unfinished_seqs():
-            processor.drop(seq)
-        group.seqs = [seq for _, seq in state.finished] or group.seqs
-        return
-    _advance(processor, group, parents, survivors)
-
-
-def _add_finished(processor, group, state: BeamState, parent: Sequence, sample: SampledToken, score: float, length: int, at_limit: bool) -> None:
-    params = group.sampling_params
-    hypothesis = parent.fork(processor.new_seq_id())  # a record only: it holds no blocks
-    if parent.detokenizer is not None:
-        hypothesis.detokenizer = parent.detokenizer.fork()
-    processor.append_beam_token(group, hypothesis, sample)
-    stopped = sample.token_id in params.all_stop_token_ids
-    hypothesis.status = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
-    if stopped and sample.token_id in params.stop_token_ids:
-        hypothesis.stop_reason = sample.token_id
-    hypothesis.output_text += hypothesis.detokenizer.flush()
-    state.finished.append((_score(score, length, params.length_penalty), hypothesis))
-    state.finished.sort(key=lambda item: item[0], reverse=True)
-    del state.finished[params.best_of :]
-
-
-def _advance(processor, group: SequenceGroup, parents: list[Sequence], survivors: list[tuple[Sequence, SampledToken]]) -> None:
-    """Turn the survivors into the next live beams, sharing blocks with their parents."""
+    if step.done:
+        step.dropped = group.unfinished_seqs()
+        return step
     children: dict[int, list[SampledToken]] = {}
     for parent, sample in survivors:
         children.setdefault(parent.seq_id, []).append(sample)
-    live: list[Sequence] = []
     for parent in parents:
-        samples = children.get(parent.seq_id)
-        if not samples:
-            processor.drop(parent)  # no descendant: release its blocks now
-            continue
-        forks = [processor.fork(parent) for _ in samples[1:]]  # before the parent moves on
-        for seq, sample in zip([parent, *forks], samples):
-            processor.append_beam_token(group, seq, sample)
-            live.append(seq)
-    group.seqs = live
+        if parent.seq_id in children:
+            step.continued.append((parent, children[parent.seq_id]))
+        else:
+            step.dropped.append(parent)
+    return step

@@ -8,28 +8,37 @@ conditions; finished sequences release their blocks at once.
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core import BlockManager, Scheduler, Sequence, SequenceGroup, SequenceStatus
-from pagedllm.core.model_output import ModelRunnerOutput
+from pagedllm.engine.beam_search import ranked_beams
+from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.stats import EngineStats, StepTime
-from pagedllm.executor import Executor, WorkerDiedError, create_executor
-from pagedllm.model import get_tokenizer, load_arch_config, resolve_model
-from pagedllm.model.tokenizer import eos_token_ids
+from pagedllm.engine.requests import RequestRegistry
+from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.step_timer import StepTimer
+from pagedllm.executor import Executor, WorkerDiedError
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams, SamplingType
+from pagedllm.transformers_utils import eos_token_ids, get_tokenizer, load_arch_config, resolve_model
+from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
 
 Prompt = str | list[int]
 
+# Set to 1 to check the KV cache manager's invariants after every step (slow; for tests and debugging).
+CHECK_INVARIANTS_ENV = "PAGEDLLM_CHECK_INVARIANTS"
+
 
 class LLMEngine:
+    """Requests in, `RequestOutput`s out: an `EngineCore` (scheduler, KV cache manager and
+    executor), the registry of live requests, the output processor and a step timer."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         source = resolve_model(config.model.model)
@@ -40,54 +49,35 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(source)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids)
 
-        self.executor: Executor = create_executor(config, self.max_model_len)
-        num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
-        self._check_cache_fits(num_device_blocks)
-        self.executor.init_cache(num_device_blocks, num_cpu_blocks)
-        block_size = config.cache.block_size
-        logger.info(
-            "KV cache: %d device blocks of %d tokens (%d tokens, %.2f GiB); %d CPU swap blocks",
-            num_device_blocks,
-            block_size,
-            num_device_blocks * block_size,
-            num_device_blocks * self.executor.block_bytes / 2**30,
-            num_cpu_blocks,
-        )
-        if config.scheduler.preemption_mode == "auto" and num_cpu_blocks:
-            swap_cost, recompute_cost = self.executor.profile_preemption_costs()
-            config.scheduler.swap_cost_per_block = swap_cost
-            config.scheduler.recompute_cost_per_token = recompute_cost
-            logger.info(
-                "Preemption costs: %.3g ms to swap a block out and in, %.3g ms to recompute a token",
-                swap_cost * 1e3,
-                recompute_cost * 1e3,
-            )
-        self.block_manager = BlockManager(
-            block_size,
-            num_device_blocks,
-            num_cpu_blocks,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            watermark=config.scheduler.watermark,
-        )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self._groups: dict[str, SequenceGroup] = {}
-        self._seqs: dict[int, Sequence] = {}
-        self._seq_ids = itertools.count()
-        self.outputs = OutputProcessor(
+        self.core = EngineCore(config, self.max_model_len)
+        self.requests = RequestRegistry()
+        self.output_processor = OutputProcessor(
             self.tokenizer,
-            self.block_manager,
+            self.core.block_manager,
+            self.requests,
             self.max_model_len,
             self.eos_token_ids,
-            new_seq_id=lambda: next(self._seq_ids),
-            register_seq=self._register,
-            unregister_seq=lambda seq: self._seqs.pop(seq.seq_id, None),
             share_blocks=config.cache.enable_block_sharing,
         )
+        self.timer = StepTimer()
+        self.check_invariants = os.environ.get(CHECK_INVARIANTS_ENV) == "1"
         self.num_prompt_tokens_total = 0
         self.num_computed_tokens_total = 0
-        self.dead: str | None = None  # why the engine can no longer run (a worker died)
-        self.step_time = StepTime()
         self.num_steps = 0
+        self.dead: str | None = None  # why the engine can no longer run (a worker died)
+
+    # The core's parts, for inspection (tests, benchmarks, stats).
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.core.block_manager
+
+    @property
+    def executor(self) -> Executor:
+        return self.core.executor
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -111,21 +101,7 @@ class LLMEngine:
             )
         return asked
 
-    def _check_cache_fits(self, num_device_blocks: int) -> None:
-        block_size = self.config.cache.block_size
-        needed = -(-self.max_model_len // block_size)
-        if num_device_blocks < needed:
-            raise ValueError(
-                f"The KV cache holds {num_device_blocks} blocks ({num_device_blocks * block_size} tokens), "
-                f"fewer than one sequence of max_model_len={self.max_model_len} needs ({needed} blocks). "
-                f"Raise kv_cache_memory to at least {needed * self.executor.block_bytes} bytes "
-                f"(or num_gpu_blocks to {needed}), or lower max_model_len."
-            )
-
     # --- requests ---------------------------------------------------------------------------
-
-    def _register(self, seq: Sequence) -> None:
-        self._seqs[seq.seq_id] = seq
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -143,7 +119,7 @@ class LLMEngine:
         if self.dead is not None:
             raise RuntimeError(f"The engine has stopped: {self.dead}")
         params = params or SamplingParams()
-        if request_id in self._groups:
+        if request_id in self.requests:
             raise ValueError(f"A request with id {request_id!r} is already running; request ids must be unique.")
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
@@ -158,9 +134,7 @@ class LLMEngine:
         num_seqs = 1
         if params.sampling_type is SamplingType.RANDOM and not self.config.cache.enable_block_sharing:
             num_seqs = params.best_of
-        seqs = [Sequence(next(self._seq_ids), token_ids, sample_index=i) for i in range(num_seqs)]
-        for seq in seqs:
-            self._register(seq)
+        seqs = [Sequence(self.requests.new_seq_id(), token_ids, sample_index=i) for i in range(num_seqs)]
         group = SequenceGroup(
             request_id=request_id,
             seqs=seqs,
@@ -170,7 +144,7 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=arrival),
             forked=num_seqs > 1,
         )
-        self._groups[request_id] = group
+        self.requests.add_group(group)
         self.scheduler.add(group)
         self.num_prompt_tokens_total += len(token_ids)
 
@@ -191,7 +165,7 @@ class LLMEngine:
                 f"which leaves no room to generate; shorten the prompt to at most {self.max_model_len - 1} tokens."
             )
         num_blocks = self.block_manager.num_total_blocks
-        if -(-(len(token_ids) + 1) // self.config.cache.block_size) > num_blocks:
+        if cdiv(len(token_ids) + 1, self.config.cache.block_size) > num_blocks:
             raise ValueError(
                 f"The prompt has {len(token_ids)} tokens, more than the KV cache's {num_blocks} blocks can hold; "
                 "shorten it or give the engine a larger kv_cache_memory."
@@ -211,67 +185,70 @@ class LLMEngine:
         for request_id in request_ids:
             group = self.scheduler.abort(request_id)
             if group is not None:
-                self._drop(group)
+                self.requests.remove_group(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self.requests)
 
     # --- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of every request that progressed or ended."""
-        start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        outputs = [self._make_output(g) for g in self._take_failed()]
+        with self.timer.part("scheduler"):
+            scheduled = self.core.schedule()
+            outputs = [self._make_output(g) for g in self._take_failed()]
         if not scheduled.has_model_work and not scheduled.has_cache_work and not scheduled.finished_request_ids:
             return outputs
-        scheduled_at = time.perf_counter()
         try:
-            result = self.executor.execute(scheduled) or ModelRunnerOutput()
+            with self.timer.part("model"):
+                result = self.core.execute(scheduled)
         except WorkerDiedError as exc:
             return outputs + self._fail_everything(str(exc))
-        executed_at = time.perf_counter()
         self.num_steps += 1
         now = time.monotonic()
-        self.scheduler.on_step_computed(scheduled, self._seqs)
-        self.num_computed_tokens_total += scheduled.num_batched_tokens
-        committed_at = time.perf_counter()
-        touched = self.outputs.process(scheduled, result, self._groups, self._seqs)
-        processed_at = time.perf_counter()
-        self.scheduler.release_finished()
-        released_at = time.perf_counter()
-        for group in touched:
-            metrics = group.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-            if any(s.output_token_ids for s in group.seqs):
-                metrics.first_token_time = metrics.first_token_time or now
-                metrics.last_token_time = now
-            if group.is_finished:
-                metrics.finished_time = now
-            outputs.append(self._make_output(group))
-            if group.is_finished:
-                self._drop(group)
-        self.step_time.scheduler += (scheduled_at - start) + (committed_at - executed_at) + (released_at - processed_at)
-        self.step_time.model += executed_at - scheduled_at
-        self.step_time.outputs += (processed_at - committed_at) + (time.perf_counter() - released_at)
+        with self.timer.part("scheduler"):
+            self.core.advance(scheduled, self.requests.seqs)
+            self.num_computed_tokens_total += scheduled.num_batched_tokens
+        with self.timer.part("outputs"):
+            touched = self.output_processor.process(scheduled, result)
+        with self.timer.part("scheduler"):
+            self.core.free_finished()
+            if self.check_invariants:
+                self.block_manager.check_invariants()
+        with self.timer.part("outputs"):
+            for group in touched:
+                self._update_metrics(group, now)
+                outputs.append(self._make_output(group))
+                if group.is_finished:
+                    self.requests.remove_group(group)
         return outputs
+
+    @staticmethod
+    def _update_metrics(group: SequenceGroup, now: float) -> None:
+        metrics = group.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now
+        if any(s.output_token_ids for s in group.seqs):
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+        if group.is_finished:
+            metrics.finished_time = now
 
     def _fail_everything(self, reason: str) -> list[RequestOutput]:
         """A worker died: every request in flight ends with an error; the engine stops."""
         logger.error("Engine stopped: %s", reason)
         self.dead = reason
         outputs = []
-        for group in list(self._groups.values()):
+        for group in list(self.requests.groups.values()):
             self.scheduler.abort(group.request_id)
             group.error = f"The engine stopped: {reason}"
             for seq in group.seqs:
                 seq.status = SequenceStatus.FINISHED_ERROR
             outputs.append(self._make_output(group))
-            self._drop(group)
+            self.requests.remove_group(group)
         return outputs
 
     def check_health(self) -> None:
@@ -288,13 +265,8 @@ class LLMEngine:
         failed = self.scheduler.take_failed()
         for group in failed:
             logger.warning("%s", group.error)
-            self._drop(group)
+            self.requests.remove_group(group)
         return failed
-
-    def _drop(self, group: SequenceGroup) -> None:
-        self._groups.pop(group.request_id, None)
-        for seq in group.seqs:
-            self._seqs.pop(seq.seq_id, None)
 
     # --- outputs ----------------------------------------------------------------------------
 
@@ -331,8 +303,6 @@ class LLMEngine:
         beams) once finished, else the first n."""
         params = group.sampling_params
         if params.sampling_type is SamplingType.BEAM:
-            from pagedllm.engine.beam_search import ranked_beams
-
             return ranked_beams(group)[: params.n]
         seqs = sorted(group.seqs, key=lambda s: s.sample_index)
         if group.is_finished and params.best_of > params.n:
@@ -347,8 +317,8 @@ class LLMEngine:
         return EngineStats(
             num_total_blocks=bm.num_total_blocks,
             num_free_blocks=bm.num_free_blocks,
-            num_cpu_blocks=bm.cpu_pool.num_blocks,
-            num_free_cpu_blocks=bm.cpu_pool.num_free_blocks,
+            num_cpu_blocks=bm.num_cpu_blocks,
+            num_free_cpu_blocks=bm.num_free_cpu_blocks,
             kv_cache_usage=bm.usage,
             num_running=len(sched.running),
             num_running_seqs=sched.num_running_seqs,
@@ -363,11 +333,11 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             num_prompt_tokens=self.num_prompt_tokens_total,
-            num_generation_tokens=self.outputs.num_generated_tokens,
+            num_generation_tokens=self.output_processor.num_generated_tokens,
             num_computed_tokens=self.num_computed_tokens_total,
             num_steps=self.num_steps,
-            step_time=StepTime(**vars(self.step_time)),
+            step_time=self.timer.snapshot(),
         )
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        self.core.shutdown()

@@ -1,17 +1,17 @@
-"""After each step: append sampled tokens, fork parallel samples, detokenize, check stop
-conditions. Beam search has its own module (`beam_search.py`)."""
+"""After each step: append sampled tokens, fork parallel samples, carry out beam search's
+decisions, detokenize, and check stop conditions."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.model_output import ModelRunnerOutput, SampledToken, TopLogprobs
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from pagedllm.model.tokenizer import IncrementalDetokenizer
+from pagedllm.core.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
+from pagedllm.engine.beam_search import BeamStep, add_hypothesis, decide_beam_step
+from pagedllm.engine.requests import RequestRegistry
 from pagedllm.outputs import Logprob, PositionLogprobs
 from pagedllm.sampling_params import SamplingParams, SamplingType
+from pagedllm.transformers_utils.detokenizer import IncrementalDetokenizer
 
 
 class OutputProcessor:
@@ -19,20 +19,16 @@ class OutputProcessor:
         self,
         tokenizer,
         block_manager: BlockManager,
+        requests: RequestRegistry,
         max_model_len: int,
         eos_token_ids: list[int],
-        new_seq_id: Callable[[], int],
-        register_seq: Callable[[Sequence], None],
-        unregister_seq: Callable[[Sequence], None],
         share_blocks: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.block_manager = block_manager
+        self.requests = requests
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
-        self.new_seq_id = new_seq_id
-        self.register_seq = register_seq
-        self.unregister_seq = unregister_seq
         # Off only to measure what sharing saves: forks then copy every block.
         self.share_blocks = share_blocks
         self._token_texts: dict[int, str] = {}
@@ -40,73 +36,90 @@ class OutputProcessor:
 
     # --- per step ---------------------------------------------------------------------------
 
-    def process(
-        self, output: SchedulerOutput, result: ModelRunnerOutput, groups: dict[str, SequenceGroup], seqs: dict[int, Sequence]
-    ) -> list[SequenceGroup]:
+    def process(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
         """Apply one step's results; returns the groups that changed, in schedule order."""
         touched: dict[str, SequenceGroup] = {}
-        beam_steps: dict[str, list[tuple[Sequence, list[SampledToken]]]] = {}
+        beam_proposals: dict[str, list[tuple[Sequence, list[SampledToken]]]] = {}
         for item in output.seqs:
             step = result.outputs.get(item.seq_id)
             if step is None:
                 continue
-            group = groups[item.request_id]
-            seq = seqs[item.seq_id]
+            group = self.requests.groups[item.request_id]
+            seq = self.requests.seqs[item.seq_id]
             touched[group.request_id] = group
             if step.prompt_logprobs is not None:
                 self._add_prompt_logprobs(group, step.prompt_logprobs)
             if not step.samples:
                 continue
             if group.sampling_params.sampling_type is SamplingType.BEAM:
-                beam_steps.setdefault(group.request_id, []).append((seq, step.samples))
+                beam_proposals.setdefault(group.request_id, []).append((seq, step.samples))
             elif len(step.samples) > 1:
                 self._fork_samples(group, seq, step.samples)
             else:
-                self.append(group, seq, step.samples[0])
-        if beam_steps:
-            from pagedllm.engine.beam_search import step_beams
-
-            for request_id, candidates in beam_steps.items():
-                step_beams(self, groups[request_id], candidates)
+                self._append(group, seq, step.samples[0])
+        for request_id, proposals in beam_proposals.items():
+            group = self.requests.groups[request_id]
+            if group.beam_state is None:
+                group.beam_state = BeamState()
+            max_new_tokens = self.max_tokens(proposals[0][0], group.sampling_params)
+            self._apply_beam_step(group, decide_beam_step(group, proposals, max_new_tokens))
         return list(touched.values())
 
     def _fork_samples(self, group: SequenceGroup, parent: Sequence, samples: list[SampledToken]) -> None:
         """A parallel-sampling prompt completed: sample i goes to a new sequence that shares the
         parent's blocks (copy-on-write happens when each first writes into the shared last block)."""
-        children = []
-        for index in range(1, len(samples)):
-            child = self.fork(parent, sample_index=index)
-            group.seqs.append(child)
-            children.append(child)
+        children = [self._fork(parent, sample_index=index) for index in range(1, len(samples))]
+        group.seqs.extend(children)
         group.forked = True
-        self.append(group, parent, samples[0])
-        for child, sample in zip(children, samples[1:]):
-            self.append(group, child, sample)
+        for seq, sample in zip([parent, *children], samples):
+            self._append(group, seq, sample)
 
-    def fork(self, parent: Sequence, sample_index: int | None = None) -> Sequence:
-        child = parent.fork(self.new_seq_id(), sample_index)
-        if parent.detokenizer is not None:
-            child.detokenizer = parent.detokenizer.fork()
+    def _apply_beam_step(self, group: SequenceGroup, step: BeamStep) -> None:
+        params = group.sampling_params
+        for finished in step.finished:
+            hypothesis = finished.parent.fork(self.requests.new_seq_id())  # a record only: no blocks
+            self._append_token(group, hypothesis, finished.sample)
+            hypothesis.status = SequenceStatus.FINISHED_STOPPED if finished.stopped else SequenceStatus.FINISHED_LENGTH
+            if finished.stopped and finished.sample.token_id in params.stop_token_ids:
+                hypothesis.stop_reason = finished.sample.token_id
+            hypothesis.output_text += hypothesis.detokenizer.flush()
+            add_hypothesis(group.beam_state, finished.score, hypothesis, params.best_of)
+        group.beam_state.improvable = step.improvable
+        for seq in step.dropped:
+            self._free_seq(seq)
+        if step.done:
+            group.seqs = [seq for _, seq in group.beam_state.finished] or group.seqs
+            return
+        live: list[Sequence] = []
+        for parent, samples in step.continued:
+            forks = [self._fork(parent) for _ in samples[1:]]  # before the parent moves on
+            for seq, sample in zip([parent, *forks], samples):
+                self._append_token(group, seq, sample)
+                live.append(seq)
+        group.seqs = live
+
+    def _fork(self, parent: Sequence, sample_index: int | None = None) -> Sequence:
         if not self.block_manager.can_fork(parent, share=self.share_blocks):
             raise RuntimeError(
                 "Out of KV blocks while copying a sequence with enable_block_sharing=False; "
                 "that measuring mode needs a larger KV cache."
             )
+        child = parent.fork(self.requests.new_seq_id(), sample_index)
         self.block_manager.fork(parent, child, share=self.share_blocks)
-        self.register_seq(child)
+        self.requests.add_seq(child)
         return child
 
-    def drop(self, seq: Sequence) -> None:
-        """A beam that has no future: release its blocks now."""
+    def _free_seq(self, seq: Sequence) -> None:
+        """A beam with no future: free its blocks now."""
         seq.status = SequenceStatus.FINISHED_ABORTED
-        self.block_manager.forget(seq)
-        self.unregister_seq(seq)
+        self.block_manager.free(seq)
+        self.requests.remove_seq(seq)
 
     # --- appending and stopping -------------------------------------------------------------
 
-    def append_beam_token(self, group: SequenceGroup, seq: Sequence, sample: SampledToken) -> int:
+    def _append_token(self, group: SequenceGroup, seq: Sequence, sample: SampledToken) -> int:
         """Append a token and its text; returns how many characters the text grew by. (Beam
-        search decides stopping for the whole group; `append` adds the per-sequence checks.)"""
+        search decides stopping for the whole group; `_append` adds the per-sequence checks.)"""
         params = group.sampling_params
         seq.append_token(sample.token_id, sample.logprob)
         self.num_generated_tokens += 1
@@ -118,9 +131,9 @@ class OutputProcessor:
         seq.output_text += new_text
         return len(new_text)
 
-    def append(self, group: SequenceGroup, seq: Sequence, sample: SampledToken) -> None:
+    def _append(self, group: SequenceGroup, seq: Sequence, sample: SampledToken) -> None:
         params = group.sampling_params
-        num_new_chars = self.append_beam_token(group, seq, sample)
+        num_new_chars = self._append_token(group, seq, sample)
         self.check_stop(seq, params, num_new_chars)
         if seq.is_finished:
             tail = seq.detokenizer.flush()

@@ -68,7 +68,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     llm = _make_llm(args)
-    engine = llm.engine
+    engine = llm.llm_engine
     params = sampling_params_from(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("Chatting with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
@@ -108,7 +108,7 @@ def run_demo(args: argparse.Namespace) -> int:
         completion = out.outputs[0]
         num_tokens += len(completion.token_ids)
         print(f"Q: {question}\nA: {completion.text.strip()}\n")
-    stats = llm.engine.get_stats()
+    stats = llm.llm_engine.get_stats()
     print(
         f"{len(DEMO_QUESTIONS)} requests batched together: {num_tokens} tokens in {done - loaded:.1f}s "
         f"({num_tokens / (done - loaded):.1f} tok/s); model loaded in {loaded - start:.1f}s; "

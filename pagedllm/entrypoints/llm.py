@@ -36,11 +36,11 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
-        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **engine_args))
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.llm_engine.tokenizer
 
     # --- generation -------------------------------------------------------------------------
 
@@ -66,10 +66,10 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, self._prompt_of(prompt), params)
+                self.llm_engine.add_request(request_id, self._prompt_of(prompt), params)
                 request_ids.append(request_id)
         except Exception:
-            self.engine.abort_request(request_ids)  # leave the engine as it was
+            self.llm_engine.abort_request(request_ids)  # leave the engine as it was
             raise
         return self._run(request_ids, use_tqdm)
 
@@ -87,7 +87,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.llm_engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("This model's tokenizer has no chat template; use generate() with a plain prompt.")
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -148,9 +148,9 @@ class LLM:
         num_prompt = num_output = 0
         try:
             while len(finished) < len(wanted):
-                if not self.engine.has_unfinished_requests():
+                if not self.llm_engine.has_unfinished_requests():
                     raise RuntimeError("The engine stopped with requests unfinished.")
-                for out in self.engine.step():
+                for out in self.llm_engine.step():
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         num_prompt += len(out.prompt_token_ids)
@@ -162,7 +162,7 @@ class LLM:
                             )
                             bar.update(1)
         except BaseException:
-            self.engine.abort_request([r for r in request_ids if r not in finished])
+            self.llm_engine.abort_request([r for r in request_ids if r not in finished])
             raise
         finally:
             if bar is not None:

@@ -28,7 +28,7 @@ class Sampler:
         self._global = torch.Generator().manual_seed(seed)
         self._generators: dict[tuple[str, int], torch.Generator] = {}
 
-    def forget(self, request_ids: list[str]) -> None:
+    def remove_requests(self, request_ids: list[str]) -> None:
         """Drop the generators of finished requests."""
         if not request_ids or not self._generators:
             return

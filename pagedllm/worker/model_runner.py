@@ -77,7 +77,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.sampler is not None:
-            self.sampler.forget(output.finished_request_ids)
+            self.sampler.remove_requests(output.finished_request_ids)
         if not output.seqs:
             return ModelRunnerOutput() if self.sampler is not None else None
         # Decodes (one query token) first: backends take a fast path over that leading run.
