@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server tests, split by concern; shared server fixtures live in conftest.py."""
