@@ -6,7 +6,7 @@ import argparse
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.bench import dtype, kernel, latency, preemption, serve, sharing, throughput
+    from pagedllm.bench import dtype, kernel, latency, matmul, preemption, serve, sharing, throughput
 
     parser = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = parser.add_subparsers(dest="bench", required=True)
@@ -14,6 +14,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     sharing.register(bench_sub)
     preemption.register(bench_sub)
     kernel.register(bench_sub)
+    matmul.register(bench_sub)
     latency.register(bench_sub)
     dtype.register(bench_sub)
     serve.register(bench_sub)

@@ -1,4 +1,5 @@
-"""Benchmark reports: an aligned table for people, JSON for scripts."""
+"""Benchmark reports: an aligned table for people, JSON for scripts, and the machine they ran on
+(machines of one kind differ: an AMD CPU with AVX2 only, an Intel one with AVX-512 and AMX)."""
 
 from __future__ import annotations
 
@@ -25,20 +26,56 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str | Path, name: str, config: dict, results) -> Path:
+# The CPU flags that decide which kernels run fast here.
+SIMD_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def cpu_description() -> tuple[str, list[str]]:
+    """(CPU model name, the SIMD flags that matter to the kernels) from /proc/cpuinfo."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(info.get("flags", "").split())
+    return info.get("model name", platform.processor() or "unknown"), [flag for flag in SIMD_FLAGS if flag in flags]
+
+
+def machine() -> dict:
     import torch
 
+    cpu, flags = cpu_description()
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_flags": flags,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def machine_line(info: dict | None = None) -> str:
+    info = info or machine()
+    return (
+        f"cpu: {info['cpu']}; flags: {' '.join(info['cpu_flags']) or '-'}; "
+        f"torch capability: {info['torch_cpu_capability']}; threads: {info['threads']}"
+    )
+
+
+def write_json(path: str | Path, name: str, config: dict, results) -> Path:
+    """Write the report, and print the machine line beside the table every benchmark prints."""
+    info = machine()
+    print(machine_line(info))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
+        "machine": info,
         "config": config,
         "results": results,
     }

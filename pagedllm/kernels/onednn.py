@@ -3,9 +3,8 @@ the blocked layout oneDNN's kernels read (what `torch.compile` does for CPU line
 freezes weights).
 
 `F.linear` goes to MKL's sgemm, which re-packs the weight on every call and, on AMD CPUs, runs
-far from the machine's peak for the skinny products of decoding. Measured on the 2-core AVX2
-machine, default model shapes (GFLOP/s, F.linear -> packed oneDNN): 4 rows 32 -> 58-90, 16 rows
-85-93 -> 107-141, 64 rows 88-122 -> 126-159, 256 rows 109-147 -> 134-169.
+far from the machine's peak for the skinny products of decoding (`pagedllm bench matmul`
+compares the two on the default model's shapes).
 
 The packed tensor is opaque (an MKLDNN tensor); it sits beside the plain weight as
 `weight.packed`, which every other user of the weight (the embedding, tensor parallel loading,

@@ -17,11 +17,9 @@ import torch
 # GGML type -> bytes per block of 32 weights
 QUANT_TYPES = {"Q8_0": 34, "Q4_1": 20}
 BLOCK = 32
-# Up to this many input rows (sequences decoding together), the quantized kernel is used.
-# Measured on the default model, 2-core AVX2 machine, every projection of one decode step
-# (30 layers and the LM head), quantized kernel vs oneDNN float32 (ms): 1 row 7.8 vs 29.0,
-# 4 rows 13.8 vs 31.5, 8 rows 23.5 vs 36.5, 12 rows 35.3 vs 45.9, 14 rows 42.1 vs 49.9,
-# 15 rows 48.6 vs 51.5, 16 rows 58.7 vs 52.2.
+# Up to this many input rows (sequences decoding together), the quantized kernel is used: the
+# row count at which the float32 oneDNN product of every projection of a decode step overtook
+# it on the default model (2-core AVX2 machine; `pagedllm bench matmul` measures it).
 MAX_ROWS = 15
 
 

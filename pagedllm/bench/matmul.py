@@ -1,0 +1,116 @@
+"""`pagedllm bench matmul`: every projection of one decode step of the default model (each
+layer's fused qkv, o, gate_up and down, and the LM head), on its real weights, for a range of
+input row counts (sequences decoding together), through the three paths a layer can take
+(`pagedllm.model.layers.linear`):
+
+- the quantized kernel (`kernels/quant.py`) reads the GGUF blocks (Q4_1: 1.25 bytes per weight,
+  against 4 for float32). With few rows a step is bound by reading the weights, so it wins; its
+  arithmetic is plain FMAs on expanded values, so as rows grow the float product overtakes it.
+  The row count where that happens is what `quant.MAX_ROWS` should be; the table marks it.
+- the oneDNN product with the weight packed once at load time (`kernels/onednn.py`), the
+  float32 path beyond MAX_ROWS;
+- plain `F.linear` (MKL sgemm), which re-packs the weight on every call and is slow on the
+  skinny products of decoding: the reason float32 projections go through packed oneDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.bench.hardware import best_time
+from pagedllm.bench.report import format_table, write_json
+
+PATHS = ("quant", "onednn", "linear")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("matmul", help="one decode step's projections: quantized kernel vs packed oneDNN vs F.linear")
+    p.add_argument("--model", default=None, help="GGUF model (default: the embedded SmolLM2-135M)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 14, 15, 16, 24, 32, 64])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--output-json", default="results/bench_matmul.json")
+    p.set_defaults(func=run)
+
+
+def step_weights(model) -> list[torch.nn.Parameter]:
+    """The projection weights of one decode step, in the order the model applies them."""
+    weights = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+    return weights + [model.lm_head.weight]
+
+
+def path_fns(weights) -> dict:
+    """Each path as fn(inputs by in_features) -> None running every projection once; the
+    quantized kernel is called directly, past MAX_ROWS too."""
+    from pagedllm.kernels import onednn
+    from pagedllm.kernels.quant import quantized_matmul
+
+    def step(product):
+        return lambda xs: [product(xs[w.shape[1]], w) for w in weights]
+
+    fns = {"linear": step(F.linear)}
+    if all(getattr(w, "quantized", None) is not None for w in weights):
+        fns["quant"] = step(lambda x, w: quantized_matmul(x, w.quantized))
+    if all(getattr(w, "packed", None) is not None for w in weights):
+        fns["onednn"] = step(lambda x, w: onednn.packed_linear(x, w.packed))
+    return fns
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm.attention.reference import ReferenceAttentionBackend
+    from pagedllm.kernels import quant
+    from pagedllm.model import load_model
+    from pagedllm.transformers_utils import resolve_model
+
+    model = load_model(resolve_model(args.model), 64, ReferenceAttentionBackend(), torch.float32, torch.device("cpu"))
+    weights = step_weights(model)
+    fns = path_fns(weights)
+    flops_per_row = 2 * sum(w.numel() for w in weights)
+    qtypes = sorted({w.quantized.qtype for w in weights if getattr(w, "quantized", None) is not None})
+    print(f"{len(weights)} projections per step, {flops_per_row / 2e6:.1f}M weights ({', '.join(qtypes) or 'not quantized'}); "
+          f"paths: {', '.join(p for p in PATHS if p in fns)}")
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with torch.inference_mode():
+        for n in sorted(set(args.rows)):
+            xs = {k: torch.randn(n, k, generator=gen) for k in {w.shape[1] for w in weights}}
+            row = {"rows": n}
+            for path in PATHS:
+                if path in fns:
+                    t = best_time(lambda: fns[path](xs), args.repeats)
+                    row[f"{path}_ms"] = t * 1e3
+                    row[f"{path}_GFLOPs"] = n * flops_per_row / t / 1e9
+            row["fastest"] = min((p for p in PATHS if f"{p}_ms" in row), key=lambda p: row[f"{p}_ms"])
+            rows.append(row)
+            print(f"rows {n:3d}: " + ", ".join(f"{p} {row[f'{p}_ms']:.2f} ms" for p in PATHS if p in fns), flush=True)
+
+    # Where the quantized kernel stops being fastest: the row count after the last one it wins
+    # (None if it wins the largest), so that a noisy loss at a few rows does not move the mark.
+    crossover = None
+    if "quant" in fns:
+        wins = [i for i, r in enumerate(rows) if r["fastest"] == "quant"]
+        last = wins[-1] if wins else -1
+        crossover = rows[last + 1]["rows"] if last + 1 < len(rows) else None
+    for r in rows:
+        r["note"] = "<- quant overtaken" if r["rows"] == crossover else ""
+    columns = ["rows", *(f"{p}_ms" for p in PATHS), *(f"{p}_GFLOPs" for p in PATHS), "fastest", "note"]
+    print(format_table(rows, columns))
+    if "quant" not in fns:
+        print("the model has no quantized blocks: no quantized kernel to compare")
+    elif crossover is None:
+        print(f"the quantized kernel is fastest at every row count measured; quant.MAX_ROWS = {quant.MAX_ROWS}")
+    else:
+        print(f"the quantized kernel stops being fastest at {crossover} rows; quant.MAX_ROWS = {quant.MAX_ROWS} "
+              f"(used up to {quant.MAX_ROWS} rows)")
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config.update(max_rows=quant.MAX_ROWS, quant_overtaken_at=crossover,
+                  num_projections=len(weights), flops_per_row=flops_per_row)
+    path = write_json(args.output_json, "matmul", config, rows)
+    print(f"wrote {path}")
+    return 0
