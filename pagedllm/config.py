@@ -32,7 +32,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for all layers' key and value pools; None: a default
-    num_gpu_blocks: int | None = None  # force the number of device blocks (overrides the budget)
+    num_device_blocks: int | None = None  # force the number of device blocks (overrides the budget)
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks, per worker
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16" halves a float32 model's cache
@@ -122,7 +122,7 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory=self.kv_cache_memory,
-                num_gpu_blocks=self.num_gpu_blocks,
+                num_device_blocks=self.num_gpu_blocks,  # vLLM's name for the flag
                 swap_space=self.swap_space,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,

@@ -4,5 +4,6 @@ from __future__ import annotations
 
 
 def cdiv(a: int, b: int) -> int:
-    """`a / b` rounded up, for positive `b` (how many blocks hold `a` tokens)."""
+    """`a / b` rounded up, for positive `b` (how many blocks hold `a` tokens); element-wise on
+    numpy arrays too."""
     return -(-a // b)

@@ -109,4 +109,4 @@ def test_auto_picks_the_cpu_kernel_on_cpu(tiny_llama):
     llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=16)
     assert llm.llm_engine.executor.worker.backend.name == "cpu"
     half = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=16, dtype="float16")
-    assert half.engine.executor.worker.backend.name == "reference"  # the kernel has no float16
+    assert half.llm_engine.executor.worker.backend.name == "reference"  # the kernel has no float16

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import build as cpu_kernels
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.kernels import build as cpu_kernels
+from pagedllm.utils import cdiv
 
 # Prompt tokens handled by one work item of the kernel: its keys and values are read once for
 # all of them.
@@ -57,7 +58,7 @@ def _plan(metadata: AttentionMetadata) -> _Plan:
     token_context = np.repeat(seq_lens - query_lens, query_lens) + offsets + 1
     fresh = (query_lens > 1) & (seq_lens == query_lens)
     # Decodes are one-token items; other non-fresh sequences are cut into tiles.
-    tiles = np.where(fresh, 0, -(-query_lens // TILE_TOKENS))
+    tiles = np.where(fresh, 0, cdiv(query_lens, TILE_TOKENS))
     item_seq = np.repeat(np.arange(len(query_lens)), tiles)
     tile_index = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     item_first = starts[item_seq] + tile_index * TILE_TOKENS

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.utils import cdiv
 
 
 class ReferenceAttentionBackend(AttentionBackend):
@@ -29,7 +30,7 @@ class ReferenceAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         starts = metadata.query_start_loc.tolist()
         for i, (q_len, ctx_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens_list)):
-            num_blocks = -(-ctx_len // block_size)
+            num_blocks = cdiv(ctx_len, block_size)
             blocks = metadata.block_tables[i, :num_blocks].long()
             # k, v: [ctx_len, num_kv_heads, head_dim], gathered from the block pool
             k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float()

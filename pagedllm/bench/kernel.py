@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pagedllm.bench.hardware import best_time, copy_bandwidth
 from pagedllm.bench.report import format_table, write_json
+from pagedllm.utils import cdiv
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +39,7 @@ def measure(batch: int, context: int, args, dtype: torch.dtype) -> dict:
     from pagedllm.attention.reference import ReferenceAttentionBackend
 
     h, hkv, d, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
-    blocks_per_seq = -(-context // bs)
+    blocks_per_seq = cdiv(context, bs)
     num_blocks = batch * blocks_per_seq
     gen = torch.Generator().manual_seed(0)
     # Sequences own scattered blocks (a random permutation of the pool), or, with

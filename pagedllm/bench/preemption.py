@@ -17,6 +17,7 @@ from dataclasses import replace
 from pagedllm.bench.datasets import sample_requests
 from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
+from pagedllm.utils import cdiv
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     requests = None
     for block_size in args.block_sizes:
-        num_blocks = max(args.kv_tokens // block_size, -(-base.max_model_len // block_size))
+        num_blocks = max(args.kv_tokens // block_size, cdiv(base.max_model_len, block_size))
         for mode in args.modes:
             engine_args = replace(base, block_size=block_size, num_gpu_blocks=num_blocks, preemption_mode=mode)
             if requests is None:

@@ -16,6 +16,7 @@ from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.kernels.quant import QuantizedMatrix, quantized_matmul, usable
 from pagedllm.model.weights import LazyWeight
+from pagedllm.utils import cdiv
 
 
 def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -231,7 +232,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.rows_per_rank = cdiv(vocab_size, tp.size)
         self.vocab_start = tp.rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
         self.weight = _new_param(self.rows_per_rank, hidden_size, dtype=dtype, loader=self.weight_loader)

@@ -12,6 +12,7 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.core.model_output import ModelRunnerOutput, SequenceStepOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.sampling import Sampler, prompt_logprobs
+from pagedllm.utils import cdiv
 
 
 def build_attention_metadata(
@@ -59,7 +60,7 @@ class ModelRunner:
     def time_prefill(self, num_tokens: int) -> float:
         """Seconds for one prefill of `num_tokens` tokens (after a warm-up run), written into the
         first blocks of the cache: only for start-up profiling, before any request exists."""
-        num_blocks = -(-num_tokens // self.block_size)
+        num_blocks = cdiv(num_tokens, self.block_size)
         item = ScheduledSequence(
             seq_id=-1, request_id="", token_ids=[0] * num_tokens, start_position=0,
             block_table=list(range(num_blocks)), sampling_params=None,

@@ -81,8 +81,8 @@ class Worker:
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, cpu swap blocks) that the budgets allow."""
         cache = self.config.cache
-        if cache.num_gpu_blocks is not None:
-            num_device_blocks = cache.num_gpu_blocks
+        if cache.num_device_blocks is not None:
+            num_device_blocks = cache.num_device_blocks
         else:
             if cache.kv_cache_memory is not None:
                 budget = cache.kv_cache_memory

@@ -24,185 +24,40 @@
 #include <vector>
 
 #include <omp.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include "simd.h"
-#define PAGED_AVX2 1
-#endif
+#include "attention_tiles.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void from_float(float x, float* out) { *out = x; }
-inline void from_float(float x, uint16_t* out) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even
-  *out = static_cast<uint16_t>(bits >> 16);
-}
-
-// How many blocks ahead to prefetch: enough to hide memory latency for blocks of 16 tokens.
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2
-#endif
-constexpr int kPrefetchAhead = PREFETCH_AHEAD;
-
-// Prefetch a tile into L1 (`Locality` 3) or L2 (1).
-template <int Locality = 3, typename T>
-inline void prefetch_tile(const T* tile, int64_t elements) {
-  const char* p = reinterpret_cast<const char*>(tile);
-  const int64_t bytes = elements * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, Locality);
-}
-
-// Query rows that share a KV head (the heads of a grouped-query group, the tokens of a tile)
-// are processed R at a time: each key or value vector loaded from the pool feeds R rows.
-constexpr int kRowsPerPass = 3;
-
-// f(first row, std::integral_constant<int, R>) over `rows` rows from `first_row`, R <= 3 at a time.
-template <typename F>
-inline void for_row_groups(int first_row, int rows, F&& f) {
-  for (int r0 = 0; r0 < rows; r0 += kRowsPerPass) {
-    const int left = rows - r0;
-    if (left >= 3) f(first_row + r0, std::integral_constant<int, 3>{});
-    else if (left == 2) f(first_row + r0, std::integral_constant<int, 2>{});
-    else f(first_row + r0, std::integral_constant<int, 1>{});
-  }
-}
-
-#ifdef PAGED_AVX2
-using namespace pagedllm_simd;
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-// The four horizontal sums of a, b, c, d, in one vector.
-inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
-  __m256 abcd = _mm256_hadd_ps(ab, cd);
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-// The largest of s[0..n).
-inline float max_of(const float* s, int n) {
-  int i = 0;
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
-  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
-  float max = hmax(vmax);
-  for (; i < n; ++i) max = s[i] > max ? s[i] : max;
-  return max;
-}
-
-// s[i] = exp(s[i] - max) for i < n; returns their sum.
-inline float softmax_numerators(float* s, int n, float max) {
-  const __m256 vm = _mm256_set1_ps(max);
-  __m256 vsum = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
-    _mm256_storeu_ps(s + i, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  float sum = hsum(vsum);
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - max);
-    sum += s[i];
-  }
-  return sum;
-}
-
-// scores[r * score_stride + j] = scale * q_r . keys[j], for R query rows (stride head_dim) and
-// n keys of one tile (head_dim a multiple of 8). Four keys at a time: 4R accumulators.
-template <int R, typename T>
-inline void score_keys(const float* q, const T* keys, int n, int head_dim, float scale, float* scores,
-                       int64_t score_stride) {
-  const __m128 vscale = _mm_set1_ps(scale);
-  int j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const T* k0 = keys + static_cast<int64_t>(j) * head_dim;
-    __m256 a[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_ps();
-    for (int d = 0; d < head_dim; d += 8) {
-      __m256 qd[R];
-      for (int r = 0; r < R; ++r) qd[r] = _mm256_loadu_ps(q + r * head_dim + d);
-      for (int c = 0; c < 4; ++c) {
-        const __m256 k = load8(k0 + c * head_dim + d);
-        for (int r = 0; r < R; ++r) a[r][c] = _mm256_fmadd_ps(qd[r], k, a[r][c]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      _mm_storeu_ps(scores + r * score_stride + j, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), vscale));
-  }
-  for (; j < n; ++j) {
-    const T* k = keys + static_cast<int64_t>(j) * head_dim;
-    for (int r = 0; r < R; ++r) {
-      __m256 a = _mm256_setzero_ps();
-      for (int d = 0; d < head_dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * head_dim + d), load8(k + d), a);
-      scores[r * score_stride + j] = hsum(a) * scale;
-    }
-  }
-}
-
-// acc_r[d0 : d0 + 8W] += sum_j p_r[j] * values[j][d0 : d0 + 8W] for R rows: R x W accumulators.
-template <int R, int W, typename T>
-inline void accumulate_chunk(const float* p, int64_t p_stride, const T* values, int n, int head_dim, int d0,
-                             float* acc) {
-  __m256 a[R][W];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) a[r][c] = _mm256_loadu_ps(acc + r * head_dim + d0 + 8 * c);
-  for (int j = 0; j < n; ++j) {
-    __m256 pj[R];
-    for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r * p_stride + j]);
-    const T* v = values + static_cast<int64_t>(j) * head_dim + d0;
-    for (int c = 0; c < W; ++c) {
-      const __m256 vc = load8(v + 8 * c);
-      for (int r = 0; r < R; ++r) a[r][c] = _mm256_fmadd_ps(pj[r], vc, a[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + r * head_dim + d0 + 8 * c, a[r][c]);
-}
-
-// acc_r += sum_j p_r[j] * values[j] for R rows (acc stride head_dim, p stride p_stride) and n
-// values of one tile: 32 dimensions at a time, then 8.
-template <int R, typename T>
-inline void accumulate_values(const float* p, int64_t p_stride, const T* values, int n, int head_dim, float* acc) {
-  int d0 = 0;
-  for (; d0 + 32 <= head_dim; d0 += 32) accumulate_chunk<R, 4>(p, p_stride, values, n, head_dim, d0, acc);
-  for (; d0 < head_dim; d0 += 8) accumulate_chunk<R, 1>(p, p_stride, values, n, head_dim, d0, acc);
-}
-#endif
-
-template <typename T>
-inline void score_keys_portable(const float* q, const T* keys, int n, int head_dim, float scale, float* scores) {
-  for (int j = 0; j < n; ++j) {
-    const T* k = keys + static_cast<int64_t>(j) * head_dim;
-    float dot = 0.0f;
-    for (int d = 0; d < head_dim; ++d) dot += q[d] * to_float(k[d]);
-    scores[j] = dot * scale;
-  }
-}
-
-template <typename T>
-inline void accumulate_values_portable(const float* p, const T* values, int n, int head_dim, float* acc) {
-  for (int j = 0; j < n; ++j) {
-    const T* v = values + static_cast<int64_t>(j) * head_dim;
-    for (int d = 0; d < head_dim; ++d) acc[d] += p[j] * to_float(v[d]);
-  }
-}
+using namespace paged_attention_tiles;
 
 // A context shorter than this is never split across work units.
 constexpr int kMinPartitionTokens = 128;
 // Work units wanted per thread, for the dynamic schedule to balance uneven items.
 constexpr int kUnitsPerThread = 4;
+
+// The arguments of one call (in the order of the C entry points) and what follows from them,
+// gathered once so that each pass takes one parameter rather than twenty.
+template <typename Q, typename T>
+struct Problem {
+  Q* out;
+  const Q* query;
+  const T* key_cache;
+  const T* value_cache;
+  int64_t block_stride, head_stride;
+  const int32_t* block_tables;
+  int64_t block_table_stride;
+  const int32_t* item_seq;
+  const int32_t* item_first_token;
+  const int32_t* item_num_tokens;
+  int num_items;
+  const int32_t* token_context;
+  int num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  int group;              // query heads per KV head
+  int64_t tile_elements;  // of one (block, KV head) tile
+  bool adjacent_heads;    // a block's KV heads lie side by side: one prefetch covers them all
+  bool vector;            // the AVX2 kernels apply (head_dim a multiple of 8)
+};
 
 // One work unit: the query rows of an item (a tile of one sequence's query tokens) for a group
 // of KV heads, against the keys of blocks [block_begin, block_end) of its context.
@@ -210,6 +65,303 @@ struct Unit {
   int item, first_head, block_begin, block_end;
   int64_t partial;  // where its partial result goes (in rows), or -1: the unit is the whole context
 };
+
+// The work of one call. A split item's partitions are consecutive in `units`, the first one at
+// block 0: the merge finds them from there.
+struct Plan {
+  std::vector<Unit> units;
+  std::vector<int> item_partitions;
+  int heads_per_unit;
+  int64_t partial_rows;  // rows of partial results, over all split items
+};
+
+// Keys seen by the item's last token (the most): how many blocks the item must read.
+template <typename Q, typename T>
+inline int item_context(const Problem<Q, T>& pb, int item) {
+  int context = 0;
+  for (int t = 0; t < pb.item_num_tokens[item]; ++t) {
+    const int c = pb.token_context[pb.item_first_token[item] + t];
+    context = context > c ? context : c;
+  }
+  return context;
+}
+
+// An item takes all KV heads (a block's heads lie side by side: one contiguous read) and, when
+// there are too few items to keep every thread busy, its context is split into partitions whose
+// partial softmax results are merged afterwards (as flash-decoding does). Only when even that
+// leaves threads idle (short contexts) are items split by head instead.
+template <typename Q, typename T>
+Plan plan_units(const Problem<Q, T>& pb, int num_threads) {
+  const int num_items = pb.num_items, block_size = pb.block_size, num_kv_heads = pb.num_kv_heads;
+  const int wanted_units = kUnitsPerThread * num_threads;
+  const int min_partition_blocks = (kMinPartitionTokens + block_size - 1) / block_size;
+  const int partitions_wanted = (wanted_units + num_items - 1) / num_items;
+  Plan plan;
+  std::vector<int> item_blocks(num_items);
+  std::vector<int>& item_partitions = plan.item_partitions;
+  item_partitions.resize(num_items);
+  int64_t num_units = 0;
+  for (int item = 0; item < num_items; ++item) {
+    item_blocks[item] = (item_context(pb, item) + block_size - 1) / block_size;
+    int parts = item_blocks[item] / min_partition_blocks;
+    parts = parts < 1 ? 1 : parts > partitions_wanted ? partitions_wanted : parts;
+    // Whole blocks per partition; rounding up may leave fewer partitions than asked for.
+    const int per_part = (item_blocks[item] + parts - 1) / parts;
+    item_partitions[item] = (item_blocks[item] + per_part - 1) / per_part;
+    num_units += item_partitions[item];
+  }
+  const int heads_per_unit = num_units >= 2 * num_threads ? num_kv_heads : 1;
+  plan.heads_per_unit = heads_per_unit;
+  plan.units.reserve(static_cast<size_t>(num_units) * (num_kv_heads / heads_per_unit));
+  int64_t partial_rows = 0;
+  for (int item = 0; item < num_items; ++item) {
+    const int parts = item_partitions[item], blocks = item_blocks[item];
+    const int per_part = (blocks + parts - 1) / parts;
+    const int rows = pb.item_num_tokens[item] * pb.group * heads_per_unit;
+    for (int first_head = 0; first_head < num_kv_heads; first_head += heads_per_unit)
+      for (int b = 0; b < blocks; b += per_part) {  // every token sees itself: blocks >= 1
+        plan.units.push_back({item, first_head, b, std::min(b + per_part, blocks), parts > 1 ? partial_rows : -1});
+        if (parts > 1) partial_rows += rows;
+      }
+  }
+  plan.partial_rows = partial_rows;
+  return plan;
+}
+
+// Where a unit reads and writes, worked out once before its passes.
+struct UnitView {
+  int first_head, heads;    // its KV heads
+  int first, count;         // its query tokens
+  int rows_per_head, rows;  // query rows: the group's heads for each token, per KV head and in all
+  int b0, b1;               // its blocks, [b0, b1)
+  int begin, length;        // its keys: the partition's first key position and how many
+  const int32_t* table;     // the sequence's block table
+};
+
+template <typename Q, typename T>
+inline UnitView unit_view(const Problem<Q, T>& pb, const Unit& unit, int heads_per_unit) {
+  const int item = unit.item;
+  UnitView v;
+  v.first_head = unit.first_head;
+  v.heads = heads_per_unit;
+  v.first = pb.item_first_token[item];
+  v.count = pb.item_num_tokens[item];
+  v.rows_per_head = v.count * pb.group;
+  v.rows = v.rows_per_head * heads_per_unit;
+  v.b0 = unit.block_begin;
+  v.b1 = unit.block_end;
+  v.begin = unit.block_begin * pb.block_size;
+  v.length = std::min(item_context(pb, item), unit.block_end * pb.block_size) - v.begin;
+  v.table = pb.block_tables + pb.item_seq[item] * pb.block_table_stride;
+  return v;
+}
+
+// The tile of KV head h in block b (of the unit's sequence) in `pool`.
+template <typename Q, typename T>
+inline const T* tile(const Problem<Q, T>& pb, const UnitView& v, const T* pool, int b, int h) {
+  return pool + v.table[b] * pb.block_stride + h * pb.head_stride;
+}
+
+// Blocks lie anywhere in the pool, so the hardware prefetcher cannot guess the next one.
+template <int Locality, typename Q, typename T>
+inline void prefetch_block(const Problem<Q, T>& pb, const UnitView& v, const T* pool, int b) {
+  if (pb.adjacent_heads) {
+    prefetch_tile<Locality>(tile(pb, v, pool, b, v.first_head), pb.tile_elements * v.heads);
+  } else {
+    for (int h = 0; h < v.heads; ++h) prefetch_tile<Locality>(tile(pb, v, pool, b, v.first_head + h), pb.tile_elements);
+  }
+}
+
+// A unit's query rows are numbered in (KV head, token, head of the group) order: the heads that
+// share a KV head are adjacent, as for_row_groups wants. Query loading, output and merge all walk
+// them this way: f(row, KV head in the unit, token in the item, head of the group).
+template <typename F>
+inline void for_unit_rows(int heads, int count, int group, F&& f) {
+  for (int h = 0; h < heads; ++h)
+    for (int t = 0; t < count; ++t)
+      for (int g = 0; g < group; ++g) f((h * count + t) * group + g, h, t, g);
+}
+
+// Offset of a (token, query head) row in the query and output tensors; the query head is head g
+// of KV head kv_head's group.
+template <typename Q, typename T>
+inline int64_t head_row(const Problem<Q, T>& pb, int token, int kv_head, int g) {
+  return (static_cast<int64_t>(token) * pb.num_heads + kv_head * pb.group + g) * pb.head_dim;
+}
+
+// A row of a partial result: the unnormalised output, the running max, the sum of exps; the
+// merge needs all three to rescale partitions that saw different maxima.
+inline int partial_width(int head_dim) { return head_dim + 2; }
+
+template <typename F>
+inline F* partial_row(F* partials, int64_t row, int head_dim) {
+  return partials + static_cast<size_t>(row) * partial_width(head_dim);
+}
+
+// out = acc / sum, through one reciprocal per row rather than a division per element.
+template <typename Q>
+inline void store_normalised(const float* acc, float sum, Q* o, int head_dim) {
+  const float inv = 1.0f / sum;
+  for (int d = 0; d < head_dim; ++d) from_float(acc[d] * inv, o + d);
+}
+
+// A thread's buffers, kept across its units so the unit loop does not allocate.
+struct Scratch {
+  std::vector<float> q, scores, acc, row_sum, row_max;
+};
+
+// The kernels compute in float32 whatever Q is, and read each query row many times (once per
+// key tile): convert the unit's rows once, into (row) order.
+template <typename Q, typename T>
+inline void load_queries(const Problem<Q, T>& pb, const UnitView& v, Scratch& s) {
+  const int head_dim = pb.head_dim;
+  s.q.resize(static_cast<size_t>(v.rows) * head_dim);
+  s.scores.resize(static_cast<size_t>(v.rows) * v.length);
+  s.acc.assign(static_cast<size_t>(v.rows) * head_dim, 0.0f);
+  s.row_sum.resize(v.rows);
+  s.row_max.resize(v.rows);
+  for_unit_rows(v.heads, v.count, pb.group, [&](int r, int h, int t, int g) {
+    const Q* src = pb.query + head_row(pb, v.first + t, v.first_head + h, g);
+    float* dst = s.q.data() + static_cast<size_t>(r) * head_dim;
+    for (int d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]);
+  });
+}
+
+// Both passes walk the unit's blocks in order, each block's KV heads, and their rows a few at a
+// time (each key or value loaded feeds several rows), so keys and values are read once per unit.
+// on_block(b) runs first in each block (the prefetches); then f(first row, rows as an
+// integral_constant, the tile, the block's first key within the unit, the keys in the block).
+template <typename Q, typename T, typename OnBlock, typename F>
+inline void for_block_tiles(const Problem<Q, T>& pb, const UnitView& v, const T* pool, OnBlock&& on_block, F&& f) {
+  for (int b = v.b0; b < v.b1; ++b) {
+    on_block(b);
+    const int offset = (b - v.b0) * pb.block_size;
+    const int n = v.length - offset < pb.block_size ? v.length - offset : pb.block_size;
+    for (int h = 0; h < v.heads; ++h) {
+      const T* pool_tile = tile(pb, v, pool, b, v.first_head + h);
+      for_row_groups(h * v.rows_per_head, v.rows_per_head,
+                     [&](int r, auto rows_here) { f(r, rows_here, pool_tile, offset, n); });
+    }
+  }
+}
+
+constexpr int kToL1 = 3, kToL2 = 1;  // prefetch_tile localities
+
+// Pass 1: scores (q . k) of every row against every key. The keys run kPrefetchAhead blocks
+// ahead into L1; the values are brought toward L2 meanwhile, so pass 2 does not wait on memory.
+// Both passes stay out of line: inlined into the unit loop, GCC 12 ran short of registers and
+// spilled the query rows inside the FMA loop (12% slower).
+template <typename Q, typename T>
+[[gnu::noinline]] void score_pass(const Problem<Q, T>& pb, const UnitView& v, Scratch& s) {
+  for (int b = v.b0 + 1; b < v.b1 && b < v.b0 + kPrefetchAhead; ++b) prefetch_block<kToL1>(pb, v, pb.key_cache, b);
+  for_block_tiles(
+      pb, v, pb.key_cache,
+      [&](int b) {
+        if (b + kPrefetchAhead < v.b1) prefetch_block<kToL1>(pb, v, pb.key_cache, b + kPrefetchAhead);
+        prefetch_block<kToL2>(pb, v, pb.value_cache, b);
+      },
+      [&](int r, auto rows_here, const T* keys, int offset, int n) {
+        constexpr int R = decltype(rows_here)::value;
+        score_rows<R>(pb.vector, s.q.data() + static_cast<size_t>(r) * pb.head_dim, keys, n, pb.head_dim, pb.scale,
+                      s.scores.data() + static_cast<size_t>(r) * v.length + offset, v.length);
+      });
+}
+
+// Softmax numerators of each row over the keys of the partition it may see (causal: token t
+// sees token_context[t] keys; a partition may hold none of them). Left unnormalised, with the
+// row's max and sum kept, because a split context is only normalised once merged.
+template <typename Q, typename T>
+inline void softmax_pass(const Problem<Q, T>& pb, const UnitView& v, Scratch& s) {
+  for (int r = 0; r < v.rows; ++r) {
+    const int seen = pb.token_context[v.first + (r % v.rows_per_head) / pb.group] - v.begin;
+    const int visible = seen < 0 ? 0 : seen > v.length ? v.length : seen;
+    float* row = s.scores.data() + static_cast<size_t>(r) * v.length;
+    const float max = max_of(row, visible);
+    const float sum = visible > 0 ? softmax_numerators(row, visible, max) : 0.0f;
+    for (int pos = visible; pos < v.length; ++pos) row[pos] = 0.0f;  // pass 2 runs over whole tiles
+    s.row_max[r] = max;
+    s.row_sum[r] = sum;
+  }
+}
+
+// Pass 2: the softmax-weighted sum of values; the values kPrefetchAhead blocks on go to L1 (pass
+// 1 already brought them toward L2).
+template <typename Q, typename T>
+[[gnu::noinline]] void value_pass(const Problem<Q, T>& pb, const UnitView& v, Scratch& s) {
+  for_block_tiles(
+      pb, v, pb.value_cache,
+      [&](int b) {
+        if (b + kPrefetchAhead < v.b1) prefetch_block<kToL1>(pb, v, pb.value_cache, b + kPrefetchAhead);
+      },
+      [&](int r, auto rows_here, const T* values, int offset, int n) {
+        constexpr int R = decltype(rows_here)::value;
+        accumulate_rows<R>(pb.vector, s.scores.data() + static_cast<size_t>(r) * v.length + offset, v.length, values, n,
+                           pb.head_dim, s.acc.data() + static_cast<size_t>(r) * pb.head_dim);
+      });
+}
+
+// A partition's sums stay unnormalised: the normaliser needs every partition's max and sum.
+inline void store_partial(const UnitView& v, const Scratch& s, int64_t partial, int head_dim, float* partials) {
+  for (int r = 0; r < v.rows; ++r) {
+    float* dst = partial_row(partials, partial + r, head_dim);
+    std::memcpy(dst, s.acc.data() + static_cast<size_t>(r) * head_dim, sizeof(float) * head_dim);
+    dst[head_dim] = s.row_max[r];
+    dst[head_dim + 1] = s.row_sum[r];
+  }
+}
+
+// A unit that covers its whole context is final: normalise straight into the output.
+template <typename Q, typename T>
+inline void write_output(const Problem<Q, T>& pb, const UnitView& v, const Scratch& s) {
+  for_unit_rows(v.heads, v.count, pb.group, [&](int r, int h, int t, int g) {
+    store_normalised(s.acc.data() + static_cast<size_t>(r) * pb.head_dim, s.row_sum[r],
+                     pb.out + head_row(pb, v.first + t, v.first_head + h, g), pb.head_dim);
+  });
+}
+
+// One work unit from its queries to its (partial) output: the body of the parallel loop.
+template <typename Q, typename T>
+inline void run_unit(const Problem<Q, T>& pb, const Plan& plan, const Unit& unit, Scratch& s, float* partials) {
+  const UnitView v = unit_view(pb, unit, plan.heads_per_unit);
+  load_queries(pb, v, s);
+  score_pass(pb, v, s);
+  softmax_pass(pb, v, s);
+  value_pass(pb, v, s);
+  if (unit.partial >= 0) {
+    store_partial(v, s, unit.partial, pb.head_dim, partials);
+  } else {
+    write_output(pb, v, s);
+  }
+}
+
+// Merge the partitions of a split item: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p,
+// the partitions having each used their own max m_p. Done by the unit of its first partition
+// (the others follow it in plan.units), so each split item and head group is merged once.
+template <typename Q, typename T>
+inline void merge_partitions(const Problem<Q, T>& pb, const Plan& plan, size_t u, const float* partials) {
+  const Unit& unit = plan.units[u];
+  if (unit.partial < 0 || unit.block_begin != 0) return;
+  const int head_dim = pb.head_dim, item = unit.item, first = pb.item_first_token[item];
+  const int parts = plan.item_partitions[item];
+  std::vector<float> merged(head_dim);
+  for_unit_rows(plan.heads_per_unit, pb.item_num_tokens[item], pb.group, [&](int r, int h, int t, int g) {
+    float max = -INFINITY;
+    for (int p = 0; p < parts; ++p) {
+      const float* part = partial_row(partials, plan.units[u + p].partial + r, head_dim);
+      if (part[head_dim + 1] > 0.0f) max = part[head_dim] > max ? part[head_dim] : max;
+    }
+    float sum = 0.0f;
+    std::fill(merged.begin(), merged.end(), 0.0f);
+    for (int p = 0; p < parts; ++p) {
+      const float* part = partial_row(partials, plan.units[u + p].partial + r, head_dim);
+      if (part[head_dim + 1] <= 0.0f) continue;  // saw no keys
+      const float w = std::exp(part[head_dim] - max);
+      sum += w * part[head_dim + 1];
+      for (int d = 0; d < head_dim; ++d) merged[d] += w * part[d];
+    }
+    store_normalised(merged.data(), sum, pb.out + head_row(pb, first + t, unit.first_head + h, g), head_dim);
+  });
+}
 
 // Q: the type of queries and outputs; T: the type of the pools (the KV cache may be stored in
 // a narrower type than the model computes in).
@@ -221,212 +373,27 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
                int num_items, const int32_t* token_context,
                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                int num_threads) {
-  const int group = num_heads / num_kv_heads;
-  const int64_t tile_elements = static_cast<int64_t>(block_size) * head_dim;
-  const bool adjacent_heads = head_stride == tile_elements;
 #ifdef PAGED_AVX2
   const bool vector = head_dim % 8 == 0;
 #else
   const bool vector = false;
 #endif
-  auto item_context = [&](int item) {  // keys seen by the item's last token (the most)
-    int context = 0;
-    for (int t = 0; t < item_num_tokens[item]; ++t) {
-      const int c = token_context[item_first_token[item] + t];
-      context = context > c ? context : c;
-    }
-    return context;
-  };
-
-  // Units. An item takes all KV heads (a block's heads lie side by side: one contiguous read)
-  // and, when there are too few items to keep every thread busy, its context is split into
-  // partitions whose partial softmax results are merged afterwards (as flash-decoding does).
-  // Only when even that leaves threads idle (short contexts) are items split by head instead.
-  const int wanted_units = kUnitsPerThread * num_threads;
-  const int min_partition_blocks = (kMinPartitionTokens + block_size - 1) / block_size;
-  const int partitions_wanted = (wanted_units + num_items - 1) / num_items;
-  std::vector<int> item_blocks(num_items), item_partitions(num_items);
-  int64_t num_units = 0;
-  for (int item = 0; item < num_items; ++item) {
-    item_blocks[item] = (item_context(item) + block_size - 1) / block_size;
-    int parts = item_blocks[item] / min_partition_blocks;
-    parts = parts < 1 ? 1 : parts > partitions_wanted ? partitions_wanted : parts;
-    // Whole blocks per partition; rounding up may leave fewer partitions than asked for.
-    const int per_part = (item_blocks[item] + parts - 1) / parts;
-    item_partitions[item] = (item_blocks[item] + per_part - 1) / per_part;
-    num_units += item_partitions[item];
-  }
-  const int heads_per_unit = num_units >= 2 * num_threads ? num_kv_heads : 1;
-  std::vector<Unit> units;
-  units.reserve(static_cast<size_t>(num_units) * (num_kv_heads / heads_per_unit));
-  int64_t partial_rows = 0;
-  for (int item = 0; item < num_items; ++item) {
-    const int parts = item_partitions[item], blocks = item_blocks[item];
-    const int per_part = (blocks + parts - 1) / parts;
-    const int rows = item_num_tokens[item] * group * heads_per_unit;
-    for (int first_head = 0; first_head < num_kv_heads; first_head += heads_per_unit)
-      for (int b = 0; b < blocks; b += per_part) {  // every token sees itself: blocks >= 1
-        units.push_back({item, first_head, b, std::min(b + per_part, blocks), parts > 1 ? partial_rows : -1});
-        if (parts > 1) partial_rows += rows;
-      }
-  }
-  // Per row of a partial result: the unnormalised output, the running max, the sum of exps.
-  const int partial_width = head_dim + 2;
-  std::vector<float> partials(static_cast<size_t>(partial_rows) * partial_width);
+  const int64_t tile_elements = static_cast<int64_t>(block_size) * head_dim;
+  const Problem<Q, T> pb{out, query, key_cache, value_cache, block_stride, head_stride, block_tables,
+                         block_table_stride, item_seq, item_first_token, item_num_tokens, num_items,
+                         token_context, num_heads, num_kv_heads, head_dim, block_size, scale,
+                         num_heads / num_kv_heads, tile_elements, head_stride == tile_elements, vector};
+  const Plan plan = plan_units(pb, num_threads);
+  std::vector<float> partials(static_cast<size_t>(plan.partial_rows) * partial_width(head_dim));
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> q, scores, acc, inv_sum, row_max;
+    Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (size_t u = 0; u < units.size(); ++u) {
-      const Unit& unit = units[u];
-      const int item = unit.item, first_head = unit.first_head;
-      const int first = item_first_token[item];
-      const int count = item_num_tokens[item];
-      const int rows_per_head = count * group;  // the group's query heads for each token of the tile
-      const int rows = rows_per_head * heads_per_unit;
-      const int begin = unit.block_begin * block_size;  // the partition's first key position
-      const int length = std::min(item_context(item), unit.block_end * block_size) - begin;  // keys in it
-      const int32_t* table = block_tables + item_seq[item] * block_table_stride;
-      auto tile = [&](const T* pool, int b, int h) { return pool + table[b] * block_stride + h * head_stride; };
-      auto prefetch = [&](const T* pool, int b, auto locality) {
-        constexpr int L = decltype(locality)::value;
-        if (adjacent_heads) {
-          prefetch_tile<L>(tile(pool, b, first_head), tile_elements * heads_per_unit);
-        } else {
-          for (int h = 0; h < heads_per_unit; ++h) prefetch_tile<L>(tile(pool, b, first_head + h), tile_elements);
-        }
-      };
-      using ToL1 = std::integral_constant<int, 3>;
-      using ToL2 = std::integral_constant<int, 1>;
-
-      // Query rows in (head, token, head of the group) order, as float32.
-      q.resize(static_cast<size_t>(rows) * head_dim);
-      scores.resize(static_cast<size_t>(rows) * length);
-      acc.assign(static_cast<size_t>(rows) * head_dim, 0.0f);
-      inv_sum.resize(rows);
-      row_max.resize(rows);
-      for (int h = 0; h < heads_per_unit; ++h)
-        for (int t = 0; t < count; ++t)
-          for (int g = 0; g < group; ++g) {
-            const Q* src = query + (static_cast<int64_t>(first + t) * num_heads + (first_head + h) * group + g) * head_dim;
-            float* dst = q.data() + static_cast<size_t>((h * count + t) * group + g) * head_dim;
-            for (int d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]);
-          }
-
-      // Pass 1: scores of every query row against every key, block by block; the values are
-      // brought toward L2 meanwhile, so the second pass does not wait on memory.
-      const int b0 = unit.block_begin, b1 = unit.block_end;
-      for (int b = b0 + 1; b < b1 && b < b0 + kPrefetchAhead; ++b) prefetch(key_cache, b, ToL1{});
-      for (int b = b0; b < b1; ++b) {
-        if (b + kPrefetchAhead < b1) prefetch(key_cache, b + kPrefetchAhead, ToL1{});
-        prefetch(value_cache, b, ToL2{});
-        const int offset = (b - b0) * block_size;
-        const int n = length - offset < block_size ? length - offset : block_size;
-        for (int h = 0; h < heads_per_unit; ++h) {
-          const T* keys = tile(key_cache, b, first_head + h);
-          for_row_groups(h * rows_per_head, rows_per_head, [&](int r, auto rows_here) {
-            constexpr int R = decltype(rows_here)::value;
-            float* s = scores.data() + static_cast<size_t>(r) * length + offset;
-            const float* qr = q.data() + static_cast<size_t>(r) * head_dim;
-#ifdef PAGED_AVX2
-            if (vector) return score_keys<R>(qr, keys, n, head_dim, scale, s, length);
-#endif
-            for (int i = 0; i < R; ++i)
-              score_keys_portable(qr + i * head_dim, keys, n, head_dim, scale, s + static_cast<size_t>(i) * length);
-          });
-        }
-      }
-      // Softmax numerators of each row over the keys of the partition it may see (causal: token
-      // t sees token_context[t] keys; a partition may hold none of them).
-      for (int r = 0; r < rows; ++r) {
-        const int seen = token_context[first + (r % rows_per_head) / group] - begin;
-        const int visible = seen < 0 ? 0 : seen > length ? length : seen;
-        float* s = scores.data() + static_cast<size_t>(r) * length;
-#ifdef PAGED_AVX2
-        const float max = max_of(s, visible);
-        const float sum = visible > 0 ? softmax_numerators(s, visible, max) : 0.0f;
-#else
-        float max = -INFINITY;
-        for (int pos = 0; pos < visible; ++pos) max = s[pos] > max ? s[pos] : max;
-        float sum = 0.0f;
-        for (int pos = 0; pos < visible; ++pos) {
-          s[pos] = std::exp(s[pos] - max);
-          sum += s[pos];
-        }
-#endif
-        for (int pos = visible; pos < length; ++pos) s[pos] = 0.0f;
-        row_max[r] = max;
-        inv_sum[r] = sum;
-      }
-      // Pass 2: the weighted sum of values.
-      for (int b = b0; b < b1; ++b) {
-        if (b + kPrefetchAhead < b1) prefetch(value_cache, b + kPrefetchAhead, ToL1{});
-        const int offset = (b - b0) * block_size;
-        const int n = length - offset < block_size ? length - offset : block_size;
-        for (int h = 0; h < heads_per_unit; ++h) {
-          const T* values = tile(value_cache, b, first_head + h);
-          for_row_groups(h * rows_per_head, rows_per_head, [&](int r, auto rows_here) {
-            constexpr int R = decltype(rows_here)::value;
-            const float* p = scores.data() + static_cast<size_t>(r) * length + offset;
-            float* a = acc.data() + static_cast<size_t>(r) * head_dim;
-#ifdef PAGED_AVX2
-            if (vector) return accumulate_values<R>(p, length, values, n, head_dim, a);
-#endif
-            for (int i = 0; i < R; ++i)
-              accumulate_values_portable(p + static_cast<size_t>(i) * length, values, n, head_dim, a + i * head_dim);
-          });
-        }
-      }
-      if (unit.partial >= 0) {  // keep the unnormalised sums for the merge
-        for (int r = 0; r < rows; ++r) {
-          float* dst = partials.data() + static_cast<size_t>(unit.partial + r) * partial_width;
-          std::memcpy(dst, acc.data() + static_cast<size_t>(r) * head_dim, sizeof(float) * head_dim);
-          dst[head_dim] = row_max[r];
-          dst[head_dim + 1] = inv_sum[r];
-        }
-        continue;
-      }
-      for (int h = 0; h < heads_per_unit; ++h)
-        for (int t = 0; t < count; ++t)
-          for (int g = 0; g < group; ++g) {
-            const int r = (h * count + t) * group + g;
-            Q* o = out + (static_cast<int64_t>(first + t) * num_heads + (first_head + h) * group + g) * head_dim;
-            const float inv = 1.0f / inv_sum[r];
-            for (int d = 0; d < head_dim; ++d) from_float(acc[static_cast<size_t>(r) * head_dim + d] * inv, o + d);
-          }
-    }
-
-    // Merge the partitions of each split item: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
+    for (size_t u = 0; u < plan.units.size(); ++u) run_unit(pb, plan, plan.units[u], scratch, partials.data());
+    // Every partition is written before any merge reads it: the implicit barrier above.
 #pragma omp for schedule(dynamic, 1)
-    for (size_t u = 0; u < units.size(); ++u) {
-      const Unit& unit = units[u];
-      if (unit.partial < 0 || unit.block_begin != 0) continue;  // one merge per split item and head group
-      const int item = unit.item, first = item_first_token[item], count = item_num_tokens[item];
-      const int rows = count * group * heads_per_unit;
-      const int parts = item_partitions[item];
-      std::vector<float> merged(head_dim);
-      for (int r = 0; r < rows; ++r) {
-        float max = -INFINITY;
-        for (int p = 0; p < parts; ++p) {
-          const float* part = partials.data() + static_cast<size_t>(units[u + p].partial + r) * partial_width;
-          if (part[head_dim + 1] > 0.0f) max = part[head_dim] > max ? part[head_dim] : max;
-        }
-        float sum = 0.0f;
-        std::fill(merged.begin(), merged.end(), 0.0f);
-        for (int p = 0; p < parts; ++p) {
-          const float* part = partials.data() + static_cast<size_t>(units[u + p].partial + r) * partial_width;
-          if (part[head_dim + 1] <= 0.0f) continue;  // saw no keys
-          const float w = std::exp(part[head_dim] - max);
-          sum += w * part[head_dim + 1];
-          for (int d = 0; d < head_dim; ++d) merged[d] += w * part[d];
-        }
-        const int h = r / (count * group), t = (r / group) % count, g = r % group;
-        Q* o = out + (static_cast<int64_t>(first + t) * num_heads + (unit.first_head + h) * group + g) * head_dim;
-        const float inv = 1.0f / sum;
-        for (int d = 0; d < head_dim; ++d) from_float(merged[d] * inv, o + d);
-      }
-    }
+    for (size_t u = 0; u < plan.units.size(); ++u) merge_partitions(pb, plan, u, partials.data());
   }
 }
 
