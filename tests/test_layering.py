@@ -24,7 +24,7 @@ ALLOWED = {
     "__main__": {"cli"},
     "__init__": {"engine", "entrypoints"},  # `LLM` and `LLMEngine`, loaded on first use
     "cli": {"bench", "entrypoints", "engine", "distributed"},
-    "bench": {"entrypoints", "engine", "transformers_utils", "attention", "kernels"},
+    "bench": {"entrypoints", "engine", "transformers_utils", "model", "attention", "kernels"},
     "entrypoints": {"engine"},
     "engine": {"core", "executor", "transformers_utils"},
     "core": set(),

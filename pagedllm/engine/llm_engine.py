@@ -2,7 +2,7 @@
 
 Each step the scheduler builds the control message, the executor runs it on every worker, and
 the output processor appends the sampled tokens, forks samples and beams, and checks stop
-conditions; finished sequences release their blocks at once.
+conditions; finished sequences free their blocks at once.
 """
 
 from __future__ import annotations
