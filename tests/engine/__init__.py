@@ -1,0 +1,1 @@
+"""Model-free tests of the engine layer: output processing and beam search."""
