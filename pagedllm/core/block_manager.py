@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -167,25 +168,47 @@ class BlockManager:
 
     # --- allocation -------------------------------------------------------------------------
 
-    def _needs_copy_on_write(self, table: _Table, num_computed: int) -> bool:
+    def _shared_block_to_write(self, blocks: list[KVBlock], num_computed: int) -> KVBlock | None:
+        """The block the next token goes into, if other tables share it (so it is copied first)."""
         index = num_computed // self.block_size
-        return index < len(table.blocks) and table.blocks[index].ref_count > 1
+        if index < len(blocks) and blocks[index].ref_count > 1:
+            return blocks[index]
+        return None
+
+    @staticmethod
+    def _num_copies(writers: Counter[KVBlock]) -> int:
+        """Copies made when `count` sharers of each block write into it: one each, except that
+        once all other sharers have their copies, the last writes the block in place."""
+        return sum(min(count, block.ref_count - 1) for block, count in writers.items())
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] | None = None) -> int:
         """Free blocks that `num_new_tokens` more tokens of `seq` would take; for a sequence
         without blocks, after adopting `cached_prefix` (from `find_cached_prefix`)."""
-        table = self._tables.get(seq.seq_id)
-        if table is None:
-            prefix = cached_prefix or []
-            total = self.blocks_for_tokens(len(prefix) * self.block_size + num_new_tokens)
-            # A cache hit on an unreferenced block takes it out of the free queue.
-            revived = sum(1 for b in prefix if b.ref_count == 0)
-            return total - len(prefix) + revived
-        total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-        needed = max(0, total - len(table.blocks))
-        if self._needs_copy_on_write(table, seq.num_computed_tokens):
-            needed += 1
-        return needed
+        return self.blocks_needed_together([(seq, num_new_tokens)], {seq.seq_id: cached_prefix or []})
+
+    def blocks_needed_together(
+        self, plan: list[tuple[Sequence, int]], cached_prefixes: dict[int, list[KVBlock]] | None = None
+    ) -> int:
+        """Free blocks that allocating every (sequence, new tokens) of `plan` would take, the
+        sequences of one group counted together: a block they share is revived or copied only as
+        often as it really will be. Sequences without blocks first adopt their cached prefix."""
+        needed = 0
+        revived: set[KVBlock] = set()
+        writers: Counter[KVBlock] = Counter()
+        for seq, num_new_tokens in plan:
+            table = self._tables.get(seq.seq_id)
+            if table is None:
+                prefix = (cached_prefixes or {}).get(seq.seq_id) or []
+                needed += self.blocks_for_tokens(len(prefix) * self.block_size + num_new_tokens) - len(prefix)
+                # A cache hit on an unreferenced block takes it out of the free queue (once).
+                revived.update(b for b in prefix if b.ref_count == 0)
+                continue
+            total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
+            needed += max(0, total - len(table.blocks))
+            shared = self._shared_block_to_write(table.blocks, seq.num_computed_tokens)
+            if shared is not None:
+                writers[shared] += 1
+        return needed + len(revived) + self._num_copies(writers)
 
     def can_allocate(self, num_blocks: int, keep_watermark: bool = False) -> bool:
         reserve = self.watermark_blocks if keep_watermark else 0
@@ -212,7 +235,7 @@ class BlockManager:
         table = self._tables.get(seq.seq_id)
         if table is None:
             table = self._tables[seq.seq_id] = _Table([])
-        elif self._needs_copy_on_write(table, seq.num_computed_tokens):
+        elif self._shared_block_to_write(table.blocks, seq.num_computed_tokens) is not None:
             index = seq.num_computed_tokens // self.block_size
             old = table.blocks[index]
             new = self.pool.allocate()
@@ -291,15 +314,17 @@ class BlockManager:
         return len(mapping)
 
     def swap_in_blocks_needed(self, seqs: list[Sequence]) -> int:
-        """Device blocks needed to bring the sequences back and give each room for one token."""
+        """Device blocks needed to bring the sequences back and give each room for one token
+        (with the copies that writing into blocks shared inside the group takes)."""
         needed = len(_distinct(self._cpu_tables[s.seq_id] for s in seqs))
+        writers: Counter[KVBlock] = Counter()
         for seq in seqs:
             cpu_blocks = self._cpu_tables[seq.seq_id]
             needed += max(0, self.blocks_for_tokens(seq.num_computed_tokens + 1) - len(cpu_blocks))
-            index = seq.num_computed_tokens // self.block_size
-            if index < len(cpu_blocks) and cpu_blocks[index].ref_count > 1:
-                needed += 1  # its last block is shared inside the group: copy-on-write
-        return needed
+            shared = self._shared_block_to_write(cpu_blocks, seq.num_computed_tokens)
+            if shared is not None:
+                writers[shared] += 1
+        return needed + self._num_copies(writers)
 
     def swap_in(self, seqs: list[Sequence]) -> int:
         """Bring the sequences' blocks back from the CPU; returns how many blocks were copied in."""

@@ -3,7 +3,8 @@
 Every step, in this order:
 1. Running groups, oldest first, get the tokens they still need (one per decoding sequence, a
    chunk of the prompt for a prompt being computed). When blocks run out, the most recently
-   arrived running group is preempted, all of its sequences together, until the older one fits.
+   arrived running group is preempted, all of its sequences together, until the older one fits;
+   a group that does not fit even alone (samples or beams outgrowing the device) fails.
 2. Swapped-out groups come back, oldest first, if nothing was preempted in this step.
 3. Waiting groups (new prompts, and groups preempted by recomputation, which rejoin the queue's
    front) are admitted oldest first, while the token budget, `max_num_seqs` and the free blocks
@@ -89,6 +90,17 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(g.num_unfinished_seqs for g in self.running)
 
+    @staticmethod
+    def _seats(group: SequenceGroup) -> int:
+        """Seats of `max_num_seqs` the group holds: every sample or beam it will run, from its
+        admission on (a parallel-sampling prompt forks into `best_of` sequences when it completes)."""
+        if group.forked:
+            return group.num_unfinished_seqs
+        return max(group.num_unfinished_seqs, group.sampling_params.best_of)
+
+    def _num_seats_taken(self) -> int:
+        return sum(self._seats(g) for g in self.running)
+
     def take_failed(self) -> list[SequenceGroup]:
         """Groups the scheduler had to give up on (they can never fit), since the last call."""
         failed, self._failed = self._failed, []
@@ -123,8 +135,12 @@ class Scheduler:
             if plan is None:
                 index += 1
                 continue
-            needed = sum(self.block_manager.blocks_needed(seq, n) for seq, n in plan)
+            needed = self.block_manager.blocks_needed_together(plan)
             while not self.block_manager.can_allocate(needed):
+                if self.running == [group]:  # nothing else holds device blocks: it can never fit
+                    self.running.pop()
+                    self._fail(group, "its sequences need more KV cache blocks than the device has")
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 step.preempted = True
@@ -140,7 +156,7 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             seqs = group.unfinished_seqs()
-            if len(seqs) > step.budget or self.num_running_seqs + len(seqs) > self.config.max_num_seqs:
+            if len(seqs) > step.budget or self._num_seats_taken() + self._seats(group) > self.config.max_num_seqs:
                 return
             needed = bm.swap_in_blocks_needed(seqs)
             if not bm.can_allocate(needed, keep_watermark=True):
@@ -152,7 +168,7 @@ class Scheduler:
             self.swapped.pop(0)
             self.stats.num_blocks_swapped_in += bm.swap_in(seqs)
             group.set_status(SequenceStatus.RUNNING)
-            self.running.append(group)
+            self._insert_by_arrival(self.running, group)
             self._allocate_and_emit(group, self._plan_tokens(group, step.budget), step)
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -161,14 +177,14 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and step.budget > 0:
             group = self.waiting[0]
-            if self.num_running_seqs + self._reserved_seqs(group) > self.config.max_num_seqs:
+            if self._num_seats_taken() + self._seats(group) > self.config.max_num_seqs:
                 return
             prefixes = {seq.seq_id: self._cached_prefix(group, seq) for seq in group.unfinished_seqs()}
             cached = {seq_id: len(p) * bm.block_size for seq_id, p in prefixes.items()}
             plan = self._plan_tokens(group, step.budget, cached)
             if plan is None:
                 return
-            needed = sum(bm.blocks_needed(seq, n, prefixes[seq.seq_id]) for seq, n in plan)
+            needed = bm.blocks_needed_together(plan, prefixes)
             if not bm.can_allocate(needed, keep_watermark=True):
                 if not self.running and not self._can_ever_fit(group):
                     self.waiting.popleft()
@@ -181,12 +197,8 @@ class Scheduler:
             if group.num_cached_tokens is None:  # first admission
                 group.num_cached_tokens = group.seqs[0].num_computed_tokens
             group.set_status(SequenceStatus.RUNNING)
-            self.running.append(group)
+            self._insert_by_arrival(self.running, group)
             self._allocate_and_emit(group, plan, step)
-
-    def _reserved_seqs(self, group: SequenceGroup) -> int:
-        """Sequences the group will run once admitted (a parallel-sampling prompt forks into best_of)."""
-        return max(group.num_unfinished_seqs, group.sampling_params.best_of)
 
     def _plan_tokens(
         self, group: SequenceGroup, budget: int, computed: dict[int, int] | None = None
