@@ -1,4 +1,7 @@
-"""Random add / step / abort sequences against the Scheduler and a real BlockManager: budgets, FCFS, KV contents, no hangs, no leaks."""
+"""Random add / step / abort sequences against the Scheduler and a real BlockManager: budgets, FCFS, KV contents, no hangs, no leaks.
+
+A little over 400 lines: the stand-in engine and simulated KV memory the machine needs, the
+machine, and its findings kept as fixed examples, which belong beside it."""
 
 from __future__ import annotations
 
