@@ -6,6 +6,8 @@ Plain data only: this module imports nothing from the package and nothing heavy,
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -18,6 +20,10 @@ class SamplingType(Enum):
 
 # Below this temperature sampling is treated as greedy (argmax), as vLLM does.
 _GREEDY_EPS = 1e-5
+# The fields that must be finite numbers.
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty"
+)
 
 
 @dataclass
@@ -74,6 +80,10 @@ class SamplingParams:
         def bad(name: str, value: object, rule: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} must be {rule}, got {value!r}.")
 
+        for name in _FLOAT_FIELDS:  # NaN passes every range check below, infinities some
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise bad(name, value, "a finite number")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
         if not isinstance(self.best_of, int) or self.best_of < self.n:
@@ -150,6 +160,8 @@ class BeamSearchParams:
             raise ValueError(f"BeamSearchParams.beam_width must be an integer >= 1, got {self.beam_width!r}.")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if not isinstance(self.length_penalty, numbers.Real) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty!r}.")
 
     def to_sampling_params(self) -> SamplingParams:
         if self.beam_width == 1:

@@ -154,6 +154,15 @@ def test_parallel_prompt_row_expands_into_best_of_seeded_streams():
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"temperature": 0, "n": 2}, "best_of"),
         ({"use_beam_search": True, "best_of": 1}, "best_of"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"use_beam_search": True, "n": 2, "temperature": 0, "length_penalty": float("nan")}, "length_penalty"),
+        ({"use_beam_search": True, "n": 2, "temperature": 0, "length_penalty": float("inf")}, "length_penalty"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):

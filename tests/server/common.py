@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -12,6 +13,13 @@ MAX_MODEL_LEN = 256
 SERVE_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB", "--swap-space", "0.01",
                "--served-model-name", MODEL, "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def raw_json(body: dict) -> dict:
+    """Request arguments that send `body` as Python's json writes it, NaN, Infinity and lone
+    surrogates (as \\ud800 escapes) included: what a careless or hostile client may send, and what
+    httpx's own `json=` refuses to encode."""
+    return {"content": json.dumps(body), "headers": {"content-type": "application/json"}}
 
 
 def stats(server_url: str) -> dict:

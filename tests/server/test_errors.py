@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.common import GREEDY, MODEL, metric_samples, stats, wait_until
+from tests.server.common import GREEDY, MODEL, metric_samples, raw_json, stats, wait_until
 
 
 BAD_REQUESTS = [
@@ -25,12 +25,26 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2000}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    # Non-finite numbers.
+    ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": float("inf")}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "length_penalty": float("nan")}, 400, "length_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": float("-inf")}, 400, "top_p"),
+    # Invalid Unicode (a lone surrogate) in any text field.
+    ("/v1/completions", {"prompt": "hi \ud800"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"]}, 400, "prompt"),
+    ("/v1/completions", {"model": "\ud800", "prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400, "messages"),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages"),
 ]
 
 
 @pytest.mark.parametrize(("route", "body", "status", "param"), BAD_REQUESTS)
 def test_bad_requests_get_openai_errors_naming_the_field(server_url, route, body, status, param):
-    response = httpx.post(server_url + route, json=body)
+    response = httpx.post(server_url + route, **raw_json(body))
     assert response.status_code == status
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -67,7 +81,7 @@ def test_bad_requests_do_not_disturb_requests_in_flight(client, async_client, se
             response = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=60, stream=True, **GREEDY)
             async for chunk in response:
                 if not text:  # in flight: now throw every bad request at the server
-                    replies = await asyncio.gather(*(http.post(route, json=body) for route, body, _, _ in BAD_REQUESTS))
+                    replies = await asyncio.gather(*(http.post(route, **raw_json(body)) for route, body, _, _ in BAD_REQUESTS))
                     assert all(r.status_code in (400, 404) for r in replies)
                 text += chunk.choices[0].text
             return text

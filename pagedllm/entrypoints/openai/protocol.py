@@ -2,21 +2,56 @@
 accepts (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `use_beam_search`, ...).
 
 Unknown fields are accepted and ignored, as vLLM does, so clients that send newer OpenAI fields
-keep working. Responses are plain dicts in OpenAI's shapes, built by the serving modules.
+keep working. Every number must be finite (JSON parsers accept NaN and Infinity) and every
+text valid Unicode (a JSON escape such as \ud800 decodes to a lone surrogate, which no tokenizer
+or UTF-8 response can carry): both are refused at validation, as a 400 naming the field.
+Responses are plain dicts in OpenAI's shapes, built by the serving modules.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from pagedllm.entrypoints.openai.errors import bad_request, invalid_input
 from pagedllm.sampling_params import SamplingParams
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _field_is_valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        """Each field's strings, in lists and dicts too (nested models check their own)."""
+        if _has_lone_surrogate(value):
+            raise ValueError(_INVALID_UNICODE.format(info.field_name))
+        return value
+
+    @model_validator(mode="after")
+    def _extra_fields_are_valid_unicode(self) -> "OpenAIBaseModel":
+        for name, value in (self.__pydantic_extra__ or {}).items():
+            if _has_lone_surrogate(name) or _has_lone_surrogate(value):
+                raise ValueError(_INVALID_UNICODE.format("an extra field"))
+        return self
+
+
+_INVALID_UNICODE = "{} holds invalid Unicode (a lone surrogate such as \\ud800); send valid UTF-8 text"
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    return False
 
 
 class StreamOptions(OpenAIBaseModel):
