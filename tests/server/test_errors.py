@@ -87,3 +87,10 @@ def test_bad_requests_do_not_disturb_requests_in_flight(client, async_client, se
             return text
 
     assert asyncio.run(run()) == expected
+
+
+def test_an_empty_prompt_says_what_to_send_once(server_url):
+    response = httpx.post(server_url + "/v1/completions", json={"prompt": ""})
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and message.count("prompt:") == 1
+    assert "non-empty string, a non-empty list of token ids" in message

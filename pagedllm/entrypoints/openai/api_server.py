@@ -9,13 +9,19 @@ import secrets
 import time
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedllm import __version__
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.stat_logger import LoggingStatLogger
-from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, install_error_handlers
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request,
+    documented_errors,
+    error_body,
+    install_error_handlers,
+)
 from pagedllm.entrypoints.openai.metrics import PrometheusStatLogger
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -67,7 +73,7 @@ def build_app(
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))], responses=documented_errors(401))
 
     @v1.get("/models")
     async def list_models() -> dict:
@@ -85,17 +91,17 @@ def build_app(
         ]
         return {"object": "list", "data": cards}
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=documented_errors(400, 404, 503))
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await completions.create_completion(request, raw_request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=documented_errors(400, 404, 503))
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
 
     app.include_router(v1)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=documented_errors(400, 404))
     async def tokenize(request: TokenizeRequest) -> dict:
         completions.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
@@ -106,7 +112,7 @@ def build_app(
             tokens = completions.encode(request.prompt, request.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=documented_errors(400, 404))
     async def detokenize(request: DetokenizeRequest) -> dict:
         completions.check_model(request.model)
         vocab = len(completions.tokenizer)
@@ -115,7 +121,11 @@ def build_app(
             raise bad_request(f"Token ids must be in [0, {vocab}); got {bad[:5]}.", "tokens")
         return {"prompt": completions.decode(request.tokens)}
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "The engine runs (no body)."}, **documented_errors(503)},
+    )
     async def health() -> Response:
         if engine.is_healthy:
             return Response(status_code=200)
@@ -129,7 +139,7 @@ def build_app(
     async def stats() -> dict:
         return {**engine.stats.as_dict(), "healthy": engine.is_healthy}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus text format."}})
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -8,7 +8,9 @@ from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # OpenAI's error types by status; clients (the `openai` package) map the status to an exception.
@@ -19,6 +21,32 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error body the server sends (for the OpenAPI document)."""
+
+    error: ErrorDetail
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "A bad parameter, a malformed body or a prompt too long for the context; `param` names the field.",
+    401: "Missing or incorrect API key.",
+    404: "The model does not exist.",
+    503: "The engine is not running.",
+}
+
+
+def documented_errors(*statuses: int) -> dict[int | str, dict]:
+    """A route's error responses for the OpenAPI document."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
 class OpenAIError(Exception):
@@ -65,6 +93,10 @@ def invalid_input(exc: ValueError, prompt_param: str) -> OpenAIError:
     return bad_request(message, param)
 
 
+# Fields that accept several forms: what to send, instead of why each form failed.
+_FORMS = {"prompt": "give a non-empty string, a non-empty list of token ids, or a non-empty list of either"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
@@ -73,14 +105,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, first_param = [], None
     for error in errors:
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
-        field = ".".join(loc) or "body"
         first_param = first_param or (loc[0] if loc else None)
-        parts.append(f"{field}: {error.get('msg', 'invalid')}")
+        if loc and loc[0] in _FORMS:  # one line for a field of several forms, not one per form
+            part = f"{loc[0]}: {_FORMS[loc[0]]}"
+        else:
+            part = f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}"
+        if part not in parts:
+            parts.append(part)
     return "Invalid request: " + "; ".join(parts[:5]), first_param
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error the app answers (ours, validation, unknown routes) in OpenAI's shape."""
+    """Every error the app answers (ours, validation, unknown routes) in OpenAI's shape, and an
+    OpenAPI document that says so: FastAPI's default 422 for validation errors never happens
+    here (they are 400s), so it is taken out."""
+    _document_without_422(app)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -99,3 +138,19 @@ def install_error_handlers(app: FastAPI) -> None:
             phrase = "Error"
         message = exc.detail if isinstance(exc.detail, str) else phrase
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+
+
+def _document_without_422(app: FastAPI) -> None:
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for item in document["paths"].values():
+                for operation in item.values():
+                    operation["responses"].pop("422", None)
+            schemas = document.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -10,9 +10,9 @@ Responses are plain dicts in OpenAI's shapes, built by the serving modules.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pagedllm.entrypoints.openai.errors import bad_request, invalid_input
 from pagedllm.sampling_params import SamplingParams
@@ -134,11 +134,20 @@ class SamplingRequest(OpenAIBaseModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`. `prompt` is a string, a list of token ids, or a list of either
     (a batch: each prompt gets `n` choices, numbered prompt by prompt)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: (
+        NonEmptyText
+        | TokenIds
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -167,7 +176,7 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingRequest):
     """`POST /v1/chat/completions`: the messages go through the model's chat template."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the context length
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -185,8 +194,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise bad_request("Only response_format of type 'text' is supported.", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-        if not self.messages:
-            raise bad_request("messages must hold at least one message.", "messages")
 
     @property
     def num_logprobs(self) -> int | None:
