@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pagedllm import __version__
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.stat_logger import LoggingStatLogger
+from pagedllm.entrypoints.openai.body_limit import BodySizeLimit
+from pagedllm.entrypoints.openai.cli_serve import DEFAULT_MAX_BODY_BYTES
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -55,6 +57,7 @@ def build_app(
     api_key: str | None = None,
     log_stats: bool = True,
     log_stats_interval_s: float = 5.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The server's app over `engine`; the engine's loop runs while the app is up."""
     metrics = PrometheusStatLogger(served_model_names[0])
@@ -73,6 +76,7 @@ def build_app(
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))], responses=documented_errors(401))
 
     @v1.get("/models")
@@ -107,19 +111,19 @@ def build_app(
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("Give exactly one of prompt or messages.", "prompt")
         if request.messages is not None:
-            tokens = completions.chat_prompt(request.messages, request.add_generation_prompt)
+            tokens = await completions.chat_prompt(request.messages, request.add_generation_prompt)
         else:
-            tokens = completions.encode(request.prompt, request.add_special_tokens)
+            tokens = await completions.encode(request.prompt, request.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", responses=documented_errors(400, 404))
     async def detokenize(request: DetokenizeRequest) -> dict:
         completions.check_model(request.model)
-        vocab = len(completions.tokenizer)
+        vocab = completions.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"Token ids must be in [0, {vocab}); got {bad[:5]}.", "tokens")
-        return {"prompt": completions.decode(request.tokens)}
+        return {"prompt": await completions.decode(request.tokens)}
 
     @app.get(
         "/health",
@@ -156,7 +160,9 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
     if engine is None:
         engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
     names = args.served_model_name or [args.model]
-    app = build_app(engine, names, api_key=args.api_key, log_stats=not args.disable_log_stats)
+    app = build_app(
+        engine, names, api_key=args.api_key, log_stats=not args.disable_log_stats, max_body_bytes=args.max_body_bytes
+    )
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -6,9 +6,12 @@ import argparse
 import logging
 import os
 
-from pagedllm.entrypoints.cli_args import add_engine_args
+from pagedllm.entrypoints.cli_args import add_engine_args, parse_bytes
 
 logger = logging.getLogger("pagedllm")
+
+# The default limit on request bodies: far above any prompt that fits a context.
+DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--served-model-name", nargs="+", default=None,
         help="model name(s) clients use; the first is reported in responses (default: MODEL as given)",
+    )
+    server.add_argument(
+        "--max-body-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES,
+        help="refuse request bodies larger than this with 413 (e.g. 16MiB, the default)",
     )
     server.add_argument("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every HTTP request")

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, invalid_input, model_not_found
@@ -18,6 +21,18 @@ from pagedllm.sampling_params import SamplingParams
 
 # OpenAI's JSON cannot carry -inf; vLLM reports impossible tokens with this instead.
 MIN_LOGPROB = -9999.0
+# A text longer than max_model_len tokens of the longest token, times this margin (for tokenizers
+# whose normalisation drops characters), cannot fit the context: it is refused untokenized.
+PROMPT_CHARS_MARGIN = 2
+
+T = TypeVar("T")
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters any one token covers (its vocabulary string is at least as long: one
+    character per byte for byte-level BPE, the word-start marker for SentencePiece)."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(t) for t in tokens if t), default=1)
 
 
 def clamp_logprob(value: float) -> float:
@@ -72,9 +87,17 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_model_len = engine.max_model_len
-        # The engine thread detokenizes with the engine's tokenizer; requests are tokenized on
-        # the event loop with a copy, because a fast tokenizer is not safe to share across threads.
+        # The engine thread detokenizes with the engine's tokenizer. Requests are tokenized with
+        # a copy, on a thread of its own (a fast tokenizer is not safe to share across threads),
+        # so that a long prompt never stalls the event loop and the streams it serves.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+        self.max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer) * PROMPT_CHARS_MARGIN
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
+
+    async def _on_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
 
     # --- checks and prompts -----------------------------------------------------------------
 
@@ -86,25 +109,40 @@ class OpenAIServing:
             raise model_not_found(model)
         return model
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of `text`; a text too long to fit the context in any tokenization is refused
+        before the work."""
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(
+                f"The {param} has {len(text):,} characters, more than the {self.max_model_len} tokens of this "
+                f"model's context can hold ({self.max_prompt_chars:,} characters at most); shorten it.",
+                param,
+            )
+        return await self._on_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._on_tokenizer_thread(self.tokenizer.decode, token_ids, skip_special_tokens=False)
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         """Token ids of a conversation through the model's chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("This model's tokenizer has no chat template; use /v1/completions.", "messages")
         conversation = [{"role": m.role, "content": self._message_text(m)} for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        if sum(len(turn["content"]) for turn in conversation) > self.max_prompt_chars:
+            raise bad_request(
+                f"The messages hold more characters than the {self.max_model_len} tokens of this model's context "
+                f"can hold ({self.max_prompt_chars:,} at most); shorten them.",
+                "messages",
             )
+        text = await self._on_tokenizer_thread(self._apply_chat_template, conversation, add_generation_prompt)
+        # The template already holds any special tokens (BOS) the model expects.
+        return await self.encode(text, add_special_tokens=False, param="messages")
+
+    def _apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as exc:  # jinja errors raised by the template itself (e.g. bad roles)
             raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
-        # The template already holds any special tokens (BOS) the model expects.
-        return self.encode(text, add_special_tokens=False)
 
     @staticmethod
     def _message_text(message: ChatMessage) -> str:

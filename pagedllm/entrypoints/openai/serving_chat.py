@@ -36,7 +36,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(request.model)
         request.check_supported()
         params = request.to_sampling_params(request.max_output_tokens, request.num_logprobs, "messages")
-        prompt_ids = self.chat_prompt(request.messages, request.add_generation_prompt)
+        prompt_ids = await self.chat_prompt(request.messages, request.add_generation_prompt)
         self.check_length(prompt_ids, params, "messages")
         request_id = self.new_id("chatcmpl")
         streams = await self.submit(request_id, [prompt_ids], params, "messages")

@@ -46,7 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(request.model)
         request.check_supported()
         params = request.to_sampling_params(request.max_tokens, request.logprobs, "prompt")
-        texts, prompts = self._prompts(request)
+        texts, prompts = await self._prompts(request)
         for prompt_ids in prompts:
             self.check_length(prompt_ids, params, "prompt")
         request_id = self.new_id("cmpl")
@@ -56,7 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return EventStreamResponse(events, on_close=lambda: self.abort_unfinished(streams))
         return await run_until_disconnect(raw_request, self._full(request, params, model, request_id, texts, streams))
 
-    def _prompts(self, request: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
+    async def _prompts(self, request: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
         """(prompt texts, None where given as ids; token ids) of each prompt of the request."""
         prompt = request.prompt
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
@@ -64,11 +64,11 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             items = list(prompt) or [[]]  # an empty list is one empty prompt (refused as such)
         texts = [item if isinstance(item, str) else None for item in items]
-        prompts = [self.encode(item, request.add_special_tokens) if isinstance(item, str) else list(item) for item in items]
+        prompts = [await self.encode(item, request.add_special_tokens) if isinstance(item, str) else list(item) for item in items]
         return texts, prompts
 
-    def _echo_text(self, text: str | None, output: RequestOutput) -> str:
-        return text if text is not None else self.decode(output.prompt_token_ids)
+    async def _echo_text(self, text: str | None, output: RequestOutput) -> str:
+        return text if text is not None else await self.decode(output.prompt_token_ids)
 
     async def _full(
         self, request: CompletionRequest, params: SamplingParams, model: str, request_id: str,
@@ -77,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await self.final_outputs(streams)
         choices = []
         for prompt_index, output in enumerate(finals):
-            prefix = self._echo_text(texts[prompt_index], output) if request.echo else ""
+            prefix = await self._echo_text(texts[prompt_index], output) if request.echo else ""
             for position, choice in enumerate(output.outputs):
                 logprobs = None
                 if request.logprobs is not None:
@@ -120,7 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 text = delta.text
                 if request.echo and index not in echoed:
                     echoed.add(index)
-                    text = self._echo_text(texts[prompt_index], output) + text
+                    text = await self._echo_text(texts[prompt_index], output) + text
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs, offsets[index] = completion_logprobs(
