@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU with gloo: same tokens as one worker, sharded KV pools, torchrun
-launch, and a worker that dies mid-generation."""
+launch, a worker that dies mid-generation, and workers that die while the group starts."""
 
 from __future__ import annotations
 
@@ -96,6 +96,22 @@ def test_torchrun_launch_generates_like_one_worker(tiny_llama, tiny_reference):
         "Hello there", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
     )[0].outputs[0].text
     assert result.stdout == "Hello there" + expected + "\n"  # printed once, by rank 0
+
+
+def test_workers_dying_at_start_up_fail_it_at_once_naming_the_fix(tiny_llama, tmp_path):
+    """A script without a main guard: each spawned worker re-imports it, tries to start an engine
+    of its own, and dies. The driver must say so (before the 60 s rendezvous timeout, which
+    names no cause; the subprocess limit below is shorter)."""
+    script = tmp_path / "no_main_guard.py"
+    script.write_text(
+        "from pagedllm import LLM\n"
+        f"LLM({str(tiny_llama)!r}, max_model_len=128, num_gpu_blocks=16, tensor_parallel_size=2)\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50, env=env, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "pagedllm-tp-worker-1 exited" in result.stderr
+    assert 'if __name__ == "__main__":' in result.stderr
 
 
 @pytest.mark.slow

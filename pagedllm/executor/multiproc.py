@@ -22,12 +22,15 @@ import weakref
 from pagedllm.config import EngineConfig
 from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.distributed import TensorParallelGroup
 from pagedllm.distributed.init import free_port, init_tensor_parallel, set_cpu_threads
 from pagedllm.executor.base import Executor, WorkerDiedError
 
 logger = logging.getLogger("pagedllm")
 
 _SHUTDOWN = "shutdown"
+# How often the driver checks its spawned workers while the group is starting.
+_STARTUP_POLL_S = 0.2
 
 
 def _watch_parent() -> None:
@@ -90,11 +93,42 @@ class MultiprocExecutor(Executor):
                 proc.start()
                 self._processes.append(proc)
         previous_threads = set_cpu_threads(tp_size)
-        self.group = init_tensor_parallel(0, tp_size, init_method, resolve_device(config.model.device))
+        self.group = self._join_group(tp_size, init_method, resolve_device(config.model.device))
         self.worker = Worker(config, max_model_len, self.group)
         self.block_bytes = self.worker.block_bytes
         logger.info("Tensor parallelism: %d ranks, driver is rank 0", tp_size)
         self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.group, self._processes, previous_threads)
+
+    def _join_group(self, tp_size: int, init_method: str, device) -> TensorParallelGroup:
+        """Join the group while watching the spawned workers: one that dies while starting fails
+        the start at once, saying why, instead of the rendezvous timing out with no cause."""
+        if not self._processes:
+            return init_tensor_parallel(0, tp_size, init_method, device)
+        joined: dict[str, object] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = init_tensor_parallel(0, tp_size, init_method, device)
+            except BaseException as exc:  # handed to the caller below
+                joined["error"] = exc
+
+        thread = threading.Thread(target=join, daemon=True, name="pagedllm-tp-rendezvous")
+        thread.start()
+        while thread.is_alive():
+            thread.join(_STARTUP_POLL_S)
+            dead = [proc for proc in self._processes if not proc.is_alive()]
+            if dead and thread.is_alive():
+                for proc in self._processes:
+                    proc.kill()
+                raise RuntimeError(
+                    f"Tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode}) while the group was "
+                    "starting; its own error is printed above. The workers are started with multiprocessing's "
+                    "'spawn', which imports your main module again in each of them: if a script of yours creates "
+                    'the LLM or engine, put that code under `if __name__ == "__main__":`.'
+                )
+        if "error" in joined:
+            raise joined["error"]
+        return joined["group"]
 
     # --- remote calls ---------------------------------------------------------------------------
 
