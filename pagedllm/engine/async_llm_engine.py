@@ -145,6 +145,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # the loop thread's own
         self._timing = RequestTimingTracker()
         self._thread: threading.Thread | None = None
+        self._closed = False
+        self.refusing: str | None = None  # why new requests are refused (the server is stopping)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None) -> "AsyncLLMEngine":
@@ -181,8 +183,16 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
+    def stop_admitting(self, reason: str) -> None:
+        """Refuse new requests from now on (with `EngineDeadError`); those in flight go on."""
+        self.refusing = reason
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop the loop (requests in flight fail) and release the executor."""
+        """Stop the loop (requests in flight fail) and release the executor. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._stopping.set()
         self._wake.set()
         if self._thread is not None:
@@ -202,6 +212,8 @@ class AsyncLLMEngine:
         with self._lock:
             if not self.is_healthy:
                 raise self._dead_error()
+            if self.refusing is not None:
+                raise EngineDeadError(self.refusing)
             self._inbox.put(_Add(request_id, prompt, params, arrival_time or time.monotonic(), stream))
         self._wake.set()
         try:

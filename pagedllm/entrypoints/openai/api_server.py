@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import secrets
+import threading
 import time
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -33,6 +35,12 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("pagedllm")
+
+# After the shutdown timeout has ended the last requests, the seconds their handlers get to send
+# the error and close.
+SHUTDOWN_GRACE_S = 3.0
 
 
 
@@ -131,6 +139,8 @@ def build_app(
         responses={200: {"description": "The engine runs (no body)."}, **documented_errors(503)},
     )
     async def health() -> Response:
+        if engine.refusing is not None:  # shutting down: take this server out of rotation
+            return JSONResponse(error_body(503, engine.refusing), status_code=503)
         if engine.is_healthy:
             return Response(status_code=200)
         return JSONResponse(error_body(503, f"The engine is not running: {engine.dead_error!r}"), status_code=503)
@@ -150,6 +160,28 @@ def build_app(
     return app
 
 
+class GracefulShutdown:
+    """What `pagedllm serve` does on SIGTERM or SIGINT: stop admitting new requests (503), let
+    those in flight finish for `shutdown_timeout` seconds, then end the rest with an error in
+    OpenAI's shape (an error event and `[DONE]` for a stream), before uvicorn closes anything.
+    A second signal exits at once."""
+
+    def __init__(self, engine: AsyncLLMEngine, shutdown_timeout: float) -> None:
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self.draining = False
+
+    def begin(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("Shutting down: finishing requests in flight for up to %.0f s", self.shutdown_timeout)
+        self.engine.stop_admitting("The server is shutting down; retry on another server or later.")
+        timer = threading.Timer(self.shutdown_timeout, self.engine.shutdown)
+        timer.daemon = True
+        timer.start()
+
+
 def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None):
     """A uvicorn server for `pagedllm serve`'s arguments (the engine is built, i.e. the model
     loaded, unless given); `server.run()` serves until interrupted."""
@@ -163,12 +195,21 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
     app = build_app(
         engine, names, api_key=args.api_key, log_stats=not args.disable_log_stats, max_body_bytes=args.max_body_bytes
     )
+    drain = GracefulShutdown(engine, args.shutdown_timeout)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            drain.begin()
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=5,
+        # Room for the requests in flight to finish or end with their error before uvicorn
+        # cancels what is left.
+        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
     )
-    return uvicorn.Server(config)
+    return Server(config)

@@ -38,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-body-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES,
         help="refuse request bodies larger than this with 413 (e.g. 16MiB, the default)",
     )
+    server.add_argument(
+        "--shutdown-timeout", type=float, default=10.0,
+        help="on SIGTERM/SIGINT, seconds to let requests in flight finish before ending them with an error",
+    )
     server.add_argument("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every HTTP request")
     p.set_defaults(func=run)
