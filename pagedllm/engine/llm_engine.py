@@ -60,7 +60,7 @@ class LLMEngine:
             share_blocks=config.cache.enable_block_sharing,
         )
         self.timer = StepTimer()
-        self.check_invariants = os.environ.get(CHECK_INVARIANTS_ENV) == "1"
+        self.debug_invariants = os.environ.get(CHECK_INVARIANTS_ENV) == "1"
         self.num_prompt_tokens_total = 0
         self.num_computed_tokens_total = 0
         self.num_steps = 0
@@ -216,7 +216,7 @@ class LLMEngine:
             touched = self.output_processor.process(scheduled, result)
         with self.timer.part("scheduler"):
             self.core.free_finished()
-            if self.check_invariants:
+            if self.debug_invariants:
                 self.block_manager.check_invariants()
         with self.timer.part("outputs"):
             for group in touched:
