@@ -1,5 +1,5 @@
 """Preemption by swapping and by recomputation: outputs never change, blocks come back intact,
-pools end empty, and a request that can never fit fails cleanly."""
+pools end empty, and a request that can never fit is refused at admission."""
 
 from __future__ import annotations
 
@@ -95,23 +95,57 @@ def test_full_cpu_pool_falls_back_to_recomputation(tiny_llama, unconstrained):
     assert [[c.token_ids for c in o.outputs] for o in outputs] == unconstrained
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_a_request_that_can_never_fit_fails_and_others_proceed(tiny_llama, mode):
-    # Four samples of up to 128 tokens need 4 x 8 = 32 blocks (prompt blocks shared: still > 12).
-    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=12, swap_space=0.01, preemption_mode=mode)
+# The tiny model's blocks hold 16 tokens; a 60-token prompt fills 3 of them and part of a 4th.
+# n samples of up to 60 + m tokens write at most 59 + m tokens each (the last sampled token's KV
+# never is): they share the 3 full prompt blocks and each holds ceil((59 + m) / 16) - 3 more.
+
+
+def test_a_request_that_can_never_fit_is_refused_at_admission_and_others_proceed(tiny_llama):
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=12, swap_space=0.01)
     prompts = random_prompts(3, [60, 12, 20], seed=41)
-    params = [
-        SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=68, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-    ]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert outputs[0].error and "more KV cache blocks than the device has" in outputs[0].error
-    assert all(c.finish_reason == "error" for c in outputs[0].outputs)
-    assert all(o.error is None and len(o.outputs[0].token_ids) == 10 for o in outputs[1:])
+    # 4 samples of up to 60 + 68 tokens: 3 + 4 x (8 - 3) = 23 blocks > 12.
+    too_large = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=68, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"can never fit the KV cache: 4 sequences \(samples\) of up to 60 prompt "
+                                         r"\+ 68 output tokens need up to 23 blocks of 16 tokens, but the cache has 12"):
+        llm.generate(prompts[0], too_large, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = llm.generate(prompts[1:], greedy, use_tqdm=False)
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 10 for o in outputs)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_request_that_fills_the_cache_exactly_is_admitted_and_completes(tiny_llama, mode):
+    """3 samples of up to 60 + 37 tokens: 3 + 3 x (6 - 3) = 12 blocks, the whole cache; one more
+    output token would need 3 + 3 x (7 - 3) = 15. The bound is exact, not merely safe."""
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=12, swap_space=0.01, preemption_mode=mode)
+    prompt = random_prompts(1, [60], seed=41)[0]
+    with pytest.raises(ValueError, match="need up to 15 blocks"):
+        llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=38, ignore_eos=True), use_tqdm=False)
+    output = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=37, ignore_eos=True), use_tqdm=False)[0]
+    assert output.error is None
+    assert [len(c.token_ids) for c in output.outputs] == [37] * 3
     stats = llm.llm_engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
-    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
+
+
+def test_without_max_tokens_the_output_is_bounded_by_what_the_cache_holds(tiny_llama):
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=12, swap_space=0.01)
+    prompt = random_prompts(1, [60], seed=41)[0]
+    output = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert output.error is None
+    assert [(len(c.token_ids), c.finish_reason) for c in output.outputs] == [(37, "length")] * 3
+    # A single sequence has room for the whole context (ceil(127 / 16) = 8 blocks).
+    single = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(single.outputs[0].token_ids) == 128 - 60
+
+
+def test_a_beam_search_that_can_never_fit_is_refused_naming_its_beams(tiny_llama):
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=12, swap_space=0.01)
+    prompt = random_prompts(1, [60], seed=41)[0]
+    with pytest.raises(ValueError, match=r"4 sequences \(beams\) .* need up to 23 blocks"):
+        llm.generate(prompt, SamplingParams(n=4, use_beam_search=True, temperature=0, max_tokens=68, ignore_eos=True),
+                     use_tqdm=False)
 
 
 def test_swap_space_is_never_larger_than_the_device_pool(tiny_llama):

@@ -133,6 +133,21 @@ class BlockManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    @property
+    def usable_blocks(self) -> int:
+        """Device blocks one group may ever hold: all of them less the admission watermark, so
+        that a group swapped out at its largest can always come back once it is alone."""
+        return self.num_total_blocks - self.watermark_blocks
+
+    def max_blocks_held(self, prompt_len: int, num_seqs: int, max_len: int, share_prompt: bool) -> int:
+        """The most device blocks a group of `num_seqs` sequences (samples or beams) grown from
+        one `prompt_len`-token prompt can hold when each reaches `max_len` tokens. The KV of a
+        sequence's last token is never written (the sequence ends when it is sampled). Forks
+        share the prompt's full blocks; everything past them may diverge (copy on write)."""
+        written = self.blocks_for_tokens(max_len - 1)
+        shared = prompt_len // self.block_size if share_prompt and num_seqs > 1 else 0
+        return shared + num_seqs * (written - shared)
+
     # --- prefix cache -----------------------------------------------------------------------
 
     def _hashes_for(self, seq: Sequence, num_blocks: int) -> list[bytes]:

@@ -4,7 +4,8 @@ Every step, in this order:
 1. Running groups, oldest first, get the tokens they still need (one per decoding sequence, a
    chunk of the prompt for a prompt being computed). When blocks run out, the most recently
    arrived running group is preempted, all of its sequences together, until the older one fits;
-   a group that does not fit even alone (samples or beams outgrowing the device) fails.
+   a group that does not fit even alone (samples or beams outgrowing the device) fails (a safety
+   net: the engine refuses at admission any request whose sequences could outgrow the cache).
 2. Swapped-out groups come back, oldest first, if nothing was preempted in this step.
 3. Waiting groups (new prompts, and groups preempted by recomputation, which rejoin the queue's
    front) are admitted oldest first, while the token budget, `max_num_seqs` and the free blocks

@@ -25,7 +25,6 @@ from pagedllm.executor import Executor, WorkerDiedError
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams, SamplingType
 from pagedllm.transformers_utils import eos_token_ids, get_tokenizer, load_arch_config, resolve_model
-from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
 
@@ -33,6 +32,14 @@ Prompt = str | list[int]
 
 # Set to 1 to check the KV cache manager's invariants after every step (slow; for tests and debugging).
 CHECK_INVARIANTS_ENV = "PAGEDLLM_CHECK_INVARIANTS"
+
+
+class RequestTooLargeError(ValueError):
+    """A request that can never fit the KV cache; `param` names the request field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class LLMEngine:
@@ -124,6 +131,7 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
         params = copy.copy(params)
+        params.max_tokens = self._max_tokens_that_fit(len(token_ids), params)
         params.all_stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids_set
@@ -164,12 +172,6 @@ class LLMEngine:
                 f"The prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}, "
                 f"which leaves no room to generate; shorten the prompt to at most {self.max_model_len - 1} tokens."
             )
-        num_blocks = self.block_manager.num_total_blocks
-        if cdiv(len(token_ids) + 1, self.config.cache.block_size) > num_blocks:
-            raise ValueError(
-                f"The prompt has {len(token_ids)} tokens, more than the KV cache's {num_blocks} blocks can hold; "
-                "shorten it or give the engine a larger kv_cache_memory."
-            )
         if params.best_of > self.config.scheduler.max_num_seqs:
             raise ValueError(
                 f"best_of={params.best_of} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}; "
@@ -177,6 +179,46 @@ class LLMEngine:
             )
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}.")
+
+    def _max_tokens_that_fit(self, prompt_len: int, params: SamplingParams) -> int | None:
+        """Decide at admission whether the request can ever fit the KV cache, alone, with every
+        sample or beam at its full length; a request that cannot is refused here with the numbers
+        rather than failed after its prompt was computed. Without `max_tokens` (up to the
+        context), the output is bounded by what the cache holds instead."""
+        bm = self.block_manager
+        num_seqs = 1 if params.sampling_type is SamplingType.GREEDY else params.best_of
+        share = self.config.cache.enable_block_sharing
+
+        def blocks(max_tokens: int) -> int:
+            return bm.max_blocks_held(prompt_len, num_seqs, prompt_len + max_tokens, share)
+
+        usable = bm.usable_blocks
+        wanted = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        if blocks(wanted) <= usable:
+            return params.max_tokens
+        least = max(1, params.min_tokens)
+        if num_seqs == 1 and blocks(1) > usable:
+            raise ValueError(
+                f"The prompt has {prompt_len} tokens, more than the KV cache's {usable} usable blocks of "
+                f"{bm.block_size} tokens can hold; shorten it or give the engine more KV cache (kv_cache_memory)."
+            )
+        if params.max_tokens is not None or blocks(least) > usable:
+            asked = wanted if params.max_tokens is not None else least
+            seqs = f"{num_seqs} sequences ({'beams' if params.use_beam_search else 'samples'}) of" if num_seqs > 1 else "a sequence of"
+            param = ("best_of" if params.best_of > params.n else "n") if num_seqs > 1 else "max_tokens"
+            raise RequestTooLargeError(
+                f"This request can never fit the KV cache: {seqs} up to {prompt_len} prompt + {asked} output "
+                f"tokens need up to {blocks(asked)} blocks of {bm.block_size} tokens, but the cache has {usable}. "
+                "Lower n/best_of (or the beam width), max_tokens or the prompt's length, or give the engine more "
+                "KV cache (kv_cache_memory, --kv-cache-memory).",
+                param,
+            )
+        # The longest output whose blocks fit (blocks() grows with max_tokens).
+        low, high = least, wanted
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if blocks(mid) <= usable else (low, mid - 1)
+        return low
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests at once and free their blocks; unknown ids are ignored."""

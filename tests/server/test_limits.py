@@ -1,6 +1,6 @@
 """Oversized input is refused before any work: a body over --max-body-bytes gets 413 (declared or
 chunked), a prompt too long for the context in any tokenization gets 400 untokenized, and
-tokenizing happens off the event loop."""
+tokenizing happens off the event loop; a request that could outgrow the KV cache gets 400 with its numbers."""
 
 from __future__ import annotations
 
@@ -59,3 +59,24 @@ def test_tokenizing_runs_on_its_own_thread(server_url):
     response = httpx.post(server_url + "/tokenize", json={"prompt": "The capital of France is"})
     assert response.status_code == 200 and response.json()["count"] > 0
     assert any(t.name.startswith("pagedllm-tokenizer") for t in threading.enumerate())
+
+
+def test_a_request_that_can_never_fit_the_cache_is_a_400_with_the_numbers(tiny_llama):
+    from fastapi.testclient import TestClient
+
+    from pagedllm import EngineArgs
+    from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), max_model_len=128, num_gpu_blocks=12))
+    with TestClient(build_app(engine, [MODEL], log_stats=False)) as http:
+        # 8 samples of a 60-token prompt and 68 more tokens: 3 shared blocks + 8 x 5 = 43 of 16 tokens.
+        body = {"prompt": [7] * 60, "n": 8, "max_tokens": 68, "temperature": 1.0}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "n"
+        assert "need up to 43 blocks of 16 tokens, but the cache has 12" in error["message"]
+        # The same prompt alone runs.
+        response = http.post("/v1/completions", json={**body, "n": 1, "max_tokens": 4})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4

@@ -84,7 +84,9 @@ def invalid_input(exc: ValueError, prompt_param: str) -> OpenAIError:
     """A `ValueError` from `SamplingParams` or `LLMEngine.add_request` as a 400 naming the field."""
     message = str(exc)
     match = _SAMPLING_FIELD.search(message)
-    if match:
+    if getattr(exc, "param", None):
+        param = exc.param
+    elif match:
         param = match.group(1)
     elif message.lower().startswith(("the prompt", "prompt")):
         param = prompt_param
