@@ -65,13 +65,19 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = No
 def prepare_linear_weights(model: nn.Module) -> int:
     """Lay out every projection weight of `model` for its kernels, once the weights are loaded
     and placed: reordered for oneDNN (float32 on CPU), and quantized blocks unpacked for the
-    quantized kernel. Returns how many weights were packed for oneDNN."""
+    quantized kernel. Returns how many weights were packed for oneDNN.
+
+    Each form is kept only where a kernel reads it: the quantized kernel serves float32 on a
+    CPU, so on other devices and dtypes the blocks are dropped rather than held unused."""
     linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
     params = {id(m.weight): m.weight for m in model.modules() if isinstance(m, linears)}
     for param in params.values():
-        # The quantized kernel serves float32 on a CPU only; elsewhere the blocks stay packed.
-        if getattr(param, "quantized", None) is not None and param.dtype == torch.float32 and param.device.type == "cpu":
+        if getattr(param, "quantized", None) is None:
+            continue
+        if param.dtype == torch.float32 and param.device.type == "cpu":
             param.quantized.unpack()
+        else:
+            param.quantized = None
     return onednn.pack_weights(list(params.values()))
 
 

@@ -7,7 +7,8 @@ A `LazyWeight` has a `shape`, `narrow(dim, start, length)` (returns another lazy
 
 from __future__ import annotations
 
-from typing import Protocol
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -74,19 +75,61 @@ def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+class GGUFTensor(NamedTuple):
+    """One tensor of a GGUF file, as `gguf.ReaderTensor` describes it (the fields `GGUFWeight`
+    reads), rebuilt from the file's cached tensor table without running gguf's parser."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # dimensions fastest-first, as GGUF lists them
+    data: np.ndarray  # a view of the memory-mapped file: float values, or each row's quantized bytes
+
+
+def gguf_tensors(path: Path, table: list, byte_order: str = "I") -> list[GGUFTensor]:
+    """The tensors of the GGUF file at `path` from its tensor table (`gguf_metadata`'s
+    `tensors`: name, ggml type, dimensions, absolute byte offset). Nothing is read yet."""
+    import gguf
+
+    plain = {
+        gguf.GGMLQuantizationType.F32: np.float32,
+        gguf.GGMLQuantizationType.F16: np.float16,
+        gguf.GGMLQuantizationType.F64: np.float64,
+        gguf.GGMLQuantizationType.I8: np.int8,
+        gguf.GGMLQuantizationType.I16: np.int16,
+        gguf.GGMLQuantizationType.I32: np.int32,
+        gguf.GGMLQuantizationType.I64: np.int64,
+    }
+    mapped = np.memmap(path, mode="r")
+    tensors = []
+    for name, type_id, dims, offset in table:
+        ggml_type = gguf.GGMLQuantizationType(type_id)
+        shape = tuple(reversed(dims))  # numpy order
+        if ggml_type in plain:
+            dtype = np.dtype(plain[ggml_type]).newbyteorder(byte_order)
+        else:
+            dtype = np.dtype(np.uint8)
+            shape = gguf.quants.quant_shape_to_byte_shape(shape, ggml_type)
+        count = int(np.prod(shape))
+        if offset + count * dtype.itemsize > mapped.size:
+            raise ValueError(f"{path.name}: tensor {name!r} runs past the end of the file (truncated?)")
+        data = np.ndarray(shape, dtype=dtype, buffer=mapped, offset=offset)
+        tensors.append(GGUFTensor(name, ggml_type, tuple(dims), data))
+    return tensors
+
+
 class GGUFWeight:
     """One tensor of a GGUF file. Rows are sliced before dequantizing (rows are quantized
     independently); columns after."""
 
     def __init__(
         self,
-        tensor,  # gguf.ReaderTensor
+        tensor,  # a GGUFTensor or gguf.ReaderTensor
         rotary_head_dim: int | None = None,
         ranges: tuple[range, ...] | None = None,
     ) -> None:
         self.tensor = tensor
         # GGUF lists dimensions fastest-first; torch's order is the reverse.
-        full_shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        full_shape = tuple(int(n) for n in reversed(list(tensor.shape)))
         self.ranges = ranges if ranges is not None else tuple(range(n) for n in full_shape)
         self.shape = tuple(len(r) for r in self.ranges)
         self.rotary_head_dim = rotary_head_dim
@@ -134,4 +177,6 @@ class GGUFWeight:
                 if rows.start % self.rotary_head_dim or len(rows) % self.rotary_head_dim:
                     raise ValueError("a rotary projection can only be sliced at head boundaries")
                 data = unpermute_rotary_rows(data, len(rows) // self.rotary_head_dim)
-        return torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, off the memory map
+        if data.dtype != np.float32 or np.may_share_memory(data, raw) or not data.flags.writeable:
+            data = np.array(data, dtype=np.float32)  # a writable copy, off the memory map
+        return torch.from_numpy(data)  # dequantized: already a fresh array of its own

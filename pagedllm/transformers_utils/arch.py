@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedllm.transformers_utils.source import ModelSource
+
+logger = logging.getLogger("pagedllm")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -141,7 +145,8 @@ class ModelArchConfig:
 
         hidden = get("embedding_length")
         num_heads = get("attention.head_count")
-        vocab = get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))
+        tokens = fields.get("tokenizer.ggml.tokens", 0)  # the vocabulary, or its length
+        vocab = get("vocab_size") or (tokens if isinstance(tokens, int) else len(tokens))
         eos = fields.get("tokenizer.ggml.eos_token_id")
         return cls(
             architecture=_GGUF_ARCHITECTURES[arch],
@@ -164,30 +169,118 @@ class ModelArchConfig:
         )
 
 
+# Bump when what `read_gguf_metadata` records changes: older cached metadata is then ignored.
+GGUF_METADATA_VERSION = 1
+_TOKENIZER_SCALARS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+
+
 def read_gguf_fields(reader) -> dict:
+    """An open `gguf.GGUFReader`'s key/value metadata as plain values, without the tokenizer's
+    large arrays (the tokenizer reads those through transformers): the vocabulary as its length."""
     fields = {}
     for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key not in (
-            "tokenizer.ggml.bos_token_id",
-            "tokenizer.ggml.eos_token_id",
-        ):
-            continue  # vocabularies are large; the tokenizer reads them through transformers
+        if key.startswith("tokenizer.ggml.") and key not in _TOKENIZER_SCALARS:
+            continue
         fields[key] = field.contents()
     if "tokenizer.ggml.tokens" in reader.fields:
-        fields["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
+        fields["tokenizer.ggml.tokens"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     return fields
 
 
-def gguf_arch_config(reader) -> ModelArchConfig:
-    """The architecture described by an open `gguf.GGUFReader`'s metadata."""
-    names = {t.name for t in reader.tensors}
-    return ModelArchConfig.from_gguf_fields(read_gguf_fields(reader), has_output_tensor="output.weight" in names)
+def read_gguf_metadata(reader) -> dict:
+    """What start-up needs from a GGUF file, as JSON-able data: its metadata (`read_gguf_fields`)
+    and its tensor table (name, ggml type, dimensions fastest-first, byte offset in the file)."""
+    return {
+        "version": GGUF_METADATA_VERSION,
+        "fields": read_gguf_fields(reader),
+        "byte_order": reader.byte_order,
+        "tensors": [
+            [t.name, int(t.tensor_type), [int(n) for n in t.shape.tolist()], int(t.data_offset)] for t in reader.tensors
+        ],
+    }
+
+
+def parse_gguf_metadata(path: Path) -> dict:
+    """`read_gguf_metadata` of the file at `path`, parsed now.
+
+    With transformers' GGUF header reader (the one its tokenizer uses) when it is there and takes
+    the file: it steps over the vocabulary's strings in a fraction of a second, where gguf's
+    reader builds objects for each of them (seconds on a 49k-token vocabulary). gguf's reader
+    decides everything else (another transformers, a byte-swapped file, a type it lacks).
+    """
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+        from transformers.integrations.gguf.reader import read_gguf_metadata as read_header_metadata
+
+        values, _ = read_header_metadata(str(path))
+        header = GgufHeader.from_file(str(path))
+    except (ImportError, AttributeError, ValueError, KeyError, TypeError):
+        import gguf
+
+        return read_gguf_metadata(gguf.GGUFReader(str(path)))
+    fields = {
+        key: value for key, value in values.items() if not key.startswith("tokenizer.ggml.") or key in _TOKENIZER_SCALARS
+    }
+    if "tokenizer.ggml.tokens" in values:  # a string array not asked for: its length
+        fields["tokenizer.ggml.tokens"] = values["tokenizer.ggml.tokens"]
+    return {
+        "version": GGUF_METADATA_VERSION,
+        "fields": fields,
+        "byte_order": "I",
+        "tensors": [
+            [t.name, int(t.ggml_type), [int(n) for n in reversed(t.shape)], header.data_start + t.offset]
+            for t in header.tensors
+        ],
+    }
+
+
+# Per process: file digest -> metadata, so a file's header is read at most once per process.
+_gguf_metadata: dict[str, dict] = {}
+
+
+def gguf_metadata(path: Path) -> dict:
+    """What start-up needs from the GGUF file at `path` (`read_gguf_metadata`): from memory,
+    else from the cache folder (keyed by a hash of the file's bytes), else parsed
+    (`parse_gguf_metadata`) and cached."""
+    from pagedllm.paths import cache_dir, model_cache_enabled
+    from pagedllm.transformers_utils.file_cache import file_digest, read_json, write_json_entry
+
+    digest = file_digest(path)
+    if digest in _gguf_metadata:
+        return _gguf_metadata[digest]
+    enabled = model_cache_enabled()
+    cached = cache_dir() / "gguf-metadata" / f"{path.stem}-{digest[:24]}.json"
+    metadata = read_json(cached) if enabled else None
+    if not _valid_gguf_metadata(metadata, digest):
+        metadata = {**parse_gguf_metadata(path), "digest": digest}
+        if enabled:
+            try:
+                write_json_entry(cached, metadata)
+            except (OSError, TypeError, ValueError) as exc:  # the cache is only an optimisation
+                logger.debug("Could not cache the GGUF metadata at %s: %s", cached, exc)
+    _gguf_metadata[digest] = metadata
+    return metadata
+
+
+def _valid_gguf_metadata(metadata: dict | None, digest: str) -> bool:
+    return (
+        metadata is not None
+        and metadata.get("version") == GGUF_METADATA_VERSION
+        and metadata.get("digest") == digest
+        and isinstance(metadata.get("fields"), dict)
+        and isinstance(metadata.get("tensors"), list)
+        and metadata.get("byte_order") in ("I", "S")
+    )
+
+
+def gguf_arch_config(metadata: dict) -> ModelArchConfig:
+    """The architecture described by a GGUF file's metadata (`gguf_metadata`)."""
+    names = {name for name, *_ in metadata["tensors"]}
+    return ModelArchConfig.from_gguf_fields(metadata["fields"], has_output_tensor="output.weight" in names)
 
 
 def load_arch_config(source: "ModelSource") -> ModelArchConfig:
     """The architecture of `source`, from its config.json or its GGUF metadata."""
     if source.kind == "hf":
         return ModelArchConfig.from_hf_config(json.loads((source.path / "config.json").read_text()))
-    import gguf
-
-    return gguf_arch_config(gguf.GGUFReader(str(source.path)))
+    return gguf_arch_config(gguf_metadata(source.path))

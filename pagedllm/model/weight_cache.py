@@ -1,0 +1,348 @@
+"""The weight cache: a GGUF model's weights in the form the model computes with, written the
+first time the file is loaded and memory-mapped on every later start.
+
+Loading a GGUF file means dequantizing every tensor, converting it to the model's dtype and
+unpacking the quantized blocks into the layout the quantized matmul reads: seconds of work whose
+result depends only on the file's bytes and a few settings. The first load saves that result
+under `cache_dir()/weights/<key>/`; later loads map it (safetensors maps files copy-on-write), so
+start-up pages weights in instead of computing them, and servers of the same model share the
+pages. The key hashes the file's bytes, the dtype, the device type, the tensor-parallel rank and
+size, the `gguf` version that dequantized them, and the code that loads and lays them out.
+oneDNN's packed layout is opaque and rebuilt at each start (a fraction of a second); the float
+pages it was packed from are then handed back to the file (`release_unread_pages`), so each
+weight stays in memory once per form a kernel reads. (A Hugging Face folder is not cached: its
+safetensors files are mapped already, and nothing is derived from them but fused projections.)
+
+An entry is a folder with `weights.safetensors` (each parameter under its name; for one with
+quantized blocks, also `<name>:quantized.data` and, unpacked, `.values`, `.scales`, `.mins`) and
+`manifest.json` (the file's size and CRC-32, and what it was built from). It is published whole
+by a rename; on load a wrong size, checksum, name, shape or dtype means the entry is discarded and
+rebuilt, never used. Entries unused for `UNUSED_ENTRY_DAYS` are removed when a new one is
+written. `PAGEDLLM_MODEL_CACHE=0` turns the cache off; deleting the folder clears it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagedllm.distributed import TensorParallelGroup
+from pagedllm.kernels.quant import QuantizedMatrix, Unpacked
+from pagedllm.paths import cache_dir
+from pagedllm.transformers_utils.file_cache import (
+    discard_entry,
+    entry_key,
+    file_digest,
+    read_json,
+    staged_entry,
+)
+from pagedllm.transformers_utils.source import ModelSource
+
+logger = logging.getLogger("pagedllm")
+
+# The layout of an entry. What goes into it is also keyed by the code that computes it
+# (`_code_digest`), so a change to loading or to a weight form never meets an old entry.
+WEIGHT_FORMAT_VERSION = 1
+
+WEIGHTS_FILE = "weights.safetensors"
+MANIFEST_FILE = "manifest.json"
+_QUANTIZED = ":quantized."
+_CRC_CHUNK = 1 << 24
+# Never fill a disk to its last GiB with a cache.
+_FREE_DISK_MARGIN = 1 << 30
+# An entry no start has used for this long is removed when another is written.
+UNUSED_ENTRY_DAYS = 30
+
+
+@functools.cache
+def _code_digest() -> str:
+    """A hash of the code that decides what is saved (reading, dequantizing, fusing, unpacking):
+    an entry written by other code is a different entry, never a stale one."""
+    import pagedllm.kernels.quant
+    import pagedllm.model.layers
+    import pagedllm.model.llama
+    import pagedllm.model.loader
+    import pagedllm.model.weights
+
+    modules = (pagedllm.kernels.quant, pagedllm.model.layers, pagedllm.model.llama, pagedllm.model.loader)
+    digest = hashlib.sha256()
+    for module in (*modules, pagedllm.model.weights, sys.modules[__name__]):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def weights_root() -> Path:
+    return cache_dir() / "weights"
+
+
+def entry_path(source: ModelSource, dtype: torch.dtype, device: torch.device, tp: TensorParallelGroup) -> Path:
+    """The cache folder for the weights of the GGUF file `source` as this rank loads them."""
+    from importlib.metadata import version
+
+    parts = [
+        f"format={WEIGHT_FORMAT_VERSION}",
+        f"code={_code_digest()}",
+        file_digest(source.path),
+        str(dtype),
+        device.type,
+        f"tp={tp.rank}/{tp.size}",
+        f"gguf={version('gguf')}",
+    ]
+    return weights_root() / f"{source.name}-{entry_key(*parts)}"
+
+
+def _file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CRC_CHUNK):
+            crc = zlib.crc32(chunk, crc)  # releases the GIL
+    return crc
+
+
+# --- saving ----------------------------------------------------------------------------------
+
+def _saved_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Every parameter (tied ones once) and its quantized forms, on the CPU."""
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, dict] = {}
+    for name, param in model.named_parameters():
+        tensors[name] = param.detach().cpu().contiguous()
+        matrix: QuantizedMatrix | None = getattr(param, "quantized", None)
+        if matrix is None:
+            continue
+        quantized[name] = {"qtype": matrix.qtype, "in_features": matrix.in_features, "unpacked": matrix.is_unpacked}
+        tensors[f"{name}{_QUANTIZED}data"] = matrix.data.contiguous()
+        if matrix.is_unpacked:
+            unpacked = matrix.unpack()
+            tensors[f"{name}{_QUANTIZED}values"] = unpacked.values
+            tensors[f"{name}{_QUANTIZED}scales"] = unpacked.scales
+            if unpacked.mins is not None:
+                tensors[f"{name}{_QUANTIZED}mins"] = unpacked.mins
+    return tensors, quantized
+
+
+def save(model: nn.Module, entry: Path, describe: dict) -> None:
+    """Write `model`'s weight forms as the cache entry `entry` (atomically; if another process
+    wrote it first, theirs is kept)."""
+    from safetensors.torch import save_file
+
+    tensors, quantized = _saved_tensors(model)
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(entry.parent).free
+    if needed > free - _FREE_DISK_MARGIN:
+        raise OSError(f"{needed / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free")
+    _sweep_unused(entry.parent)
+    with staged_entry(entry) as staging:
+        path = staging / WEIGHTS_FILE
+        save_file(tensors, str(path), metadata={"quantized": json.dumps(quantized)})
+        manifest = {
+            "format": WEIGHT_FORMAT_VERSION,
+            **describe,
+            "size": path.stat().st_size,
+            "crc32": _file_crc32(path),
+        }
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+
+
+def _sweep_unused(root: Path) -> None:
+    """Discard entries no start has used for `UNUSED_ENTRY_DAYS` (each load marks its entry):
+    those of files, settings or code versions long gone."""
+    cutoff = time.time() - UNUSED_ENTRY_DAYS * 86400
+    for entry in root.iterdir():
+        try:
+            if not entry.name.startswith(".") and (entry / MANIFEST_FILE).stat().st_mtime < cutoff:
+                discard_entry(entry)
+        except OSError:
+            pass
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+class CacheEntryError(ValueError):
+    """A cache entry that cannot be used as it is (then it is discarded and rebuilt)."""
+
+
+class Checksum:
+    """The CRC-32 of an entry's weights file, computed in a thread while start-up goes on
+    (zlib releases the GIL): the weights are packed meanwhile, and used only once it passed."""
+
+    def __init__(self, entry: Path, expected: object) -> None:
+        self.entry = entry
+        self._expected = expected
+        self._actual: int | None = None
+        self._thread = threading.Thread(target=self._run, name="pagedllm-weights-checksum", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._actual = _file_crc32(self.entry / WEIGHTS_FILE)
+        except OSError:
+            pass
+
+    def passed(self) -> bool:
+        """Wait for the checksum; False (the entry discarded, with a warning) if it differs."""
+        self._thread.join()
+        if self._actual != self._expected:
+            logger.warning(
+                "Discarding the cached weights at %s (its file fails its checksum); rebuilding them", self.entry
+            )
+            discard_entry(self.entry)
+            return False
+        return True
+
+
+def _read_entry(entry: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], Checksum]:
+    """The entry's tensors, memory-mapped, once its files match the manifest's description; the
+    checksum of their bytes is still running."""
+    from safetensors import safe_open
+
+    manifest = read_json(entry / MANIFEST_FILE)
+    if manifest is None or manifest.get("format") != WEIGHT_FORMAT_VERSION:
+        raise CacheEntryError("no valid manifest")
+    path = entry / WEIGHTS_FILE
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise CacheEntryError(f"weights file unreadable ({exc})") from exc
+    if size != manifest.get("size"):
+        raise CacheEntryError(f"weights file has {size} bytes, the manifest says {manifest.get('size')}")
+    checksum = Checksum(entry, manifest.get("crc32"))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            quantized = json.loads((f.metadata() or {}).get("quantized", "{}"))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types
+        raise CacheEntryError(f"weights file unreadable ({exc})") from exc
+    return tensors, quantized, checksum
+
+
+def _check(model: nn.Module, tensors: dict[str, torch.Tensor], quantized: dict[str, dict]) -> None:
+    params = dict(model.named_parameters())
+    expected = set(params)
+    for name, info in quantized.items():
+        if name not in params:
+            raise CacheEntryError(f"quantized blocks for unknown parameter {name!r}")
+        expected.add(f"{name}{_QUANTIZED}data")
+        if info["unpacked"]:
+            expected.update(f"{name}{_QUANTIZED}{part}" for part in ("values", "scales"))
+            if info["qtype"] == "Q4_1":
+                expected.add(f"{name}{_QUANTIZED}mins")
+    if set(tensors) != expected:
+        raise CacheEntryError(f"tensors differ from the model's: {sorted(set(tensors) ^ expected)[:5]}")
+    for name, param in params.items():
+        saved = tensors[name]
+        if saved.shape != param.shape or saved.dtype != param.dtype:
+            raise CacheEntryError(
+                f"{name}: saved {tuple(saved.shape)} {saved.dtype}, the model has {tuple(param.shape)} {param.dtype}"
+            )
+
+
+def load(model: nn.Module, entry: Path, wait_for_checksum: bool = False) -> Checksum | None:
+    """Point `model`'s parameters (and quantized forms) at the memory-mapped weights of `entry`.
+
+    None, with nothing changed, if there is no usable entry (a broken one is discarded).
+    Otherwise the checksum of the file, which may still be running: the model must not be used
+    before `passed()` says so (with `wait_for_checksum`, it has passed before anything changes).
+    """
+    if not (entry / MANIFEST_FILE).exists():
+        return None
+    try:
+        tensors, quantized, checksum = _read_entry(entry)
+        _check(model, tensors, quantized)
+    except (CacheEntryError, KeyError, TypeError, ValueError) as exc:
+        logger.warning("Discarding the cached weights at %s (%s); rebuilding them", entry, exc)
+        discard_entry(entry)
+        return None
+    if wait_for_checksum and not checksum.passed():
+        return None
+    try:
+        os.utime(entry / MANIFEST_FILE)  # in use: not swept as unused
+    except OSError:
+        pass
+    for name, param in model.named_parameters():
+        param.data = tensors[name]
+        info = quantized.get(name)
+        if info is None:
+            param.quantized = None
+            continue
+        part = lambda kind: tensors.get(f"{name}{_QUANTIZED}{kind}")  # noqa: E731
+        unpacked = Unpacked(part("values"), part("scales"), part("mins")) if info["unpacked"] else None
+        param.quantized = QuantizedMatrix(info["qtype"], part("data"), info["in_features"], _unpacked=unpacked)
+    return checksum
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+
+
+def cache_file_mappings() -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of each of this process's mappings of a cached weights file."""
+    root = str(weights_root().resolve())
+    mappings: list[tuple[int, int, int]] = []
+    inside = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+                    path = head[5].rstrip("\n") if len(head) == 6 else ""
+                    inside = path.startswith(root) and path.endswith(f"/{WEIGHTS_FILE}")
+                    if inside:
+                        start, end = (int(x, 16) for x in head[0].split("-"))
+                        mappings.append((start, end, 0))
+                elif inside and head[0] == "Rss:":
+                    start, end, _ = mappings[-1]
+                    mappings[-1] = (start, end, int(head[1]) * 1024)
+    except OSError:
+        pass
+    return mappings
+
+
+def _drop_pages(tensor: torch.Tensor, spans: list[tuple[int, int, int]]) -> int:
+    """Drop this process's copies of the whole pages inside a tensor that lies in a mapping of
+    a cache file (never anonymous memory, whose pages would be lost); later reads page them in
+    again from the file. Returns the bytes dropped."""
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if not any(lo <= start and end <= hi for lo, hi, _ in spans):
+        return 0
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
+        return 0
+    return last - first
+
+
+def release_unread_pages(model: nn.Module) -> int:
+    """Hand back to the cache file the float pages of projections that oneDNN has packed: no
+    kernel reads them (the packed copy serves every product), so after packing they would only
+    double the weights' memory. A table that is also the embedding comes back row by row, as
+    tokens are looked up. Only weights mapped from the cache, on a CPU under Linux. Returns the
+    bytes released."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    spans = cache_file_mappings()
+    released = 0
+    for param in model.parameters():
+        if getattr(param, "packed", None) is not None and param.device.type == "cpu":
+            released += _drop_pages(param.data, spans)
+    return released
