@@ -14,7 +14,12 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GiB = 1 << 30
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+# How sequences get KV memory: "paged" is the engine itself (blocks on demand); the others are
+# the paper's baselines, contiguous reservations per sequence (pagedllm.core.reservation).
+KV_POLICIES = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "auto": triton on a GPU, the fast CPU kernel on a CPU (pagedllm.attention.get_attention_backend).
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 
 
 @dataclass
@@ -25,13 +30,16 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     device: str = "auto"  # "auto", "cpu" or "cuda"
-    attention_backend: str = "auto"  # "auto", "reference", "cpu"
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
 
 
 @dataclass
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for all layers' key and value pools; None: a default
+    # On a GPU without kv_cache_memory: the fraction of the device's memory this engine may use
+    # (weights, the peak activations of a forward pass at max_num_batched_tokens, the KV cache).
+    gpu_memory_utilization: float = 0.9
     num_device_blocks: int | None = None  # force the number of device blocks (overrides the budget)
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks, per worker
     enable_prefix_caching: bool = True
@@ -54,6 +62,7 @@ class SchedulerConfig:
     # blocks * swap_cost_per_block < tokens * recompute_cost_per_token.
     swap_cost_per_block: float = 1.0
     recompute_cost_per_token: float = 1.0
+    kv_policy: str = "paged"  # one of KV_POLICIES
 
 
 @dataclass
@@ -85,6 +94,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -92,6 +102,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     preemption_mode: str = "auto"
+    kv_policy: str = "paged"
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None
     disable_log_stats: bool = False
@@ -122,6 +133,7 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
                 num_device_blocks=self.num_gpu_blocks,  # vLLM's name for the flag
                 swap_space=self.swap_space,
                 enable_prefix_caching=self.enable_prefix_caching,
@@ -132,6 +144,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 preemption_mode=self.preemption_mode,
+                kv_policy=self.kv_policy,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -163,7 +176,13 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}.")
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}.")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space!r}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")

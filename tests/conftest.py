@@ -11,6 +11,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # invariants: a leaked or double-counted block fails the test that caused it.
 os.environ.setdefault("PAGEDLLM_CHECK_INVARIANTS", "1")
 
+import torch  # noqa: E402
+
+# Without a GPU the Triton kernels run in Triton's interpreter. Triton reads the variable once,
+# when it is imported, and transformers imports it with the tiny models, so it is set here,
+# before anything can. It changes nothing but Triton, which nothing else uses on a CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest  # noqa: E402
 
 from tests.helpers import build_tiny_model  # noqa: E402
@@ -18,8 +26,15 @@ from tests.helpers import build_tiny_model  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
-    """The default model's tokenizer, saved as a Hugging Face folder (tiny models reuse it)."""
+    """The default model's tokenizer, saved as a Hugging Face folder (tiny models reuse it).
+    PAGEDLLM_TEST_TOKENIZER_DIR names another folder with a 49152-token tokenizer instead: the
+    GPU check sets it where the default model's package cannot be installed."""
+    from pathlib import Path
+
     from pagedllm.transformers_utils import get_tokenizer, resolve_model
+
+    if os.environ.get("PAGEDLLM_TEST_TOKENIZER_DIR"):
+        return Path(os.environ["PAGEDLLM_TEST_TOKENIZER_DIR"])
 
     tokenizer = get_tokenizer(resolve_model(None))
     path = tmp_path_factory.mktemp("tokenizer")

@@ -7,10 +7,13 @@ block pools (`write_kv`) and computes attention by reading the pools through blo
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagedllm.config import ATTENTION_BACKENDS
 
 
 @dataclass
@@ -78,20 +81,33 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-ATTENTION_BACKENDS = ("reference", "cpu")
+def _triton_available(device: torch.device) -> bool:
+    """Whether Triton can serve `device`. On a GPU it is imported to be sure; elsewhere only
+    found, since on a CPU it must be imported after its interpreter is chosen (the Triton
+    backend does that)."""
+    if device.type != "cuda":
+        return importlib.util.find_spec("triton") is not None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def get_attention_backend(
     name: str, device: torch.device, dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None
 ) -> AttentionBackend:
-    """`auto` picks the fast CPU kernel on a CPU (float32 and bfloat16, when it builds), else the
-    reference backend."""
+    """`auto` picks the Triton kernels on a GPU (when Triton imports), the fast CPU kernel on a
+    CPU (float32 and bfloat16, when it builds), else the reference backend."""
     if name == "auto":
-        from pagedllm.kernels import build as cpu_kernels
-        from pagedllm.attention.cpu import supports
+        if device.type == "cuda":
+            name = "triton" if _triton_available(device) else "reference"
+        else:
+            from pagedllm.kernels import build as cpu_kernels
+            from pagedllm.attention.cpu import supports
 
-        fast = device.type == "cpu" and supports(dtype, cache_dtype or dtype) and cpu_kernels.available()
-        name = "cpu" if fast else "reference"
+            fast = device.type == "cpu" and supports(dtype, cache_dtype or dtype) and cpu_kernels.available()
+            name = "cpu" if fast else "reference"
     if name == "reference":
         from pagedllm.attention.reference import ReferenceAttentionBackend
 
@@ -100,4 +116,13 @@ def get_attention_backend(
         from pagedllm.attention.cpu import CPUAttentionBackend
 
         return CPUAttentionBackend()
-    raise ValueError(f"Unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}.")
+    if name == "triton":
+        if not _triton_available(device):
+            raise ValueError(
+                "attention_backend='triton' needs the triton package (pip install triton), which is not installed "
+                "or does not import."
+            )
+        from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device)
+    raise ValueError(f"Unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}.")

@@ -8,14 +8,31 @@ import time
 import torch
 
 
-def best_time(fn, repeats: int) -> float:
-    """The fastest of `repeats` timed calls, after one warm-up call."""
+def best_time(fn, repeats: int, device: torch.device | str = "cpu") -> float:
+    """The fastest of `repeats` timed calls, after one warm-up call. On a GPU each call is timed
+    by CUDA events around it (the launch is asynchronous)."""
+    if torch.device(device).type == "cuda":
+        return _best_cuda_time(fn, repeats)
     fn()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _best_cuda_time(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
     return best
 
 
@@ -33,11 +50,14 @@ def matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: 
     return 2 * size**3 / best
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes per second moved by a large copy, reads and writes both counted."""
-    src = torch.empty(megabytes << 20, dtype=torch.uint8).fill_(1)
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes per second moved by a large copy on `device`, reads and writes both counted (on a
+    GPU, 4 GiB: well past its caches)."""
+    if torch.device(device).type == "cuda":
+        megabytes = max(megabytes, 4096)
+    src = torch.empty(megabytes << 20, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / best_time(lambda: dst.copy_(src), repeats)
+    return 2 * src.numel() / best_time(lambda: dst.copy_(src), repeats, device)
 
 
 def roofline_fraction(tokens_per_s: float, num_parameters: int, flops: float) -> float:

@@ -1,9 +1,9 @@
-"""`pagedllm bench kernel`: decode attention alone, paged (the CPU kernel reading blocks in place)
-vs the reference backend (gathers blocks per sequence) vs torch's contiguous
-`scaled_dot_product_attention` on the same keys and values, over context lengths and batch
-sizes. Effective bandwidth = bytes of keys and values read / time, against a measured large copy
-(reads and writes counted). Shapes of the default model's attention: 9 query heads, 3 KV heads,
-head size 64, blocks of 16."""
+"""`pagedllm bench kernel`: decode attention alone, paged (the CPU kernel on a CPU, the Triton
+kernel on a GPU, reading blocks in place) vs the reference backend (gathers blocks per sequence)
+vs torch's contiguous `scaled_dot_product_attention` on the same keys and values, over context
+lengths and batch sizes. Effective bandwidth = bytes of keys and values read / time, against a
+measured large copy on the same device (reads and writes counted). Shapes of the default model's
+attention: 9 query heads, 3 KV heads, head size 64, blocks of 16."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="default: float32 on a CPU, bfloat16 on a GPU")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cpu: the C++ kernel; cuda: the Triton kernel (auto: cuda when there is one)")
     p.add_argument("--max-reference-tokens", type=int, default=65536, help="skip the slow reference above batch x context")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--contiguous-blocks", action="store_true", help="consecutive block ids per sequence (default: scattered)")
@@ -33,9 +36,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def measure(batch: int, context: int, args, dtype: torch.dtype) -> dict:
-    from pagedllm.attention import AttentionMetadata
+def paged_backend(device: torch.device):
+    if device.type == "cuda":
+        from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device)
     from pagedllm.attention.cpu import CPUAttentionBackend
+
+    return CPUAttentionBackend()
+
+
+def measure(batch: int, context: int, args, dtype: torch.dtype, device: torch.device) -> dict:
+    from pagedllm.attention import AttentionMetadata
     from pagedllm.attention.reference import ReferenceAttentionBackend
 
     h, hkv, d, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
@@ -45,12 +57,12 @@ def measure(batch: int, context: int, args, dtype: torch.dtype) -> dict:
     # Sequences own scattered blocks (a random permutation of the pool), or, with
     # --contiguous-blocks, runs of consecutive ids (as a fresh pool hands them out).
     order = torch.arange(num_blocks) if args.contiguous_blocks else torch.randperm(num_blocks, generator=gen)
-    tables = order.view(batch, blocks_per_seq).to(torch.int32)
-    query = torch.randn(batch, h, d, generator=gen).to(dtype)
+    tables = order.view(batch, blocks_per_seq).to(torch.int32).to(device)
+    query = torch.randn(batch, h, d, generator=gen).to(dtype).to(device)
     metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(batch, dtype=torch.int64),
-        query_start_loc=torch.arange(batch + 1),
-        seq_lens=torch.full((batch,), context),
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),
+        query_start_loc=torch.arange(batch + 1, device=device),
+        seq_lens=torch.full((batch,), context, device=device),
         block_tables=tables,
         query_lens=[1] * batch,
         seq_lens_list=[context] * batch,
@@ -61,10 +73,11 @@ def measure(batch: int, context: int, args, dtype: torch.dtype) -> dict:
     row = {"batch": batch, "context": context}
     kv_bytes = 2 * batch * context * hkv * d * query.element_size()
 
-    paged = CPUAttentionBackend()
-    kc = torch.randn(paged.kv_cache_shape(num_blocks, bs, hkv, d), generator=gen).to(dtype)
+    paged = paged_backend(device)
+    # Both fast backends lay a pool out as [blocks, kv heads, block size, head dim].
+    kc = torch.randn(paged.kv_cache_shape(num_blocks, bs, hkv, d), device=device).to(dtype)
     vc = torch.randn_like(kc)
-    t = best_time(lambda: paged.forward(query, None, None, kc, vc, metadata, scale), args.repeats)
+    t = best_time(lambda: paged.forward(query, None, None, kc, vc, metadata, scale), args.repeats, device)
     row["paged_ms"] = t * 1e3
     row["paged_GBps"] = kv_bytes / t / 1e9
 
@@ -72,27 +85,34 @@ def measure(batch: int, context: int, args, dtype: torch.dtype) -> dict:
     k = kc[tables.long()].permute(0, 2, 1, 3, 4).reshape(batch, hkv, -1, d)[:, :, :context].contiguous()
     v = vc[tables.long()].permute(0, 2, 1, 3, 4).reshape(batch, hkv, -1, d)[:, :, :context].contiguous()
     q = query.unsqueeze(2)  # [batch, heads, 1, head_dim]
-    t = best_time(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True), args.repeats)
+    t = best_time(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True), args.repeats, device)
     row["sdpa_ms"] = t * 1e3
     row["paged_vs_sdpa"] = row["paged_ms"] / row["sdpa_ms"]
 
     if batch * context <= args.max_reference_tokens:
         ref = ReferenceAttentionBackend()  # its own layout; the timing does not depend on the values
-        rkc = torch.randn(ref.kv_cache_shape(num_blocks, bs, hkv, d), generator=gen).to(dtype)
+        rkc = torch.randn(ref.kv_cache_shape(num_blocks, bs, hkv, d), device=device).to(dtype)
         rvc = torch.randn_like(rkc)
-        t = best_time(lambda: ref.forward(query, None, None, rkc, rvc, metadata, scale), max(1, args.repeats // 2))
+        t = best_time(lambda: ref.forward(query, None, None, rkc, rvc, metadata, scale), max(1, args.repeats // 2), device)
         row["reference_ms"] = t * 1e3
     return row
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device.")
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, args.dtype)
-    bandwidth = copy_bandwidth()
-    print(f"memory copy: {bandwidth / 1e9:.1f} GB/s (reads + writes); threads: {torch.get_num_threads()}")
+    bandwidth = copy_bandwidth(device=device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"memory copy on {where}: {bandwidth / 1e9:.1f} GB/s (reads + writes)")
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            row = measure(batch, context, args, dtype)
+            row = measure(batch, context, args, dtype, device)
             row["paged_pct_of_copy"] = 100 * row["paged_GBps"] * 1e9 / bandwidth
             rows.append(row)
             print(f"context {context:5d} batch {batch:4d}: paged {row['paged_ms']:.2f} ms ({row['paged_GBps']:.1f} GB/s), "

@@ -62,19 +62,24 @@ def run_pagedllm(engine, requests: list[BenchRequest], temperature: float) -> di
     }
 
 
-def load_hf_model(model: str, dtype: str):
+def load_hf_model(model: str, dtype: str, device: str = "auto"):
+    """The same weights in `transformers`, on the engine's device and in its dtype (`auto`:
+    float32 on a CPU, bfloat16 on a GPU, as the engine resolves it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from pagedllm.transformers_utils import resolve_model
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     source = resolve_model(model)
-    torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    auto = torch.bfloat16 if device == "cuda" else torch.float32
+    torch_dtype = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     if source.kind == "gguf":
         hf = AutoModelForCausalLM.from_pretrained(str(source.folder), gguf_file=source.path.name, dtype=torch_dtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch_dtype)
-    return hf.eval()
+    return hf.to(device).eval()
 
 
 def run_hf_static(hf, requests: list[BenchRequest], batch_size: int, temperature: float, pad_id: int) -> dict:
@@ -93,8 +98,8 @@ def run_hf_static(hf, requests: list[BenchRequest], batch_size: int, temperature
         new_tokens = max(r.output_len for r in batch)
         with torch.inference_mode():
             hf.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(hf.device),
+                attention_mask=mask.to(hf.device),
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 do_sample=temperature > 0,
@@ -175,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         if backend == "pagedllm":
             raw = run_pagedllm(engine, requests, args.temperature)
         else:
-            hf = hf or load_hf_model(engine_args.model, engine_args.dtype)
+            hf = hf or load_hf_model(engine_args.model, engine_args.dtype, engine_args.device)
             if backend == "hf":
                 raw = run_hf_static(hf, requests, args.hf_batch_size, args.temperature, pad_id=0)
             else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from pagedllm.config import DEFAULT_MODEL, DTYPES, PREEMPTION_MODES, EngineArgs
+from pagedllm.config import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_POLICIES, PREEMPTION_MODES, EngineArgs
 
 _HELP = {
     "tokenizer": "tokenizer folder (default: the model's own)",
@@ -13,9 +13,10 @@ _HELP = {
     "max_model_len": "context length (default: the model's)",
     "seed": "seed of the engine's random state (requests may carry their own seed)",
     "device": "auto, cpu or cuda",
-    "attention_backend": "auto, reference (plain torch oracle) or a fast backend",
+    "attention_backend": "auto (triton on a GPU, cpu on a CPU), reference (the plain torch oracle), cpu or triton",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "bytes of KV cache (keys and values, all layers); default: 2 GiB on CPU",
+    "gpu_memory_utilization": "on a GPU, the fraction of its memory the engine may use (weights, activations, KV cache)",
     "num_gpu_blocks": "force the number of KV blocks (overrides --kv-cache-memory)",
     "swap_space": "GiB of CPU memory for swapped-out blocks",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
@@ -24,11 +25,12 @@ _HELP = {
     "max_num_seqs": "most sequences running at once",
     "max_num_batched_tokens": "most tokens computed in one step",
     "preemption_mode": "how to evict when blocks run out",
+    "kv_policy": "KV memory: paged (this engine), or a baseline of the paper reserving contiguous memory per sequence",
     "tensor_parallel_size": "number of tensor-parallel workers",
     "distributed_init_method": "torch.distributed init method (env:// under torchrun)",
     "disable_log_stats": "do not log periodic engine stats",
 }
-_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda")}
+_CHOICES = {"attention_backend": ATTENTION_BACKENDS, "dtype": DTYPES, "kv_cache_dtype": DTYPES, "preemption_mode": PREEMPTION_MODES, "kv_policy": KV_POLICIES, "device": ("auto", "cpu", "cuda")}
 
 
 def parse_bytes(text: str) -> int:

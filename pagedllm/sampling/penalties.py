@@ -33,12 +33,12 @@ def apply_penalties(logits: torch.Tensor, items: list[ScheduledSequence]) -> tor
     vocab = logits.shape[1]
     for r in rows:
         params = items[r].sampling_params
-        output_ids = torch.tensor(items[r].output_token_ids or [], dtype=torch.long)
+        output_ids = torch.tensor(items[r].output_token_ids or [], dtype=torch.long, device=logits.device)
         counts = torch.bincount(output_ids, minlength=vocab)[:vocab].to(logits.dtype)
         row = logits[r]
         if params.repetition_penalty != 1.0:
             seen = counts > 0
-            prompt_ids = torch.tensor(items[r].prompt_token_ids or [], dtype=torch.long)
+            prompt_ids = torch.tensor(items[r].prompt_token_ids or [], dtype=torch.long, device=logits.device)
             seen[prompt_ids[prompt_ids < vocab]] = True
             penalised = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
             row = torch.where(seen, penalised, row)

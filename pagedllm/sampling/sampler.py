@@ -10,6 +10,10 @@ kernel, csrc/sampling.cpp; elsewhere a cumsum and a binary search: both much fas
 request draws its number from its own generator, one per (request, sample index), so it
 produces the same tokens whatever else shares its batch.
 Reported log-probabilities are those of the raw model distribution.
+
+The sampler runs where the logits are (on a GPU, the whole batch stays there); the uniform
+numbers are always drawn on the CPU, so a seeded request gives the same draws on any device,
+and the chosen tokens come back to the host in one copy.
 """
 
 from __future__ import annotations
@@ -69,8 +73,11 @@ class Sampler:
         results: list[list[SampledToken]] = [[] for _ in items]
         beam_rows = [r for r, item in enumerate(expanded) if item.sampling_params.sampling_type is SamplingType.BEAM]
         beam_candidates = self._beam_candidates(raw, log_norm, expanded, beam_rows)
-        chosen_logprobs = (raw.gather(1, chosen.unsqueeze(1)) - log_norm).squeeze(1).tolist()
-        chosen_ids = chosen.tolist()
+        chosen_logprob = (raw.gather(1, chosen.unsqueeze(1)) - log_norm).squeeze(1)
+        # One device-to-host copy for the step (float64 holds every token id exactly).
+        host = torch.stack([chosen.to(torch.float64), chosen_logprob.to(torch.float64)]).cpu()
+        chosen_ids = host[0].long().tolist()
+        chosen_logprobs = host[1].tolist()
         for r, item in enumerate(expanded):
             if r in beam_candidates:
                 results[row_of[r]] = beam_candidates[r]
@@ -87,12 +94,12 @@ class Sampler:
             chosen = logits.argmax(dim=-1)  # greedy (and beam) rows; random rows are overwritten
             rows = logits[random_rows]
         else:
-            chosen = torch.empty(len(items), dtype=torch.int64)
+            chosen = torch.empty(len(items), dtype=torch.int64, device=logits.device)
             rows = logits
         if not random_rows:
             return chosen
         params = [items[r].sampling_params for r in random_rows]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
         top_k, top_p, min_p = [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params]
         if filters_apply(top_k, top_p, min_p):
             rows = filter_top_k_top_p_min_p(rows / temperature.unsqueeze(1), top_k, top_p, min_p)
@@ -102,6 +109,7 @@ class Sampler:
             if p.seed is not None:
                 gen = self._generator(items[random_rows[j]], sample_index[random_rows[j]])
                 uniform[j] = torch.rand(1, generator=gen)
+        uniform = uniform.to(logits.device)
         if fused_ops.applies(rows):
             drawn = fused_ops.sample_rows(rows, temperature, uniform)
         else:
@@ -139,7 +147,7 @@ def filter_top_k_top_p_min_p(
     logits: [rows, vocab] (already divided by temperature)."""
     if any(top_k):
         vocab = logits.shape[1]
-        k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k])
+        k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
         kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p < 1.0 for p in top_p):
@@ -147,12 +155,12 @@ def filter_top_k_top_p_min_p(
         sorted_probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens strictly more likely than it already reach top_p.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+        drop_sorted = mass_before >= torch.tensor(top_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if any(min_p):
         probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=logits.dtype).unsqueeze(1)
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 

@@ -3,6 +3,7 @@ metadata, the model runs over every scheduled token at once, and the driver samp
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -88,7 +89,7 @@ class ModelRunner:
 
         # Rows that need logits: each sampling sequence's last token, and prompt positions
         # whose log-probabilities were asked for.
-        starts = metadata.query_start_loc.tolist()
+        starts = [0, *itertools.accumulate(metadata.query_lens)]  # host-side: no device sync
         rows: list[int] = []
         sampling = [(i, item) for i, item in enumerate(items) if item.num_samples > 0]
         rows.extend(starts[i + 1] - 1 for i, _ in sampling)
@@ -103,7 +104,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         if logits is None or self.sampler is None:
             return None
-        logits = logits.float().cpu()
+        # The sampler runs where the logits are: on a GPU only the chosen tokens come back.
+        logits = logits.float()
 
         result = ModelRunnerOutput()
         if sampling:

@@ -10,21 +10,20 @@ import torch
 from pagedllm.attention import get_attention_backend
 from pagedllm.config import GiB, EngineConfig
 from pagedllm.core.model_output import ModelRunnerOutput
-from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model import load_model, resolve_dtype
+from pagedllm.model.memory import MemoryBudget, memory_budget
 from pagedllm.sampling import Sampler
 from pagedllm.transformers_utils import resolve_model
+from pagedllm.utils import cdiv
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner, build_attention_metadata
 
 logger = logging.getLogger("pagedllm")
 
 # Default KV cache budget on the CPU, before the cap by available memory.
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * GiB
-# Without kv_cache_memory, the share of free GPU memory the KV cache takes (the weights are
-# loaded by then; the rest leaves room for activations).
-GPU_KV_CACHE_FRACTION = 0.85
 # The most of the available host memory the KV cache may take on a CPU.
 CPU_KV_CACHE_MAX_FRACTION = 0.8
 # Start-up measurement of the preemption costs: blocks swapped out and in, tokens recomputed.
@@ -50,6 +49,36 @@ def available_memory() -> int:
     except OSError:
         pass
     return 1 << 62
+
+
+def profile_batch(num_tokens: int, max_model_len: int, block_size: int) -> list[ScheduledSequence]:
+    """Dummy prompts of `num_tokens` tokens in all (none longer than the context), on distinct
+    blocks numbered from 0: the largest step the scheduler may send, for memory profiling."""
+    items, first_block = [], 0
+    while num_tokens > 0:
+        length = min(num_tokens, max_model_len)
+        blocks = cdiv(length, block_size)
+        items.append(ScheduledSequence(
+            seq_id=-1 - len(items), request_id="", token_ids=[0] * length, start_position=0,
+            block_table=list(range(first_block, first_block + blocks)), sampling_params=None,
+        ))
+        first_block += blocks
+        num_tokens -= length
+    return items
+
+
+def gpu_kv_cache_budget(total: int, utilization: float, peak: int, non_torch: int) -> int:
+    """Bytes left for the KV cache: `utilization` of the device's `total` memory, less the peak
+    of weights and activations measured by a profile run and the memory torch does not manage."""
+    budget = int(total * utilization) - peak - non_torch
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} gives this engine {total * utilization / GiB:.2f} GiB of the "
+            f"device's {total / GiB:.2f} GiB, but the weights and the peak activations of a forward pass already "
+            f"take {(peak + non_torch) / GiB:.2f} GiB, leaving nothing for the KV cache. Raise "
+            "gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or use a smaller model or dtype."
+        )
+    return budget
 
 
 class Worker:
@@ -87,8 +116,7 @@ class Worker:
             if cache.kv_cache_memory is not None:
                 budget = cache.kv_cache_memory
             elif self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info()
-                budget = int(free * GPU_KV_CACHE_FRACTION)
+                budget = self._profile_gpu_kv_budget()
             else:
                 budget = DEFAULT_CPU_KV_CACHE_MEMORY
             if self.device.type == "cpu":
@@ -96,6 +124,42 @@ class Worker:
             num_device_blocks = budget // self.block_bytes
         num_cpu_blocks = min(int(cache.swap_space * GiB) // self.block_bytes, num_device_blocks)
         return num_device_blocks, num_cpu_blocks
+
+    def _profile_gpu_kv_budget(self) -> int:
+        """vLLM's rule: run a forward pass over `max_num_batched_tokens` dummy tokens (and the
+        sampler's largest logits) to find the peak memory that weights and activations take;
+        the KV cache gets what is left of `gpu_memory_utilization` of the device."""
+        sched = self.config.scheduler
+        block_size = self.config.cache.block_size
+        items = profile_batch(sched.max_num_batched_tokens, self.max_model_len, block_size)
+        num_blocks = sum(len(item.block_table) for item in items)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)  # CUDA context, libraries
+        scratch = CacheEngine(self.backend, self.num_layers, self.num_kv_heads, self.head_dim, block_size,
+                              num_blocks, 0, self.cache_dtype, self.device)
+        self.model.bind_kv_cache(scratch.key_caches, scratch.value_caches)
+        with torch.inference_mode():
+            input_ids, positions, metadata = build_attention_metadata(items, block_size, self.device)
+            hidden = self.model(input_ids, positions, metadata)
+            rows = hidden[-1:].expand(min(sched.max_num_seqs, sched.max_num_batched_tokens), -1)
+            logits = self.model.compute_logits(rows)
+            if logits is not None:  # the sampler's largest temporaries: a sort and a cumulative sum
+                logits.float().sort(dim=-1)[0].softmax(dim=-1).cumsum(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - num_blocks * self.block_bytes
+        del scratch, hidden, logits, rows
+        torch.cuda.empty_cache()
+        budget = gpu_kv_cache_budget(total, self.config.cache.gpu_memory_utilization, peak, non_torch)
+        logger.info(
+            "GPU memory: %.2f GiB total, x %.2f = %.2f GiB for this engine: weights and peak activations "
+            "(%d tokens) %.2f GiB, outside torch %.2f GiB, KV cache %.2f GiB",
+            total / GiB, self.config.cache.gpu_memory_utilization, total * self.config.cache.gpu_memory_utilization / GiB,
+            sched.max_num_batched_tokens, peak / GiB, non_torch / GiB, budget / GiB,
+        )
+        return budget
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_engine = CacheEngine(
@@ -135,6 +199,14 @@ class Worker:
         num_tokens = min(PROFILE_PREFILL_TOKENS, cache.num_device_blocks * block_size, self.max_model_len)
         recompute_cost = self.runner.time_prefill(num_tokens) / num_tokens
         return swap_cost, recompute_cost
+
+    def memory_budget(self) -> MemoryBudget:
+        """What this worker's weights, KV cache and swap pool hold now, and the rest of its
+        process (see `pagedllm.model.memory`)."""
+        cache = self.cache_engine
+        return memory_budget(
+            self.model, cache.key_caches + cache.value_caches, cache.cpu_key_caches + cache.cpu_value_caches
+        )
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU check of issue 14, in one run on one GPU machine with only this repository (no
+# network; Python with CUDA torch, Triton, transformers and pytest already there). About 6-8
+# minutes on an H200. Prints one summary table at the end; logs and JSON go to $OUT (default
+# results/gpu_check).
+#
+#   bash benchmarks/gpu_check.sh            # everything
+#   QUICK=1 bash benchmarks/gpu_check.sh    # fewer shapes and requests (about 3 minutes)
+#
+# 1. the Triton kernel tests, compiled (pytest -m gpu), and the GPU memory sizing test;
+# 2. greedy output of the default model's architecture (random weights: its file cannot travel)
+#    on the GPU, equal to transformers on the GPU (float32; bfloat16 reported);
+# 3. pagedllm bench kernel: paged decode vs contiguous SDPA at contexts 256-4096, batch 1-256,
+#    with GB/s against the GPU's measured copy bandwidth;
+# 4. pagedllm bench throughput --backend pagedllm hf hf-cb on a ~1B Llama shape.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu_check}
+MODELS=${MODELS:-/tmp/gpu_models}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+unset TRITON_INTERPRET
+status=()
+step() {  # step NAME LOG COMMAND...: run, keep the log, note pass/fail and seconds
+  local name=$1 log=$2; shift 2
+  local start=$SECONDS
+  echo "== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$log"
+  local rc=${PIPESTATUS[0]}
+  status+=("$name|$rc|$((SECONDS - start))|$log")
+}
+
+nvidia-smi -L 2>&1 | tee "$OUT/gpu.txt"
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__); print(torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/gpu.txt"
+
+step models models.log $PY benchmarks/gpu_models.py --out "$MODELS"
+export PAGEDLLM_TEST_TOKENIZER_DIR="$MODELS/tokenizer"
+
+step kernel-tests kernel_tests.log $PY -m pytest -q -p no:cacheprovider -m gpu -rs \
+  tests/test_triton_attention.py tests/test_gpu_memory.py
+
+step greedy greedy.log $PY benchmarks/gpu_greedy.py --model "$MODELS/smollm2" --output-json "$OUT/greedy.json"
+
+if [ -n "${QUICK:-}" ]; then
+  CONTEXTS="256 1024 4096"; BATCHES="1 64 256"; PROMPTS=64
+else
+  CONTEXTS="256 512 1024 2048 4096"; BATCHES="1 8 32 64 128 256"; PROMPTS=200
+fi
+step bench-kernel bench_kernel.log $PY -m pagedllm bench kernel --device cuda --contexts $CONTEXTS \
+  --batches $BATCHES --max-reference-tokens 16384 --output-json "$OUT/bench_kernel.json"
+
+step bench-throughput bench_throughput.log $PY -m pagedllm bench throughput "$MODELS/llama-1b" \
+  --device cuda --max-model-len 2048 --num-prompts $PROMPTS --backend pagedllm hf hf-cb \
+  --output-json "$OUT/bench_throughput.json"
+
+echo
+echo "== GPU check summary ($(head -1 "$OUT/gpu.txt"))"
+printf '%-17s %-6s %6s  %s\n' step result secs "key line"
+for entry in "${status[@]}"; do
+  IFS='|' read -r name rc secs log <<<"$entry"
+  case $name in
+    kernel-tests) key=$(grep -E "passed|failed|error|skipped" "$OUT/$log" | tail -1) ;;
+    greedy) key=$(grep -E "^greedy" "$OUT/$log" | sed 's/tokens agreeing.*//' | paste -sd ' ' -) ;;
+    bench-kernel) key=$($PY - "$OUT/bench_kernel.json" <<'PYEOF' 2>/dev/null
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+at = [r for r in rows if r["context"] == 1024 and r["batch"] == 64]
+longest = max(r["context"] for r in rows)
+best_long = max(r["paged_pct_of_copy"] for r in rows if r["context"] == longest)
+if at:
+    r = at[0]
+    print(f"ctx 1024 batch 64: paged {r['paged_ms']:.3f} ms vs sdpa {r['sdpa_ms']:.3f} ms ({r['paged_vs_sdpa']:.2f}x; "
+          f"target <= 1.2x); ctx {longest}: best {best_long:.0f}% of copy bandwidth (target >= 60%)")
+PYEOF
+) ;;
+    bench-throughput) key=$(grep -E "^(pagedllm|hf|hf-cb):" "$OUT/$log" | paste -sd ' ' -) ;;
+    *) key="" ;;
+  esac
+  result=$([ "$rc" = 0 ] && echo ok || echo FAIL)
+  printf '%-17s %-6s %6s  %s\n' "$name" "$result" "$secs" "$key"
+done
+failed=0
+for entry in "${status[@]}"; do [ "$(cut -d'|' -f2 <<<"$entry")" = 0 ] || failed=$((failed + 1)); done
+exit $failed
