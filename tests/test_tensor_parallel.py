@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU with gloo: same tokens as one worker, sharded KV pools, torchrun
-launch, a worker that dies mid-generation, and workers that die while the group starts."""
+launch, a worker that dies mid-generation, a step that raises on the driver, and workers that die
+while the group starts."""
 
 from __future__ import annotations
 
@@ -78,6 +79,27 @@ def test_worker_death_fails_requests_and_stops_cleanly(tiny_llama):
     begin = time.monotonic()
     engine.shutdown()
     assert time.monotonic() - begin < 20
+
+
+def test_a_step_that_raises_on_the_driver_stops_the_engine_and_shuts_down_at_once(tiny_llama):
+    """The other rank is left waiting in a collective of that step: the group can run no more
+    steps, and its worker must be stopped without the shutdown message it would misread."""
+    llm = LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=64, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(random_prompts(2, [10, 20], seed=52)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    engine.step()
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug in the driver's forward")
+
+    engine.executor.worker.model.forward = broken
+    failed = [o for o in engine.step() if o.finished]
+    assert sorted(o.request_id for o in failed) == ["0", "1"]
+    assert all("a bug in the driver's forward" in o.error and "out of step" in o.error for o in failed)
+    begin = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - begin < 10
 
 
 def test_torchrun_launch_generates_like_one_worker(tiny_llama, tiny_reference):

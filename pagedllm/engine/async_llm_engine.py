@@ -5,8 +5,16 @@ One thread owns the `LLMEngine` (which is not thread-safe) and is the only one t
 Requests enter and leave through a thread-safe inbox; the loop adds and aborts them between
 steps, so an aborted request's blocks are free before the next step. Each request's outputs are
 handed to its `RequestStream` with `loop.call_soon_threadsafe`, so the event loop never waits
-on a step. When a step or the engine's health check raises, the engine is dead: every request
-in flight fails with `EngineDeadError`, new ones are refused, and `is_healthy` turns false.
+on a step.
+
+When a step raises, every request in flight fails (the step may have left any of them half
+computed: a prompt chunk, a copy-on-write, a swap), with `RequestFailedError` naming the cause,
+and the engine is checked before it takes new requests: every block back in its pool, the KV
+cache manager's invariants intact, and a one-token probe request served. If all holds, the
+fault was in those requests' step, not in the engine, and it goes on serving. If not (the
+probe fails too, as it does when the device or a worker is gone for good), or when a worker
+dies or the health check raises, the engine is dead: every request in flight fails with
+`EngineDeadError`, new ones are refused, and `is_healthy` turns false.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.iteration_stats import IterationStats, RequestTimingTracker, StatLogger
+from pagedllm.engine.iteration_stats import FinishedRequest, IterationStats, RequestTimingTracker, StatLogger
 from pagedllm.engine.llm_engine import LLMEngine, Prompt
 from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import RequestOutput
@@ -130,6 +138,8 @@ class AsyncLLMEngine:
 
     # How often an idle loop wakes to check the workers' health and feed stat loggers.
     IDLE_POLL_S = 1.0
+    # Steps a probe request (one prompt token, one generated) may take after a step failed.
+    _PROBE_MAX_STEPS = 8
 
     def __init__(self, engine: LLMEngine, stat_loggers: list[StatLogger] | None = None) -> None:
         self.engine = engine
@@ -253,7 +263,11 @@ class AsyncLLMEngine:
                 iteration = IterationStats(now=time.monotonic())
                 self._take_inbox(iteration)
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as exc:
+                        self._recover_from_failed_step(exc, iteration)  # raises if it cannot
+                        outputs = []
                     if self.engine.dead is not None:  # a worker died: the step failed every request
                         raise EngineDeadError(self.engine.dead)
                     iteration.now = time.monotonic()
@@ -305,6 +319,62 @@ class AsyncLLMEngine:
             if output.finished:
                 del self._streams[output.request_id]
             stream.put(output)
+
+    # --- a step that raised (engine thread) --------------------------------------------------
+
+    def _recover_from_failed_step(self, exc: Exception, iteration: IterationStats) -> None:
+        """Fail every request in flight with the step's error and go on, if the engine is
+        provably intact; otherwise raise `EngineDeadError` (the loop then dies)."""
+        logger.exception("A step failed; ending every request in flight")
+        request_ids = set(self._streams) | set(self.engine.requests.groups)
+        self.engine.abort_request(request_ids)
+        problem = self._unclean_after_abort() or self._probe()
+        if problem is not None:
+            raise EngineDeadError(f"a step raised {exc!r}, and the engine cannot go on: {problem}") from exc
+        error = RequestFailedError(
+            f"The engine's step failed ({type(exc).__name__}: {exc}) and ended this request; the server "
+            "goes on serving, so a retry may succeed, but a request that fails this way again is likely "
+            "what triggers the fault."
+        )
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self._timing.abort(request_id, iteration)
+            iteration.finished[-1] = FinishedRequest("error", None, 0, 0)  # counted as failed, not aborted
+            stream.put(error)
+        logger.warning("The engine is intact after the failed step (%d requests ended); serving on", len(streams))
+
+    def _unclean_after_abort(self) -> str | None:
+        """Why the engine is not back to a clean state with no request in it, or None."""
+        engine = self.engine
+        if engine.has_unfinished_requests() or engine.get_num_unfinished_requests():
+            return "requests were left behind after aborting every one"
+        stats = engine.get_stats()
+        if stats.num_free_blocks != stats.num_total_blocks or stats.num_free_cpu_blocks != stats.num_cpu_blocks:
+            return (
+                f"{stats.num_total_blocks - stats.num_free_blocks} device and "
+                f"{stats.num_cpu_blocks - stats.num_free_cpu_blocks} CPU blocks stayed held with no request"
+            )
+        try:
+            engine.block_manager.check_invariants()
+        except AssertionError as broken:
+            return f"the KV cache manager is inconsistent ({broken})"
+        return None
+
+    def _probe(self) -> str | None:
+        """Serve one token of a one-token prompt; why it failed, or None. (It adds one prompt and
+        one generated token to the engine's counters.)"""
+        request_id = f"pagedllm-probe-{time.monotonic_ns()}"
+        try:
+            self.engine.add_request(request_id, [0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            for _ in range(self._PROBE_MAX_STEPS):
+                for output in self.engine.step():
+                    if output.request_id == request_id and output.finished:
+                        return None if output.error is None else f"a probe request failed ({output.error})"
+            return f"a probe request did not finish in {self._PROBE_MAX_STEPS} steps"
+        except Exception as probe_exc:
+            return f"a probe step failed too ({probe_exc!r})"
+        finally:
+            self.engine.abort_request(request_id)
 
     def _record(self, iteration: IterationStats) -> None:
         for stat_logger in self.stat_loggers:

@@ -7,7 +7,10 @@ logits gather happen inside the model. Workers make no memory-management decisio
 the same block ids as the driver and only the KV cache of their own heads.
 
 A worker that dies breaks the next collective at once (gloo reports the closed connection);
-the executor then raises `WorkerDiedError`, which the engine turns into failed requests.
+the executor then raises `WorkerDiedError`, which the engine turns into failed requests. So does
+any other error in a step: once one rank has left a step partway (the driver's own forward
+raising, say), the others wait in a collective it will never join, and the group cannot run
+another step.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.model_output import ModelRunnerOutput
@@ -31,6 +35,17 @@ logger = logging.getLogger("pagedllm")
 _SHUTDOWN = "shutdown"
 # How often the driver checks its spawned workers while the group is starting.
 _STARTUP_POLL_S = 0.2
+# After a step fails, how long to wait for a worker's exit to show, to name it as the cause.
+_EXIT_GRACE_S = 1.0
+
+
+@dataclass
+class _GroupHealth:
+    """Why the group can run no more steps (None while it can); shared with the finalizer, which
+    must not send a broken group its polite shutdown message: a worker left waiting in a step's
+    collective would take it for that collective's data, and both sides could wait forever."""
+
+    dead: str | None = None
 
 
 def _watch_parent() -> None:
@@ -80,7 +95,7 @@ class MultiprocExecutor(Executor):
         tp_size = config.parallel.tensor_parallel_size
         init_method = config.parallel.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         self._processes: list[multiprocessing.Process] = []
-        self._dead: str | None = None
+        self._health = _GroupHealth()
         if init_method != "env://":  # torchrun starts the other ranks itself
             ctx = multiprocessing.get_context("spawn")
             for rank in range(1, tp_size):
@@ -97,7 +112,9 @@ class MultiprocExecutor(Executor):
         self.worker = Worker(config, max_model_len, self.group)
         self.block_bytes = self.worker.block_bytes
         logger.info("Tensor parallelism: %d ranks, driver is rank 0", tp_size)
-        self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.group, self._processes, previous_threads)
+        self._finalizer = weakref.finalize(
+            self, MultiprocExecutor._stop, self.group, self._processes, previous_threads, self._health
+        )
 
     def _join_group(self, tp_size: int, init_method: str, device) -> TensorParallelGroup:
         """Join the group while watching the spawned workers: one that dies while starting fails
@@ -140,9 +157,21 @@ class MultiprocExecutor(Executor):
             self.group.broadcast_object((method, args, gather))
             result = getattr(self.worker, method)(*args)
             return self.group.gather_objects(result) if gather else [result]
-        except RuntimeError as exc:  # a collective broke: a peer is gone
-            self._dead = f"a tensor-parallel worker stopped responding ({exc})"
-            raise WorkerDiedError(self._dead) from exc
+        except Exception as exc:  # a peer is gone, or this rank left the step partway: out of step for good
+            self._health.dead = self._cause_of_failure(exc)
+            raise WorkerDiedError(self._health.dead) from exc
+
+    def _cause_of_failure(self, exc: Exception) -> str:
+        """Name what broke a step: a worker that exited (the connection may close a moment
+        before its exit is visible, hence the short wait), else the error itself."""
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        while True:
+            dead = [proc for proc in self._processes if not proc.is_alive()]
+            if dead:
+                return f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode}) during a step"
+            if time.monotonic() >= deadline:
+                return f"a tensor-parallel step failed ({type(exc).__name__}: {exc}); the ranks are out of step"
+            time.sleep(0.05)
 
     def determine_num_blocks(self) -> tuple[int, int]:
         counts = self.collective_rpc("determine_num_blocks")
@@ -158,28 +187,30 @@ class MultiprocExecutor(Executor):
         return self.collective_rpc("execute", output, gather=False)[0]
 
     def check_health(self) -> None:
-        if self._dead is None:
+        if self._health.dead is None:
             for proc in self._processes:
                 if not proc.is_alive():
-                    self._dead = f"tensor-parallel worker {proc.name} exited (code {proc.exitcode})"
-        if self._dead is not None:
-            raise WorkerDiedError(self._dead)
+                    self._health.dead = f"tensor-parallel worker {proc.name} exited (code {proc.exitcode})"
+        if self._health.dead is not None:
+            raise WorkerDiedError(self._health.dead)
 
     def shutdown(self) -> None:
         self._finalizer()
 
     @staticmethod
-    def _stop(group, processes: list[multiprocessing.Process], threads: int) -> None:
+    def _stop(group, processes: list[multiprocessing.Process], threads: int, health: _GroupHealth) -> None:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        if all(p.is_alive() for p in processes):
+        if health.dead is None and all(p.is_alive() for p in processes):
             try:
                 group.broadcast_object((_SHUTDOWN, (), False))
             except RuntimeError:
                 pass
         for proc in processes:
+            if health.dead is not None and proc.is_alive():  # stuck in a collective: it would never return
+                proc.kill()
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -14,6 +20,43 @@ SERVE_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64Mi
                "--served-model-name", MODEL, "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
                "--max-body-bytes", "1MiB"]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def start_server_process(
+    model: Path, *flags: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str, list[str], threading.Thread]:
+    """`pagedllm serve` in a process of its own on a free port, with SERVE_FLAGS and then `flags`
+    (a later flag wins), and `env` added to the environment: (the process, its URL, its log
+    lines after start-up, the thread collecting them)."""
+    command = [sys.executable, "-m", "pagedllm.cli", "serve", str(model), "--port", "0", *SERVE_FLAGS,
+               "--uvicorn-log-level", "info", *flags]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    early: list[str] = []
+    for line in process.stderr:
+        early.append(line)
+        match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+        if match:
+            log: list[str] = []
+            reader = threading.Thread(target=lambda: log.extend(process.stderr), daemon=True)
+            reader.start()
+            return process, f"http://127.0.0.1:{match.group(1)}", log, reader
+    raise AssertionError("the server did not start:\n" + "".join(early[-40:]))
+
+
+def start_server_thread(args, engine=None):
+    """`pagedllm serve`'s server for parsed `args` (and `engine`, if given), run on a thread of
+    this process: (the uvicorn server, its thread, its URL). `server.should_exit = True` stops it."""
+    from pagedllm.entrypoints.openai.api_server import create_server
+
+    server = create_server(args, engine)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 def raw_json(body: dict) -> dict:

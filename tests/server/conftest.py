@@ -3,29 +3,18 @@ the session) and the clients that drive it: the official `openai` client (sync a
 
 from __future__ import annotations
 
-import threading
-import time
-
 import openai
 import pytest
 
 from pagedllm.cli import build_parser
-from pagedllm.entrypoints.openai.api_server import create_server
-from tests.server.common import SERVE_FLAGS
+from tests.server.common import SERVE_FLAGS, start_server_thread
 
 
 @pytest.fixture(scope="session")
 def server_url(tiny_llama):
     args = build_parser().parse_args(["serve", str(tiny_llama), "--port", "0", *SERVE_FLAGS])
-    server = create_server(args)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
+    server, thread, url = start_server_thread(args)
+    yield url
     server.should_exit = True
     thread.join(30)
 

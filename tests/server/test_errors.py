@@ -39,6 +39,11 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400, "messages"),
     ("/tokenize", {"prompt": "\ud800"}, 400, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages"),
+    # A value of another JSON type than the OpenAPI document gives (found by the schema fuzzing).
+    ("/v1/completions", {"prompt": "hi", "temperature": False}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "add_special_tokens": "true"}, 400, "add_special_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/detokenize", {"tokens": [True, False]}, 400, "tokens"),
 ]
 
 

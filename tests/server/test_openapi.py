@@ -36,6 +36,12 @@ def test_every_post_documents_400_in_openai_error_shape(openapi):
         assert set(detail["properties"]) == {"message", "type", "param", "code"}, path
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_generation_routes_document_json_and_event_streams(openapi, path):
+    content = openapi["paths"][path]["post"]["responses"]["200"]["content"]
+    assert set(content) == {"application/json", "text/event-stream"}
+
+
 def test_metrics_is_documented_and_served_as_text(openapi, server_url):
     content = openapi["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(content) == ["text/plain"]

@@ -5,30 +5,18 @@ cleanly."""
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
-import sys
 import threading
 
 import httpx
 
-from tests.server.common import MODEL, SERVE_FLAGS
+from tests.server.common import MODEL, start_server_process
 
 
 def _start_server(tiny_llama, shutdown_timeout: float):
     """(the process, its URL, its log lines after start-up, the thread collecting them)."""
-    command = [sys.executable, "-m", "pagedllm.cli", "serve", str(tiny_llama), "--port", "0", *SERVE_FLAGS[:-4],
-               "--uvicorn-log-level", "info", "--shutdown-timeout", str(shutdown_timeout)]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    for line in process.stderr:
-        match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-        if match:
-            log: list[str] = []
-            reader = threading.Thread(target=lambda: log.extend(process.stderr), daemon=True)
-            reader.start()
-            return process, f"http://127.0.0.1:{match.group(1)}", log, reader
-    raise AssertionError("the server did not start")
+    return start_server_process(tiny_llama, "--shutdown-timeout", str(shutdown_timeout))
 
 
 def _stream_events(url: str, body: dict, on_first_event) -> list[str]:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import threading
 import time
@@ -17,8 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pagedllm import __version__
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.stat_logger import LoggingStatLogger
-from pagedllm.entrypoints.openai.body_limit import BodySizeLimit
-from pagedllm.entrypoints.openai.cli_serve import DEFAULT_MAX_BODY_BYTES
+from pagedllm.entrypoints.openai.body_limit import BodyLimits
+from pagedllm.entrypoints.openai.cli_serve import DEFAULT_BODY_IDLE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -44,6 +46,20 @@ SHUTDOWN_GRACE_S = 3.0
 
 
 
+# The generation routes answer JSON, or with `"stream": true`, server-sent events: the schema
+# of each event, whose data is a chunk in OpenAI's shape (JSON), the last one `[DONE]`.
+_STREAMED_200 = {
+    200: {
+        "description": "The completion; with `stream`, server-sent events ending in `data: [DONE]`.",
+        "content": {
+            "text/event-stream": {
+                "schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+            }
+        },
+    }
+}
+
+
 def _api_key_check(api_key: str | None):
     """A dependency refusing `/v1` requests without `Authorization: Bearer <api_key>`."""
 
@@ -66,6 +82,7 @@ def build_app(
     log_stats: bool = True,
     log_stats_interval_s: float = 5.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_idle_timeout_s: float = DEFAULT_BODY_IDLE_TIMEOUT_S,
 ) -> FastAPI:
     """The server's app over `engine`; the engine's loop runs while the app is up."""
     metrics = PrometheusStatLogger(served_model_names[0])
@@ -84,7 +101,7 @@ def build_app(
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimits, max_bytes=max_body_bytes, idle_timeout_s=body_idle_timeout_s)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))], responses=documented_errors(401))
 
     @v1.get("/models")
@@ -103,11 +120,11 @@ def build_app(
         ]
         return {"object": "list", "data": cards}
 
-    @v1.post("/completions", responses=documented_errors(400, 404, 503))
+    @v1.post("/completions", responses={**_STREAMED_200, **documented_errors(400, 404, 503)})
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await completions.create_completion(request, raw_request)
 
-    @v1.post("/chat/completions", responses=documented_errors(400, 404, 503))
+    @v1.post("/chat/completions", responses={**_STREAMED_200, **documented_errors(400, 404, 503)})
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
 
@@ -151,7 +168,10 @@ def build_app(
 
     @app.get("/stats")
     async def stats() -> dict:
-        return {**engine.stats.as_dict(), "healthy": engine.is_healthy}
+        # Tasks alive on the server's event loop (this request's own included) and threads: a
+        # leak of either shows as growth between two idle moments.
+        server = {"num_tasks": len(asyncio.all_tasks()), "num_threads": threading.active_count()}
+        return {**engine.stats.as_dict(), "healthy": engine.is_healthy, **server}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus text format."}})
     async def prometheus_metrics() -> Response:
@@ -182,6 +202,22 @@ class GracefulShutdown:
         timer.start()
 
 
+def seconds_since_process_start() -> float:
+    """How long this process has run (from /proc: its start in clock ticks after boot, and the
+    time since boot), else since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED_AT
+
+
+_IMPORTED_AT = time.monotonic()
+
+
 def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None):
     """A uvicorn server for `pagedllm serve`'s arguments (the engine is built, i.e. the model
     loaded, unless given); `server.run()` serves until interrupted."""
@@ -193,14 +229,38 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
         engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
     names = args.served_model_name or [args.model]
     app = build_app(
-        engine, names, api_key=args.api_key, log_stats=not args.disable_log_stats, max_body_bytes=args.max_body_bytes
+        engine,
+        names,
+        api_key=args.api_key,
+        log_stats=not args.disable_log_stats,
+        max_body_bytes=args.max_body_bytes,
+        body_idle_timeout_s=args.body_idle_timeout,
     )
     drain = GracefulShutdown(engine, args.shutdown_timeout)
 
     class Server(uvicorn.Server):
+        """uvicorn's server, draining on a signal, and exiting once the engine is dead: a
+        server that can only answer 503 is better restarted by its supervisor (`pagedllm serve`
+        then exits with status 1). The requests in flight have had their error by then, and
+        /health answers 503 until the listening socket closes, within uvicorn's 0.1 s tick."""
+
+        engine_died = False
+
         def handle_exit(self, sig, frame) -> None:
             drain.begin()
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:  # listening: connections are accepted from here on
+                logger.info("Ready in %.1f s (from process start to accepting connections)", seconds_since_process_start())
+
+        async def on_tick(self, counter: int) -> bool:
+            if engine.dead_error is not None and not self.engine_died:
+                self.engine_died = True
+                self.should_exit = True
+                logger.error("The engine stopped (%s); the server exits", engine.dead_error)
+            return await super().on_tick(counter)
 
     config = uvicorn.Config(
         app,

@@ -12,6 +12,8 @@ logger = logging.getLogger("pagedllm")
 
 # The default limit on request bodies: far above any prompt that fits a context.
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+# As nginx's client_body_timeout: the longest pause allowed between two parts of a request body.
+DEFAULT_BODY_IDLE_TIMEOUT_S = 60.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="refuse request bodies larger than this with 413 (e.g. 16MiB, the default)",
     )
     server.add_argument(
+        "--body-idle-timeout", type=float, default=DEFAULT_BODY_IDLE_TIMEOUT_S,
+        help="seconds a client may pause while sending a request body before it gets 408 and its connection "
+        "is closed (default: %(default)s)",
+    )
+    server.add_argument(
         "--shutdown-timeout", type=float, default=10.0,
         help="on SIGTERM/SIGINT, seconds to let requests in flight finish before ending them with an error",
     )
@@ -53,4 +60,4 @@ def run(args: argparse.Namespace) -> int:
     server = create_server(args)
     logger.info("Serving %s as %s", args.model, ", ".join(args.served_model_name or [args.model]))
     server.run()
-    return 0
+    return 1 if server.engine_died else 0  # a supervisor restarts a server whose engine died

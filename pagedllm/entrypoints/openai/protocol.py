@@ -2,9 +2,12 @@
 accepts (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `use_beam_search`, ...).
 
 Unknown fields are accepted and ignored, as vLLM does, so clients that send newer OpenAI fields
-keep working. Every number must be finite (JSON parsers accept NaN and Infinity) and every
-text valid Unicode (a JSON escape such as \ud800 decodes to a lone surrogate, which no tokenizer
-or UTF-8 response can carry): both are refused at validation, as a 400 naming the field.
+keep working. Known fields take exactly the JSON types the OpenAPI document gives them, as
+OpenAI's API does: `"true"` or `1` is not a boolean, `false` is not a number, `"5"` not an
+integer (pydantic's lax mode would convert them). Every number must be finite (JSON parsers
+accept NaN and Infinity) and every text valid Unicode (a JSON escape such as \ud800 decodes to
+a lone surrogate, which no tokenizer or UTF-8 response can carry): both are refused at
+validation, as a 400 naming the field.
 Responses are plain dicts in OpenAI's shapes, built by the serving modules.
 """
 
@@ -19,7 +22,7 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="after")
     @classmethod
