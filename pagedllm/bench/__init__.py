@@ -6,7 +6,7 @@ import argparse
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.bench import dtype, kernel, latency, matmul, preemption, serve, sharing, throughput
+    from pagedllm.bench import dtype, kernel, latency, matmul, paper, preemption, serve, sharing, throughput
 
     parser = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = parser.add_subparsers(dest="bench", required=True)
@@ -18,3 +18,4 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     latency.register(bench_sub)
     dtype.register(bench_sub)
     serve.register(bench_sub)
+    paper.register(bench_sub)

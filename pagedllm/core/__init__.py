@@ -6,6 +6,10 @@ tested in milliseconds and drive the workers only through plain-data `SchedulerO
 
 from pagedllm.core.block_manager import BlockManager, PendingCacheOps
 from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.kv_breakdown import KVBreakdown
+from pagedllm.core.policies import create_scheduler
+from pagedllm.core.reservation import KVPolicy, ReservationBlockManager
+from pagedllm.core.reservation_scheduler import ReservationScheduler
 from pagedllm.core.scheduler import PreemptionMode, Scheduler, SchedulerStats
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import BeamState, Detokenizer, Sequence, SequenceGroup, SequenceStatus
@@ -16,8 +20,12 @@ __all__ = [
     "BlockPool",
     "Detokenizer",
     "KVBlock",
+    "KVBreakdown",
+    "KVPolicy",
     "PendingCacheOps",
     "PreemptionMode",
+    "ReservationBlockManager",
+    "ReservationScheduler",
     "ScheduledSequence",
     "Scheduler",
     "SchedulerOutput",
@@ -25,4 +33,5 @@ __all__ = [
     "Sequence",
     "SequenceGroup",
     "SequenceStatus",
+    "create_scheduler",
 ]

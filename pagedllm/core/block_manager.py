@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.kv_breakdown import KVBreakdown
 from pagedllm.core.sequence import Sequence
 from pagedllm.utils import cdiv
 
@@ -147,6 +148,27 @@ class BlockManager:
         written = self.blocks_for_tokens(max_len - 1)
         shared = prompt_len // self.block_size if share_prompt and num_seqs > 1 else 0
         return shared + num_seqs * (written - shared)
+
+    def slot_breakdown(self, seqs: Iterable[Sequence]) -> KVBreakdown:
+        """What the device's slots hold (`core.kv_breakdown`), given the live sequences on the
+        device, between steps (when each table covers exactly its computed tokens). Paged
+        memory reserves nothing ahead: a block in use is full of token states except for the
+        unfilled tail of a last block (counted once when shared). O(sequences)."""
+        bs = self.block_size
+        tails: dict[int, int] = {}
+        for seq in seqs:
+            table = self._tables.get(seq.seq_id)
+            if table is None or not table.blocks:
+                continue
+            filled = seq.num_computed_tokens - (len(table.blocks) - 1) * bs
+            tails[table.blocks[-1].block_id] = bs - min(max(filled, 0), bs)
+        used = (self.pool.num_blocks - self.pool.num_free_blocks) * bs
+        internal = sum(tails.values())
+        return KVBreakdown(
+            token_states=used - internal,
+            internal_fragmentation=internal,
+            external_fragmentation_free=self.pool.num_blocks * bs - used,
+        )
 
     # --- prefix cache -----------------------------------------------------------------------
 

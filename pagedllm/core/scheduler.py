@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.kv_breakdown import KVBreakdownAverage
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.sampling_params import SamplingType
@@ -63,6 +64,9 @@ class Scheduler:
         self.running: list[SequenceGroup] = []  # in arrival order
         self.swapped: list[SequenceGroup] = []  # in arrival order
         self.stats = SchedulerStats()
+        # What the device's KV slots held (token states, reserved, fragmented, free), summed
+        # over the steps, one sample at the end of each (`free_finished`).
+        self.kv_breakdown = KVBreakdownAverage()
         self._finished_request_ids: list[str] = []
         self._failed: list[SequenceGroup] = []
 
@@ -338,7 +342,8 @@ class Scheduler:
 
     def free_finished(self) -> None:
         """Free the blocks of every finished sequence and take finished groups off the running
-        queue. Finished sequences of a still-running group free their blocks at once."""
+        queue. Finished sequences of a still-running group free their blocks at once. Then
+        sample the step's KV memory breakdown."""
         still_running = []
         for group in self.running:
             for seq in group.seqs:
@@ -349,6 +354,8 @@ class Scheduler:
             else:
                 still_running.append(group)
         self.running = still_running
+        live = (seq for group in still_running for seq in group.seqs if not seq.is_finished)
+        self.kv_breakdown.add(self.block_manager.slot_breakdown(live))
 
     def _free_group(self, group: SequenceGroup) -> None:
         for seq in group.seqs:

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 
 from pagedllm.config import EngineConfig, SchedulerConfig
-from pagedllm.core import BlockManager, Scheduler, Sequence
+from pagedllm.core import BlockManager, Scheduler, Sequence, create_scheduler
 from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.executor import Executor, create_executor
@@ -38,14 +38,20 @@ class EngineCore:
             num_device_blocks * self.executor.block_bytes / 2**30,
             num_cpu_blocks,
         )
-        self.block_manager = BlockManager(
+        # The KV memory policy (kv_policy) picks the block manager: blocks on demand, or one
+        # of the paper's contiguous-reservation baselines.
+        self.scheduler: Scheduler = create_scheduler(
+            self._scheduler_config(num_cpu_blocks),
             block_size,
             num_device_blocks,
             num_cpu_blocks,
+            max_model_len,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            watermark=config.scheduler.watermark,
         )
-        self.scheduler = Scheduler(self._scheduler_config(num_cpu_blocks), self.block_manager)
+        self.block_manager: BlockManager = self.scheduler.block_manager
+        worker = getattr(self.executor, "worker", None)  # the driver's worker, in this process
+        if worker is not None:  # where memory goes, once the pools exist and were exercised
+            logger.info("%s", worker.memory_budget())
 
     def _check_cache_fits(self, num_device_blocks: int) -> None:
         block_size = self.config.cache.block_size
@@ -61,7 +67,7 @@ class EngineCore:
     def _scheduler_config(self, num_cpu_blocks: int) -> SchedulerConfig:
         """The scheduler's configuration, with the `auto` preemption costs measured here."""
         config = self.config.scheduler
-        if config.preemption_mode != "auto" or not num_cpu_blocks:
+        if config.preemption_mode != "auto" or not num_cpu_blocks or config.kv_policy != "paged":
             return config
         swap_cost, recompute_cost = self.executor.profile_preemption_costs()
         logger.info(

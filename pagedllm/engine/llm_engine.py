@@ -379,6 +379,7 @@ class LLMEngine:
             num_computed_tokens=self.num_computed_tokens_total,
             num_steps=self.num_steps,
             step_time=self.timer.snapshot(),
+            kv_breakdown=sched.kv_breakdown.fractions(),
         )
 
     def shutdown(self) -> None:

@@ -43,6 +43,10 @@ class EngineStats:
     num_computed_tokens: int  # tokens run through the model (prefills, recomputation, decodes)
     num_steps: int
     step_time: StepTime = field(default_factory=StepTime)
+    # Share of the device's KV slots in each part of the paper's Figure 2, averaged over the
+    # steps so far: token_states, reservation, internal_fragmentation, external_fragmentation_free
+    # (pagedllm.core.kv_breakdown). The four add up to 1 once a step has run.
+    kv_breakdown: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -26,3 +26,7 @@ def test_metrics_parse_and_move_with_requests(client, server_url):
     for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc"):
         assert (f"pagedllm:{gauge}", ()) in after
     assert ("pagedllm:num_preemptions_total", ()) in after and ("pagedllm:prefix_cache_hits_total", ()) in after
+    # The KV memory breakdown (the paper's Figure 2), averaged over the steps: four parts adding up to 1.
+    breakdown = {dict(labels)["part"]: value for (name, labels), value in after.items() if name == "pagedllm:kv_cache_breakdown_perc"}
+    assert set(breakdown) == {"token_states", "reservation", "internal_fragmentation", "external_fragmentation_free"}
+    assert abs(sum(breakdown.values()) - 1.0) < 1e-6 and breakdown["token_states"] > 0 and breakdown["reservation"] == 0

@@ -46,6 +46,13 @@ class PrometheusStatLogger:
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.swapped = gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.kv_breakdown = Gauge(
+            "pagedllm:kv_cache_breakdown_perc",
+            "Share of KV-cache slots in each part, averaged over the steps so far: token_states, reservation, "
+            "internal_fragmentation, external_fragmentation_free (the paper's Figure 2; the parts add up to 1).",
+            ["model_name", "part"],
+            registry=self.registry,
+        )
         self.counters = {
             field: Counter(f"pagedllm:{name}", doc, labels, registry=self.registry).labels(model_name)
             for name, (field, doc) in _COUNTERS.items()
@@ -66,6 +73,8 @@ class PrometheusStatLogger:
         self.waiting.set(stats.num_waiting)
         self.swapped.set(stats.num_swapped)
         self.kv_usage.set(stats.kv_cache_usage)
+        for part, share in stats.kv_breakdown.items():
+            self.kv_breakdown.labels(self.model_name, part).set(share)
         for field, counter in self.counters.items():
             # The engine's totals only grow; counters move by the difference since last time.
             delta = getattr(stats, field) - (getattr(self._last, field) if self._last else 0)

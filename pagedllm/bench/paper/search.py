@@ -1,0 +1,149 @@
+"""Latency curves and the rate a system sustains, on the simulated clock, in parallel.
+
+The paper reads throughput off normalized-latency-vs-rate curves: a system sustains a rate
+while its latency stays near its unloaded value and loses it when the latency explodes. Here
+the bar is explicit: a system sustains rate r if its normalized latency at r is at most a
+threshold (twice vLLM's unloaded normalized latency, the same bar for every system, "at the
+same latency"). `sustained_rate` brackets the highest such rate by stepping the rate up or
+down by a factor, then halves the bracket (in log space) a few times; every rate it tries is a
+point of the plotted curve.
+
+Arrival times at rate r are one unit-rate Poisson trace divided by r, so a curve's points share
+their request order and lengths and differ only in load.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+from pagedllm.bench.paper.simulator import RunResult, Setup, simulate
+from pagedllm.bench.paper.traces import make_trace
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One system on one workload: what a run at any rate needs."""
+
+    system: str
+    setup: Setup
+    requests: tuple  # (prompt token ids, output length) pairs; a run takes the first ones
+    trace_seconds: float | None = None  # a run at rate r takes r x this many requests; None: all
+    min_requests: int = 1
+    n: int = 1
+    beam_width: int = 0
+    seed: int = 0
+    track_sharing: bool = False
+
+
+@dataclass
+class SearchResult:
+    system: str
+    sustained_rate: float  # 0.0: not even the lowest rate tried
+    threshold: float
+    points: list[RunResult] = field(default_factory=list)
+    bounded: bool = True  # False: even the highest rate tried passed (the trace is too short to overload)
+
+    def as_dict(self) -> dict:
+        return {
+            "system": self.system,
+            "sustained_rate": self.sustained_rate,
+            "threshold": self.threshold,
+            "bounded": self.bounded,
+            "points": [p.as_dict() for p in sorted(self.points, key=lambda p: p.rate)],
+        }
+
+
+def num_requests_at(curve: Curve, rate: float) -> int:
+    if curve.trace_seconds is None:
+        return len(curve.requests)
+    return max(min(curve.min_requests, len(curve.requests)), min(len(curve.requests), round(rate * curve.trace_seconds)))
+
+
+def run_at(curve: Curve, cost, rate: float) -> RunResult:
+    requests = list(curve.requests[: num_requests_at(curve, rate)])
+    trace = make_trace(requests, rate, curve.seed, curve.n, curve.beam_width)
+    return simulate(curve.system, trace, curve.setup, cost, rate, track_sharing=curve.track_sharing, seed=curve.seed)
+
+
+def sustained_rate(curve: Curve, cost, threshold: float, start: float, factor: float = 1.6, refinements: int = 3, max_moves: int = 10) -> SearchResult:
+    """The highest rate (within factor ** (1 / 2 ** refinements)) whose normalized latency is at
+    most `threshold`, searched from `start`."""
+    result = SearchResult(curve.system, 0.0, threshold)
+
+    def ok(rate: float) -> bool:
+        point = run_at(curve, cost, rate)
+        result.points.append(point)
+        return point.normalized_latency <= threshold and point.num_failed == 0
+
+    mean_output = sum(out for _, out in curve.requests) / len(curve.requests)
+
+    def whole_trace_at_once(rate: float) -> bool:
+        """Past this rate the trace arrives faster than one request takes: a faster rate
+        changes nothing (a trace too short to overload the system)."""
+        return num_requests_at(curve, rate) / rate < threshold * mean_output
+
+    low = high = None
+    rate = start
+    if ok(rate):
+        low = rate
+        for _ in range(max_moves):
+            if whole_trace_at_once(rate):
+                break
+            rate *= factor
+            if not ok(rate):
+                high = rate
+                break
+            low = rate
+    else:
+        high = rate
+        for _ in range(max_moves):
+            rate /= factor
+            if ok(rate):
+                low = rate
+                break
+            high = rate
+    if low is None or high is None:  # never passed, or never failed, within max_moves
+        result.sustained_rate = low or 0.0
+        result.bounded = high is not None
+        return result
+    for _ in range(refinements):
+        mid = math.sqrt(low * high)
+        if ok(mid):
+            low = mid
+        else:
+            high = mid
+    result.sustained_rate = low
+    if min(p.rate for p in result.points) > 0.5 * low:
+        ok(0.3 * low)  # one light-load point, so the curve shows where it starts
+    return result
+
+
+def _search_task(args) -> SearchResult:
+    return sustained_rate(*args)
+
+
+def _run_task(args) -> RunResult:
+    return run_at(*args)
+
+
+class Pool:
+    """Runs simulations on `jobs` processes (1: in this process)."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
+
+    def _map(self, fn, tasks: list) -> list:
+        if self.jobs <= 1 or len(tasks) <= 1:
+            return [fn(task) for task in tasks]
+        with ProcessPoolExecutor(max_workers=min(self.jobs, len(tasks))) as pool:
+            return list(pool.map(fn, tasks))
+
+    def searches(self, tasks: list[tuple]) -> list[SearchResult]:
+        """`sustained_rate(*task)` for each task."""
+        return self._map(_search_task, tasks)
+
+    def runs(self, tasks: list[tuple]) -> list[RunResult]:
+        """`run_at(*task)` for each task."""
+        return self._map(_run_task, tasks)
