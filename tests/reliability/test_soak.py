@@ -179,7 +179,7 @@ def test_a_steady_load_leaves_the_server_flat(served, soak_seconds, figures):
         f"(peak {max(s.tasks for s in samples)} tasks during the load)",
     )
     assert errors == [], errors[:5]
-    assert rss_growth <= rss_bound
+    assert rss_growth <= rss_bound, "RSS (MiB) over time: " + ", ".join(f"{s.t:.0f} s {s.rss / MIB:.0f}" for s in samples[::4])
     assert cpu_per_request[3] <= 1.5 * cpu_per_request[1]
     assert p50[3] <= 2 * p50[1] + 0.1
     assert end["num_free_blocks"] == end["num_total_blocks"] and end["num_free_cpu_blocks"] == end["num_cpu_blocks"]
