@@ -108,4 +108,6 @@ def test_the_average_weighs_every_step_alike():
     average = KVBreakdownAverage()
     average.add(KVBreakdown(token_states=10, external_fragmentation_free=30))
     average.add(KVBreakdown(token_states=30, internal_fragmentation=10))
-    assert average.fractions() == {"token_states": 0.5, "reservation": 0.0, "internal_fragmentation": 0.125, "external_fragmentation_free": 0.375}
+    assert average.fractions() == {
+        "token_states": 0.5, "reservation": 0.0, "internal_fragmentation": 0.125, "external_fragmentation_free": 0.375
+    }

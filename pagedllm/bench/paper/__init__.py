@@ -27,10 +27,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("paper", help="the paper's evaluation: figures, JSON and a report (simulated or real clock)")
     p.add_argument("--figures", default=DEFAULT_FIGURES, help=f"comma-separated figure numbers (default: {DEFAULT_FIGURES})")
     p.add_argument("--clock", choices=("simulated", "real"), default="simulated")
-    p.add_argument("--profile", choices=("a100-opt13b", "cpu"), default=None, help="simulated: a100-opt13b (default) or cpu; real: cpu")
+    p.add_argument(
+        "--profile", choices=("a100-opt13b", "cpu"), default=None, help="simulated: a100-opt13b (default) or cpu; real: cpu"
+    )
     p.add_argument("--output-dir", default="results/paper")
     p.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
-    p.add_argument("--requests", type=int, default=None, help="requests per trace (default: the profile's; small for a quick look)")
+    p.add_argument(
+        "--requests", type=int, default=None, help="requests per trace (default: the profile's; small for a quick look)"
+    )
     p.add_argument("--recalibrate", action="store_true", help="measure the cpu profile's step cost again")
     p.set_defaults(func=run)
 
@@ -61,13 +65,15 @@ def run(args: argparse.Namespace) -> int:
     total = time.perf_counter()
     for figure in wanted:
         if args.clock == "real" and figure not in REAL_FIGURES:
-            print(f"\nFigure {figure}: no real-clock version (it would take hours on this CPU); run it with --clock simulated.")
+            print(f"\nFigure {figure}: no real-clock version (it would take hours on this CPU); use --clock simulated.")
             continue
         print(f"\nFigure {figure}: {ctx.where()} ...", flush=True)
         start = time.perf_counter()
         result = (REAL_FIGURES if args.clock == "real" else FIGURES)[figure](ctx)
         seconds = time.perf_counter() - start
-        result.update({"figure": figure, "clock": args.clock, "profile": profile.name, "where": ctx.where(), "seconds": seconds})
+        result.update(
+            {"figure": figure, "clock": args.clock, "profile": profile.name, "where": ctx.where(), "seconds": seconds}
+        )
         print(format_table(result["summary"], ["quantity", "paper", "ours", "target"]))
         path = write_json(out_dir / f"fig{figure}_{ctx.tag}.json", f"paper fig {figure}", config, result)
         print(f"Figure {figure} ({ctx.where()}) took {seconds:.0f} s; wrote {ctx.path(f'fig{figure}')} and {path}")

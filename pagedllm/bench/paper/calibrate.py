@@ -95,7 +95,9 @@ def calibrate(scale: Scale, length_scale: dict[str, float]) -> tuple[LinearCost,
     return cost, quality, samples
 
 
-def load_or_calibrate(scale: Scale, length_scale: dict[str, float], results_dir: Path, recalibrate: bool = False) -> LinearCost:
+def load_or_calibrate(
+    scale: Scale, length_scale: dict[str, float], results_dir: Path, recalibrate: bool = False
+) -> LinearCost:
     path = Path(results_dir) / CALIBRATION_FILE
     cpu, _ = cpu_description()
     if path.exists() and not recalibrate:
@@ -107,10 +109,12 @@ def load_or_calibrate(scale: Scale, length_scale: dict[str, float], results_dir:
     cost, quality, samples = calibrate(scale, length_scale)
     path.parent.mkdir(parents=True, exist_ok=True)
     steps = [{**asdict(work), "seconds": seconds} for work, seconds in samples]
-    path.write_text(json.dumps({"cpu": cpu, "scale": scale.__dict__, "cost": cost.describe(), "fit": quality, "steps": steps}, indent=2))
+    saved = {"cpu": cpu, "scale": scale.__dict__, "cost": cost.describe(), "fit": quality, "steps": steps}
+    path.write_text(json.dumps(saved, indent=2))
     print(
         f"cpu profile: step = {cost.c_step * 1e3:.2f} ms + {cost.c_prefill * 1e3:.3f} ms/prompt token + "
         f"{cost.c_decode * 1e3:.3f} ms/decoding sequence + {cost.c_kv * 1e6:.3f} us/KV token read "
-        f"(R^2 {quality['r2']:.3f}, mean error {quality['mean_abs_error_pct']:.1f}% over {quality['num_steps']} steps); wrote {path}"
+        f"(R^2 {quality['r2']:.3f}, mean error {quality['mean_abs_error_pct']:.1f}% over {quality['num_steps']} steps); "
+        f"wrote {path}"
     )
     return cost

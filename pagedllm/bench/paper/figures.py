@@ -78,9 +78,8 @@ class Context:
         key = ("requests", dataset, divisor)
         if key not in self._memo:
             scale = self.profile.scale
-            self._memo[key] = tuple(
-                workload(dataset, self.num_requests(dataset, divisor), scale.max_model_len, self.profile.length_scale[dataset])
-            )
+            length_scale = self.profile.length_scale[dataset]
+            self._memo[key] = tuple(workload(dataset, self.num_requests(dataset, divisor), scale.max_model_len, length_scale))
         return self._memo[key]
 
     def curve(self, system: str, dataset: str, divisor: int = 1, **setup) -> Curve:
@@ -102,13 +101,14 @@ def unloaded_latency(ctx: Context, curve: Curve) -> float:
     requests = curve.requests[:40]
     mean_out = sum(out for _, out in requests) / len(requests)
     width = max(curve.n, curve.beam_width, 1)
-    service = mean_out * ctx.cost.with_block_size(curve.setup.bs).step_seconds(StepWork(decode_seqs=width, kv_tokens_read=width * 256))
+    one_step = StepWork(decode_seqs=width, kv_tokens_read=width * 256)
+    service = mean_out * ctx.cost.with_block_size(curve.setup.bs).step_seconds(one_step)
     alone = Curve(**{**curve.__dict__, "requests": requests, "trace_seconds": None})
     return run_at(alone, ctx.cost, rate=0.02 / service).normalized_latency
 
 
 def search_systems(
-    ctx: Context, curves: dict[str, Curve], guess: float, refinements: int = 3, shares: dict[str, float] | None = None
+    ctx: Context, curves: dict[str, Curve], guess: float, refinements: int = 2, shares: dict[str, float] | None = None
 ) -> tuple[float, dict[str, SearchResult]]:
     """Every system's sustained rate at one threshold: twice vLLM's unloaded latency. Each
     search starts at `guess` (vLLM's expected rate) times the system's share."""
@@ -183,8 +183,10 @@ def fig12(ctx: Context) -> dict:
         oracle, maximum, ft = (_ratio(rates["vLLM"], rates[s]) for s in ("Orca (Oracle)", "Orca (Max)", "FasterTransformer"))
         if dataset == "sharegpt":
             summary += [
-                _row("12", f"{name}: vLLM's sustained rate / Orca (Oracle)'s", "1.7-2.7x", _fmt_ratio(oracle), ctx, _met(oracle, 1.7)),
-                _row("12", f"{name}: vLLM's sustained rate / Orca (Max)'s", "2.7-8x", _fmt_ratio(maximum), ctx, _met(maximum, 2.7)),
+                _row("12", f"{name}: vLLM's sustained rate / Orca (Oracle)'s", "1.7-2.7x", _fmt_ratio(oracle), ctx,
+                     _met(oracle, 1.7)),
+                _row("12", f"{name}: vLLM's sustained rate / Orca (Max)'s", "2.7-8x", _fmt_ratio(maximum), ctx,
+                     _met(maximum, 2.7)),
                 _row("12", f"{name}: vLLM's sustained rate / FasterTransformer's", "up to 22x", _fmt_ratio(ft), ctx, "-"),
             ]
         else:
@@ -201,7 +203,8 @@ def fig12(ctx: Context) -> dict:
     plots.latency_curves(
         ctx.path("fig12"),
         panels,
-        f"Fig. 12 ({ctx.where()}): normalized latency vs request rate; dashed: the bar a system must stay under to sustain a rate",
+        f"Fig. 12 ({ctx.where()}): normalized latency vs request rate; "
+        "dashed: the bar a system must stay under to sustain a rate",
     )
     return {"title": "Normalized latency vs request rate, basic sampling", "summary": summary, "data": data}
 
@@ -238,7 +241,8 @@ def fig2(ctx: Context) -> dict:
         ctx.path("fig2"),
         loaded,
         PAPER["fig2_token_states"],
-        f"Fig. 2 ({ctx.where()}): KV slots by use, ShareGPT at {rate:.2f} req/s ({MEMORY_BOUND_SHARE}x vLLM's sustained rate), "
+        f"Fig. 2 ({ctx.where()}): KV slots by use, ShareGPT at {rate:.2f} req/s "
+        f"({MEMORY_BOUND_SHARE}x vLLM's sustained rate), "
         "averaged over the steps with requests waiting",
     )
     summary = []
@@ -276,15 +280,16 @@ def fig13(ctx: Context) -> dict:
         panels.append({"title": f"{DATASET_NAMES[dataset]} ({rate:.2f} req/s)", "bars": batches, "paper": paper})
         if dataset == "sharegpt":
             for s in (*reversed(ORCAS), "vLLM"):
-                summary.append(_row("13", f"ShareGPT: mean batched requests, {s}", f"{paper[s]:.2f}", f"{batches[s]:.2f}", ctx, "-"))
+                quantity = f"ShareGPT: mean batched requests, {s}"
+                summary.append(_row("13", quantity, f"{paper[s]:.2f}", f"{batches[s]:.2f}", ctx, "-"))
             oracle = _ratio(batches["vLLM"], batches["Orca (Oracle)"])
             maximum = _ratio(batches["vLLM"], batches["Orca (Max)"])
-            knee_text = (
-                f" (at 1.0x vLLM's sustained rate, {at_knee_rate:.2f} req/s: "
-                f"{_fmt_ratio(_ratio(knee['vLLM'], knee['Orca (Oracle)']))} and {_fmt_ratio(_ratio(knee['vLLM'], knee['Orca (Max)']))})"
-            )
+            knee_oracle = _fmt_ratio(_ratio(knee["vLLM"], knee["Orca (Oracle)"]))
+            knee_max = _fmt_ratio(_ratio(knee["vLLM"], knee["Orca (Max)"]))
+            knee_text = f" (at 1.0x vLLM's sustained rate, {at_knee_rate:.2f} req/s: {knee_oracle} and {knee_max})"
             summary += [
-                _row("13", "ShareGPT: vLLM's batch / Orca (Oracle)'s", "2.2x", _fmt_ratio(oracle) + knee_text, ctx, _met(oracle, 2.0)),
+                _row("13", "ShareGPT: vLLM's batch / Orca (Oracle)'s", "2.2x", _fmt_ratio(oracle) + knee_text, ctx,
+                     _met(oracle, 2.0)),
                 _row("13", "ShareGPT: vLLM's batch / Orca (Max)'s", "4.3x", _fmt_ratio(maximum), ctx, _met(maximum, 4.0)),
             ]
         else:
@@ -301,7 +306,8 @@ def fig13(ctx: Context) -> dict:
     plots.grouped_bars(
         ctx.path("fig13"),
         panels,
-        f"Fig. 13 ({ctx.where()}): requests per step at {MEMORY_BOUND_SHARE}x vLLM's sustained rate (memory-bound); - = the paper",
+        f"Fig. 13 ({ctx.where()}): requests per step at {MEMORY_BOUND_SHARE}x vLLM's sustained rate "
+        "(memory-bound); - = the paper",
         "Mean batched requests",
     )
     return {"title": "Average number of batched requests", "summary": summary, "data": data}
@@ -314,11 +320,12 @@ def fig11(ctx: Context) -> dict:
     histograms, data, summary = {}, {}, []
     scale = ctx.profile.scale
     for dataset in DATASETS:
-        requests = workload(dataset, ctx.requests_override or 5000, scale.max_model_len, ctx.profile.length_scale[dataset], seed=11)
+        length_scale = ctx.profile.length_scale[dataset]
+        requests = workload(dataset, ctx.requests_override or 5000, scale.max_model_len, length_scale, seed=11)
         inputs = [len(p) for p, _ in requests]
         outputs = [o for _, o in requests]
         means = (sum(inputs) / len(inputs), sum(outputs) / len(outputs))
-        histograms[f"{DATASET_NAMES[dataset]} (x{ctx.profile.length_scale[dataset]:g})"] = {"input": inputs, "output": outputs}
+        histograms[f"{DATASET_NAMES[dataset]} (x{length_scale:g})"] = {"input": inputs, "output": outputs}
         data[dataset] = {"length_scale": ctx.profile.length_scale[dataset], "mean_input": means[0], "mean_output": means[1]}
         paper = PAPER["fig11_means"][dataset]
         scaled = ctx.profile.length_scale[dataset]
@@ -332,7 +339,8 @@ def fig11(ctx: Context) -> dict:
                 "-",
             )
         )
-    plots.length_histograms(ctx.path("fig11"), histograms, f"Fig. 11 ({ctx.profile.name} lengths): the traces, {len(inputs)} requests each")
+    caption = f"Fig. 11 ({ctx.profile.name} lengths): the traces, {len(inputs)} requests each"
+    plots.length_histograms(ctx.path("fig11"), histograms, caption)
     return {"title": "Input and output lengths of the traces", "summary": summary, "data": data}
 
 
@@ -355,7 +363,9 @@ def fig14(ctx: Context) -> dict:
     # a request here is up to six sequences long.
     seconds = ctx.trace_seconds("alpaca") / 2 if ctx.trace_seconds("alpaca") else None
     for method, width in DECODING:
-        curves = {s: _decoding_curve(ctx, s, "alpaca", method, width, divisor=1, trace_seconds=seconds) for s in FIG14_SYSTEMS}
+        curves = {
+            s: _decoding_curve(ctx, s, "alpaca", method, width, divisor=1, trace_seconds=seconds) for s in FIG14_SYSTEMS
+        }
         # Max holds one or two requests of several maximum-length sequences: start it low.
         threshold, results = search_systems(ctx, curves, basic / width, shares={"Orca (Max)": 0.1 / width})
         rates = {s: r.sustained_rate for s, r in results.items()}
@@ -373,13 +383,15 @@ def fig14(ctx: Context) -> dict:
                 "14",
                 f"Alpaca, {label}: vLLM's sustained rate / Orca (Oracle)'s (/ Orca (Max)'s)",
                 "grows from 1.3x (basic sampling) to 2.3x (beam width 6)" if (method, width) == ("beam", 6) else "-",
-                f"{_fmt_ratio(_ratio(rates['vLLM'], rates['Orca (Oracle)']))} ({_fmt_ratio(_ratio(rates['vLLM'], rates['Orca (Max)']))})",
+                f"{_fmt_ratio(_ratio(rates['vLLM'], rates['Orca (Oracle)']))} "
+                f"({_fmt_ratio(_ratio(rates['vLLM'], rates['Orca (Max)']))})",
                 ctx,
                 "-",
             )
         )
     base = _ratio(basic, sustained(ctx, "alpaca", "Orca (Oracle)"))
-    summary.insert(0, _row("14", "Alpaca, basic sampling (Fig. 12): vLLM's sustained rate / Orca (Oracle)'s", "1.3x", _fmt_ratio(base), ctx, "-"))
+    quantity = "Alpaca, basic sampling (Fig. 12): vLLM's sustained rate / Orca (Oracle)'s"
+    summary.insert(0, _row("14", quantity, "1.3x", _fmt_ratio(base), ctx, "-"))
     plots.latency_curves(ctx.path("fig14"), panels, f"Fig. 14 ({ctx.where()}): parallel sampling and beam search on Alpaca")
     return {"title": "Parallel sampling and beam search", "summary": summary, "data": data}
 
@@ -409,14 +421,16 @@ def fig15(ctx: Context) -> dict:
             summary.append(
                 _row(
                     "15",
-                    f"{DATASET_NAMES[dataset]}: memory saved by sharing, {'parallel sampling' if method == 'parallel' else 'beam search'} (2/4/6)",
+                    f"{DATASET_NAMES[dataset]}: memory saved by sharing, "
+                    f"{'parallel sampling' if method == 'parallel' else 'beam search'} (2/4/6)",
                     f"{paper[0]}-{paper[1]}%",
                     " / ".join(f"{v:.1f}%" for v in ours),
                     ctx,
                     "-",
                 )
             )
-    plots.grouped_bars(ctx.path("fig15"), panels, f"Fig. 15 ({ctx.where()}): blocks saved by sharing / blocks without sharing", "Memory saving (%)")
+    caption = f"Fig. 15 ({ctx.where()}): blocks saved by sharing / blocks without sharing"
+    plots.grouped_bars(ctx.path("fig15"), panels, caption, "Memory saving (%)")
     return {"title": "Memory saved by sharing KV blocks", "summary": summary, "data": data}
 
 
@@ -436,7 +450,8 @@ def fig16(ctx: Context) -> dict:
         rates = {s: r.sustained_rate for s, r in results.items()}
         speedup = _ratio(rates["vLLM"], rates["Orca (Oracle)"])
         prefix_tokens = round(PREFIX_TOKENS[shots] * ctx.profile.length_scale["alpaca"])
-        data[f"{shots}-shot"] = {"prefix_tokens": prefix_tokens, "threshold": threshold, "systems": {s: r.as_dict() for s, r in results.items()}}
+        systems = {s: r.as_dict() for s, r in results.items()}
+        data[f"{shots}-shot"] = {"prefix_tokens": prefix_tokens, "threshold": threshold, "systems": systems}
         panels.append(
             {
                 "title": f"{shots}-shot prefix",
@@ -446,9 +461,11 @@ def fig16(ctx: Context) -> dict:
         )
         paper = PAPER["fig16_speedup"][shots]
         summary.append(
-            _row("16", f"{shots}-shot shared prefix: vLLM's sustained rate / Orca (Oracle)'s", f"{paper}x", _fmt_ratio(speedup), ctx, "-")
+            _row("16", f"{shots}-shot shared prefix: vLLM's sustained rate / Orca (Oracle)'s", f"{paper}x",
+                 _fmt_ratio(speedup), ctx, "-")
         )
-    plots.latency_curves(ctx.path("fig16"), panels, f"Fig. 16 ({ctx.where()}): translation with a shared few-shot prefix (vLLM caches it)")
+    caption = f"Fig. 16 ({ctx.where()}): translation with a shared few-shot prefix (vLLM caches it)"
+    plots.latency_curves(ctx.path("fig16"), panels, caption)
     return {"title": "Shared prefix", "summary": summary, "data": data}
 
 
@@ -460,7 +477,9 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def _relative(latencies: dict[int, float]) -> str:
     """Each block size's latency relative to the lowest, in words."""
     best = min(latencies, key=latencies.get)
-    others = ", ".join(f"{bs} {100 * (latency / latencies[best] - 1):+.0f}%" for bs, latency in sorted(latencies.items()) if bs != best)
+    others = ", ".join(
+        f"{bs} {100 * (latency / latencies[best] - 1):+.0f}%" for bs, latency in sorted(latencies.items()) if bs != best
+    )
     return f"lowest at {best} (others: {others})"
 
 
@@ -478,10 +497,14 @@ def fig18(ctx: Context) -> dict:
         series[DATASET_NAMES[dataset]] = list(latencies.items())
         data[dataset] = {"rate": runs[(dataset, 16)].rate, "runs": {bs: runs[(dataset, bs)].as_dict() for bs in BLOCK_SIZES}}
         paper = "best at 16-128" if dataset == "sharegpt" else "best at 16-32"
-        summary.append(_row("18b", f"{DATASET_NAMES[dataset]}: normalized latency by block size", paper, _relative(latencies), ctx, "-"))
+        quantity = f"{DATASET_NAMES[dataset]}: normalized latency by block size"
+        summary.append(_row("18b", quantity, paper, _relative(latencies), ctx, "-"))
     plots.lines(
         ctx.path("fig18b"),
-        [{"title": "vLLM at its sustained rate", "xlabel": "Block size", "ylabel": "Normalized latency (s/token)", "series": series, "logx": True}],
+        [
+            {"title": "vLLM at its sustained rate", "xlabel": "Block size", "ylabel": "Normalized latency (s/token)",
+             "series": series, "logx": True}
+        ],
         f"Fig. 18b ({ctx.where()}): end-to-end latency vs block size",
     )
     return {"title": "Latency vs block size", "summary": summary, "data": data}
@@ -497,7 +520,8 @@ def fig19(ctx: Context) -> dict:
         micro["swap out"].append((bs, 1e3 * one_way))
         micro["swap in"].append((bs, 1e3 * one_way))
         micro["swap in + out"].append((bs, 2e3 * one_way))
-        micro["recompute"].append((bs, 1e3 * (cost.step_seconds(StepWork(prefill_tokens=tokens, kv_tokens_read=tokens)) - cost.step_seconds(StepWork()))))
+        prefill = cost.step_seconds(StepWork(prefill_tokens=tokens, kv_tokens_read=tokens)) - cost.step_seconds(StepWork())
+        micro["recompute"].append((bs, 1e3 * prefill))
     # (b) end to end: vLLM past its sustained rate, so that it preempts, with each mode.
     rate = 1.25 * vllm_sustained(ctx, "sharegpt")
     tasks, keys = [], []
@@ -511,14 +535,19 @@ def fig19(ctx: Context) -> dict:
     plots.lines(
         ctx.path("fig19"),
         [
-            {"title": f"(a) KV of {tokens} tokens", "xlabel": "Block size", "ylabel": "Time (ms)", "series": micro, "logx": True, "logy": True},
-            {"title": f"(b) ShareGPT at {rate:.2f} req/s", "xlabel": "Block size", "ylabel": "Normalized latency (s/token)", "series": end_to_end, "logx": True},
+            {"title": f"(a) KV of {tokens} tokens", "xlabel": "Block size", "ylabel": "Time (ms)", "series": micro,
+             "logx": True, "logy": True},
+            {"title": f"(b) ShareGPT at {rate:.2f} req/s", "xlabel": "Block size", "ylabel": "Normalized latency (s/token)",
+             "series": end_to_end, "logx": True},
         ],
         f"Fig. 19 ({ctx.where()}): swapping vs recomputation",
     )
-    micro_ratio = ", ".join(f"{bs}: {swap / recompute:.1f}x" for (bs, swap), (_, recompute) in zip(micro["swap in + out"], micro["recompute"]))
+    micro_ratio = ", ".join(
+        f"{bs}: {swap / recompute:.1f}x" for (bs, swap), (_, recompute) in zip(micro["swap in + out"], micro["recompute"])
+    )
     summary = [
-        _row("19", "microbenchmark: swap in+out time / recompute time, by block size", "swap far slower at small blocks", micro_ratio, ctx, "-"),
+        _row("19", "microbenchmark: swap in+out time / recompute time, by block size", "swap far slower at small blocks",
+             micro_ratio, ctx, "-"),
         _row(
             "19",
             "end to end: swap's normalized latency / recompute's, by block size",
@@ -537,4 +566,6 @@ def fig19(ctx: Context) -> dict:
     return {"title": "Swapping vs recomputation", "summary": summary, "data": data}
 
 
-FIGURES = {"2": fig2, "11": fig11, "12": fig12, "13": fig13, "14": fig14, "15": fig15, "16": fig16, "18b": fig18, "19": fig19}
+FIGURES = {
+    "2": fig2, "11": fig11, "12": fig12, "13": fig13, "14": fig14, "15": fig15, "16": fig16, "18b": fig18, "19": fig19,
+}

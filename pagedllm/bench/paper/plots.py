@@ -57,7 +57,9 @@ def latency_curves(path: Path, panels: list[dict], caption: str, ylabel: str = "
             ax.plot(xs, ys, marker=MARKERS.get(system, "o"), color=COLORS.get(system), label=system, markersize=4)
         for system, points in (panel.get("real") or {}).items():  # real-clock points, as stars
             for rate, latency in points:
-                ax.plot([rate], [min(latency, top)], marker="*", color=COLORS.get(system), markersize=12, markeredgecolor="black")
+                ax.plot(
+                    [rate], [min(latency, top)], marker="*", color=COLORS.get(system), markersize=12, markeredgecolor="black"
+                )
         if threshold:
             ax.axhline(threshold, linestyle="--", color="black", linewidth=0.8)
             ax.text(ax.get_xlim()[0], threshold, " 2x vLLM unloaded", va="bottom", fontsize=7)
@@ -104,7 +106,8 @@ def grouped_bars(path: Path, panels: list[dict], caption: str, ylabel: str) -> P
         colors = [COLORS.get(label, "#1f77b4") for label in labels]
         bars = ax.bar(range(len(labels)), values, color=colors)
         for bar, value in zip(bars, values):
-            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{value:.1f}", ha="center", va="bottom", fontsize=8)
+            x = bar.get_x() + bar.get_width() / 2
+            ax.text(x, bar.get_height(), f"{value:.1f}", ha="center", va="bottom", fontsize=8)
         for i, label in enumerate(labels):
             if label in (panel.get("paper") or {}):
                 ax.plot([i], [panel["paper"][label]], marker="_", color="black", markersize=24, markeredgewidth=2)
@@ -163,13 +166,15 @@ def parity(path: Path, points: list[dict], tolerance: float, caption: str) -> Pa
     low, high = min(values) / 1.3, max(values) * 1.3
     xs = [low, high]
     ax.plot(xs, xs, color="black", linewidth=0.8)
-    ax.fill_between(xs, [x * (1 - tolerance) for x in xs], [x * (1 + tolerance) for x in xs], color="#dddddd", label=f"within {tolerance:.0%}")
+    band = ([x * (1 - tolerance) for x in xs], [x * (1 + tolerance) for x in xs])
+    ax.fill_between(xs, *band, color="#dddddd", label=f"within {tolerance:.0%}")
     shapes = {"sharegpt": "o", "alpaca": "s"}
     seen = set()
     for p in points:
         label = f"{p['system']}" if p["system"] not in seen else None
         seen.add(p["system"])
-        ax.scatter([p["real"]], [p["simulated"]], color=COLORS.get(p["system"]), marker=shapes.get(p["dataset"], "o"), s=45, label=label, zorder=3)
+        marker = shapes.get(p["dataset"], "o")
+        ax.scatter([p["real"]], [p["simulated"]], color=COLORS.get(p["system"]), marker=marker, s=45, label=label, zorder=3)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(low, high)

@@ -91,7 +91,9 @@ def timed_step(engine, capture: StepCapture) -> tuple[list, SchedulerOutput | No
     return outputs, capture.last, time.thread_time() - start
 
 
-def run_real(engine, system: str, policy: str, trace: list[TraceRequest], rate: float) -> tuple[RunResult, list[tuple[StepWork, float]]]:
+def run_real(
+    engine, system: str, policy: str, trace: list[TraceRequest], rate: float
+) -> tuple[RunResult, list[tuple[StepWork, float]]]:
     """Run `trace` on the real model with memory policy `policy`; also returns every step's work
     and measured time."""
     wall = time.perf_counter()

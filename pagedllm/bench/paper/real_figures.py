@@ -21,7 +21,18 @@ from dataclasses import replace
 from pagedllm.bench.paper import plots
 from pagedllm.bench.paper.calibrate import fit
 from pagedllm.bench.paper.costs import StepWork
-from pagedllm.bench.paper.figures import DATASET_NAMES, DATASETS, ORCAS, PAPER, Context, _fmt_ratio, _met, _ratio, _row, sustained
+from pagedllm.bench.paper.figures import (
+    DATASET_NAMES,
+    DATASETS,
+    ORCAS,
+    PAPER,
+    Context,
+    _fmt_ratio,
+    _met,
+    _ratio,
+    _row,
+    sustained,
+)
 from pagedllm.bench.paper.real import build_engine, run_real
 from pagedllm.bench.paper.simulator import SYSTEMS, Setup, simulate
 from pagedllm.bench.paper.traces import make_trace
@@ -52,7 +63,9 @@ def _run(engine, ctx: Context, system: str, dataset: str, rate: float) -> dict:
         "real": real.as_dict(),
         "engine_kv_breakdown": engine.get_stats().kv_breakdown,  # the engine's own statistic, this run only
         # [prompt tokens, decoding sequences, KV tokens read, blocks copied, blocks swapped, seconds]
-        "steps": [[w.prefill_tokens, w.decode_seqs, w.kv_tokens_read, w.blocks_copied, w.blocks_swapped, t] for w, t in steps],
+        "steps": [
+            [w.prefill_tokens, w.decode_seqs, w.kv_tokens_read, w.blocks_copied, w.blocks_swapped, t] for w, t in steps
+        ],
     }
 
 
@@ -61,10 +74,13 @@ def _validate(ctx: Context, runs: list[dict]) -> None:
     session (leave one run out): measured on the same machine at the same time, never on the
     run it predicts."""
     for i, run in enumerate(runs):
-        others = [(StepWork(p, d, kv, c, s), t) for j, other in enumerate(runs) if j != i for p, d, kv, c, s, t in other["steps"]]
+        others = [
+            (StepWork(p, d, kv, c, s), t) for j, other in enumerate(runs) if j != i for p, d, kv, c, s, t in other["steps"]
+        ]
         coefficients, quality = fit(others)
         cost = replace(ctx.cost, name="cpu (fitted to the other runs)", **coefficients, fit=quality)
-        sim = simulate(run["system"], _trace(ctx, run["dataset"], run["rate"]), Setup(SYSTEMS[run["system"]], ctx.profile.scale, pad_static=False), cost, run["rate"])
+        setup = Setup(SYSTEMS[run["system"]], ctx.profile.scale, pad_static=False)
+        sim = simulate(run["system"], _trace(ctx, run["dataset"], run["rate"]), setup, cost, run["rate"])
         run["simulated"] = sim.as_dict()
         run["error"] = sim.normalized_latency / run["real"]["normalized_latency"] - 1
         run["cost"] = {k: coefficients[k] for k in coefficients}
@@ -91,10 +107,14 @@ def real_runs(ctx: Context) -> dict:
     for run in runs:
         print(
             f"  {DATASET_NAMES[run['dataset']]:8s} {run['system']:18s} {run['rate']:6.3f} req/s: real "
-            f"{run['real']['normalized_latency']:.4f}, simulated {run['simulated']['normalized_latency']:.4f} s/token ({100 * run['error']:+.1f}%)"
+            f"{run['real']['normalized_latency']:.4f}, simulated {run['simulated']['normalized_latency']:.4f} s/token "
+            f"({100 * run['error']:+.1f}%)"
         )
     result = {
-        dataset: {"rate": rates[dataset], "systems": {s: [r for r in runs if r["dataset"] == dataset and r["system"] == s] for s in SYSTEMS}}
+        dataset: {
+            "rate": rates[dataset],
+            "systems": {s: [r for r in runs if r["dataset"] == dataset and r["system"] == s] for s in SYSTEMS},
+        }
         for dataset in DATASETS
     }
     ctx._memo["real_runs"] = result
@@ -108,7 +128,8 @@ def fig12_real(ctx: Context) -> dict:
         for system, points in runs[dataset]["systems"].items():
             best = min(points, key=lambda p: abs(p["error"]))
             text = "; ".join(
-                f"{p['rate']:.2f} req/s: real {p['real']['normalized_latency']:.3f}, simulated {p['simulated']['normalized_latency']:.3f} ({100 * p['error']:+.0f}%)"
+                f"{p['rate']:.2f} req/s: real {p['real']['normalized_latency']:.3f}, "
+                f"simulated {p['simulated']['normalized_latency']:.3f} ({100 * p['error']:+.0f}%)"
                 for p in points
             )
             summary.append(
@@ -127,7 +148,12 @@ def fig12_real(ctx: Context) -> dict:
 
 def plot_validation(path, runs: dict, where: str) -> None:
     points = [
-        {"system": s, "dataset": dataset, "real": p["real"]["normalized_latency"], "simulated": p["simulated"]["normalized_latency"]}
+        {
+            "system": s,
+            "dataset": dataset,
+            "real": p["real"]["normalized_latency"],
+            "simulated": p["simulated"]["normalized_latency"],
+        }
         for dataset in DATASETS
         for s, ps in runs[dataset]["systems"].items()
         for p in ps
@@ -145,8 +171,10 @@ def fig13_real(ctx: Context) -> dict:
         panels.append({"title": f"{DATASET_NAMES[dataset]} ({rate:.2f} req/s)", "bars": batches})
         oracle, maximum = _ratio(batches["vLLM"], batches["Orca (Oracle)"]), _ratio(batches["vLLM"], batches["Orca (Max)"])
         summary += [
-            _row("13", f"{DATASET_NAMES[dataset]}: vLLM's batch / Orca (Oracle)'s", "2.2x (ShareGPT)", _fmt_ratio(oracle), ctx, _met(oracle, 2.0) if dataset == "sharegpt" else "-"),
-            _row("13", f"{DATASET_NAMES[dataset]}: vLLM's batch / Orca (Max)'s", "4.3x (ShareGPT)", _fmt_ratio(maximum), ctx, _met(maximum, 4.0) if dataset == "sharegpt" else "-"),
+            _row("13", f"{DATASET_NAMES[dataset]}: vLLM's batch / Orca (Oracle)'s", "2.2x (ShareGPT)", _fmt_ratio(oracle), ctx,
+                 _met(oracle, 2.0) if dataset == "sharegpt" else "-"),
+            _row("13", f"{DATASET_NAMES[dataset]}: vLLM's batch / Orca (Max)'s", "4.3x (ShareGPT)", _fmt_ratio(maximum), ctx,
+                 _met(maximum, 4.0) if dataset == "sharegpt" else "-"),
         ]
     plots.grouped_bars(ctx.path("fig13"), panels, f"Fig. 13 ({ctx.where()}): requests per step", "Mean batched requests")
     return {"title": "Average number of batched requests (real)", "summary": summary, "data": data}
@@ -174,7 +202,8 @@ def fig2_real(ctx: Context) -> dict:
         )
         for s in systems
     ]
-    return {"title": "KV cache memory breakdown (real)", "summary": summary, "data": {"rate": runs["rate"], "engine": breakdown, "loaded_steps": loaded}}
+    data = {"rate": runs["rate"], "engine": breakdown, "loaded_steps": loaded}
+    return {"title": "KV cache memory breakdown (real)", "summary": summary, "data": data}
 
 
 REAL_FIGURES = {"2": fig2_real, "12": fig12_real, "13": fig13_real}

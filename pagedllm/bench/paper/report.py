@@ -93,9 +93,8 @@ def write_report(out_dir: Path) -> Path:
     ]
     for result in results:
         for row in result["summary"]:
-            lines.append(
-                f"| {row['figure']} | {_cell(row['quantity'])} | {_cell(row['paper'])} | {_cell(row['ours'])} | {_cell(row['clock'])} | {_cell(row['target'])} |"
-            )
+            cells = [row["figure"], *(_cell(row[k]) for k in ("quantity", "paper", "ours", "clock", "target"))]
+            lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Each figure's run time (seconds, on this machine's two shared cores):", ""]
     lines += [f"- Fig. {r['figure']}, {r['where']}: {r.get('seconds', 0):.0f} s" for r in results]
 
@@ -103,7 +102,8 @@ def write_report(out_dir: Path) -> Path:
     for result in results:
         png = result["_path"].with_suffix(".png")
         if png.exists():
-            lines += [f"### Fig. {result['figure']}: {result.get('title', '')} ({result['where']})", "", f"![Fig. {result['figure']}]({png.name})", ""]
+            heading = f"### Fig. {result['figure']}: {result.get('title', '')} ({result['where']})"
+            lines += [heading, "", f"![Fig. {result['figure']}]({png.name})", ""]
 
     lines += _profiles(out_dir)
 
@@ -112,13 +112,15 @@ def write_report(out_dir: Path) -> Path:
         lines += ["## Targets missed", ""]
         lines += [f"- Fig. {figure}, {row['clock']}: {row['quantity']}: paper {row['paper']}, ours {row['ours']}" for figure, row in missed]
         lines.append("")
-    present = sorted({r["figure"].split()[0] for r in results}, key=lambda f: FIGURE_ORDER.index(f) if f in FIGURE_ORDER else 99)
+    order = {figure: i for i, figure in enumerate(FIGURE_ORDER)}
+    present = sorted({r["figure"].split()[0] for r in results}, key=lambda f: order.get(f, len(order)))
     notes = [f"- **Fig. {figure}.** {NOTES[figure]}" for figure in present if figure in NOTES]
     if notes:
         lines += ["## Discussion: where we match the paper, where we do not, and why", "", *notes, ""]
     machine = next((r["_machine"] for r in results if r.get("_machine")), {})
     if machine:
-        lines += ["## Machine", "", f"{machine.get('cpu')}; flags: {' '.join(machine.get('cpu_flags', []))}; torch {machine.get('torch')}", ""]
+        flags = " ".join(machine.get("cpu_flags", []))
+        lines += ["## Machine", "", f"{machine.get('cpu')}; flags: {flags}; torch {machine.get('torch')}", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

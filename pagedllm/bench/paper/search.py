@@ -44,6 +44,7 @@ class SearchResult:
     threshold: float
     points: list[RunResult] = field(default_factory=list)
     bounded: bool = True  # False: even the highest rate tried passed (the trace is too short to overload)
+    bracket: tuple[float, float] | None = None  # the highest rate that passed, the lowest that failed
 
     def as_dict(self) -> dict:
         return {
@@ -51,6 +52,7 @@ class SearchResult:
             "sustained_rate": self.sustained_rate,
             "threshold": self.threshold,
             "bounded": self.bounded,
+            "bracket": self.bracket,
             "points": [p.as_dict() for p in sorted(self.points, key=lambda p: p.rate)],
         }
 
@@ -67,15 +69,20 @@ def run_at(curve: Curve, cost, rate: float) -> RunResult:
     return simulate(curve.system, trace, curve.setup, cost, rate, track_sharing=curve.track_sharing, seed=curve.seed)
 
 
-def sustained_rate(curve: Curve, cost, threshold: float, start: float, factor: float = 1.6, refinements: int = 3, max_moves: int = 10) -> SearchResult:
-    """The highest rate (within factor ** (1 / 2 ** refinements)) whose normalized latency is at
-    most `threshold`, searched from `start`."""
+def sustained_rate(
+    curve: Curve, cost, threshold: float, start: float, factor: float = 1.6, refinements: int = 2, max_moves: int = 10
+) -> SearchResult:
+    """The highest rate whose normalized latency is at most `threshold`, searched from `start`:
+    bracketed within factor ** (1 / 2 ** refinements), then interpolated between the bracket's
+    ends (normalized latency linear in log rate)."""
     result = SearchResult(curve.system, 0.0, threshold)
+    latency: dict[float, float] = {}
 
     def ok(rate: float) -> bool:
         point = run_at(curve, cost, rate)
         result.points.append(point)
-        return point.normalized_latency <= threshold and point.num_failed == 0
+        latency[rate] = point.normalized_latency if point.num_failed == 0 else math.inf
+        return latency[rate] <= threshold
 
     mean_output = sum(out for _, out in curve.requests) / len(curve.requests)
 
@@ -114,7 +121,11 @@ def sustained_rate(curve: Curve, cost, threshold: float, start: float, factor: f
             low = mid
         else:
             high = mid
+    result.bracket = (low, high)
     result.sustained_rate = low
+    if math.isfinite(latency[high]) and latency[high] > latency[low]:
+        share = (threshold - latency[low]) / (latency[high] - latency[low])
+        result.sustained_rate = low * (high / low) ** share
     if min(p.rate for p in result.points) > 0.5 * low:
         ok(0.3 * low)  # one light-load point, so the curve shows where it starts
     return result

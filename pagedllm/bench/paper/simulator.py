@@ -60,7 +60,9 @@ class Setup:
 def sampling_params(req: TraceRequest) -> SamplingParams:
     if req.beam_width:
         width = req.beam_width
-        return SamplingParams(n=width, best_of=width, use_beam_search=True, temperature=0, max_tokens=req.output_len, ignore_eos=True)
+        return SamplingParams(
+            n=width, best_of=width, use_beam_search=True, temperature=0, max_tokens=req.output_len, ignore_eos=True
+        )
     if req.n > 1:
         return SamplingParams(n=req.n, temperature=1.0, seed=0, max_tokens=req.output_len, ignore_eos=True)
     return SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True)
@@ -181,7 +183,9 @@ def _placeholder_samples(item: ScheduledSequence, rng: random.Random) -> list[Sa
     return [SampledToken(1, -1.0)] * item.num_samples
 
 
-def simulate(system: str, trace: list[TraceRequest], setup: Setup, cost, rate: float = 0.0, track_sharing: bool = False, seed: int = 0) -> RunResult:
+def simulate(
+    system: str, trace: list[TraceRequest], setup: Setup, cost, rate: float = 0.0, track_sharing: bool = False, seed: int = 0
+) -> RunResult:
     """Run `trace` on the simulated clock priced by `cost` (a profile from `costs.py`)."""
     wall = time.perf_counter()
     scale = setup.scale
@@ -204,7 +208,8 @@ def simulate(system: str, trace: list[TraceRequest], setup: Setup, cost, rate: f
     )
     requests = RequestRegistry()
     processor = OutputProcessor(
-        _PlaceholderTokenizer(), scheduler.block_manager, requests, scale.max_model_len, [], share_blocks=setup.enable_block_sharing
+        _PlaceholderTokenizer(), scheduler.block_manager, requests, scale.max_model_len, [],
+        share_blocks=setup.enable_block_sharing,
     )
     paged = setup.policy == KVPolicy.PAGED.value
     static = setup.policy == KVPolicy.STATIC.value
@@ -236,9 +241,8 @@ def simulate(system: str, trace: list[TraceRequest], setup: Setup, cost, rate: f
                 recorder.batch_of[group.request_id] = num_batches
         clock += cost.step_seconds(step_work(out, paged, batch if setup.pad_static else None))
         scheduler.on_step_computed(out, requests.seqs)
-        result = ModelRunnerOutput(
-            {item.seq_id: SequenceStepOutput(samples=_placeholder_samples(item, rng)) for item in out.seqs if item.num_samples}
-        )
+        samples = {item.seq_id: _placeholder_samples(item, rng) for item in out.seqs if item.num_samples}
+        result = ModelRunnerOutput({seq_id: SequenceStepOutput(samples=s) for seq_id, s in samples.items()})
         touched = processor.process(out, result)
         scheduler.free_finished()
         recorder.on_step(out, scheduler)
