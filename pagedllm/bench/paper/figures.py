@@ -125,12 +125,14 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def _fmt_ratio(value: float | None) -> str:
-    return "n/a (the baseline sustains none of the rates tried)" if value is None else f"{value:.2f}x"
+    if value is None:
+        return "unbounded (the baseline never meets the bar)"
+    return f"{value:.2f}x"
 
 
 def _met(value: float | None, bar: float) -> str:
     if value is None:
-        return "met (baseline sustains nothing)"
+        return "met (the baseline sustains nothing)"
     return "met" if value >= bar else "missed"
 
 
@@ -543,7 +545,7 @@ def fig19(ctx: Context) -> dict:
         f"Fig. 19 ({ctx.where()}): swapping vs recomputation",
     )
     micro_ratio = ", ".join(
-        f"{bs}: {swap / recompute:.1f}x" for (bs, swap), (_, recompute) in zip(micro["swap in + out"], micro["recompute"])
+        f"{bs}: {swap / recompute:.2g}x" for (bs, swap), (_, recompute) in zip(micro["swap in + out"], micro["recompute"])
     )
     summary = [
         _row("19", "microbenchmark: swap in+out time / recompute time, by block size", "swap far slower at small blocks",

@@ -28,7 +28,6 @@ from pagedllm.bench.paper.figures import (
     PAPER,
     Context,
     _fmt_ratio,
-    _met,
     _ratio,
     _row,
     sustained,
@@ -171,10 +170,12 @@ def fig13_real(ctx: Context) -> dict:
         panels.append({"title": f"{DATASET_NAMES[dataset]} ({rate:.2f} req/s)", "bars": batches})
         oracle, maximum = _ratio(batches["vLLM"], batches["Orca (Oracle)"]), _ratio(batches["vLLM"], batches["Orca (Max)"])
         summary += [
-            _row("13", f"{DATASET_NAMES[dataset]}: vLLM's batch / Orca (Oracle)'s", "2.2x (ShareGPT)", _fmt_ratio(oracle), ctx,
-                 _met(oracle, 2.0) if dataset == "sharegpt" else "-"),
-            _row("13", f"{DATASET_NAMES[dataset]}: vLLM's batch / Orca (Max)'s", "4.3x (ShareGPT)", _fmt_ratio(maximum), ctx,
-                 _met(maximum, 4.0) if dataset == "sharegpt" else "-"),
+            # At 0.7x vLLM's rate vLLM is not memory-bound: these are not the saturated batches of
+            # the paper's Figure 13 (the simulated figures measure those).
+            _row("13", f"{DATASET_NAMES[dataset]}: vLLM's batch / Orca (Oracle)'s, at light load", "2.2x (ShareGPT)",
+                 _fmt_ratio(oracle), ctx, "-"),
+            _row("13", f"{DATASET_NAMES[dataset]}: vLLM's batch / Orca (Max)'s, at light load", "4.3x (ShareGPT)",
+                 _fmt_ratio(maximum), ctx, "-"),
         ]
     plots.grouped_bars(ctx.path("fig13"), panels, f"Fig. 13 ({ctx.where()}): requests per step", "Mean batched requests")
     return {"title": "Average number of batched requests (real)", "summary": summary, "data": data}

@@ -19,25 +19,53 @@ pagedllm bench paper --clock simulated --profile cpu           # every figure at
 pagedllm bench paper --clock real --figures 2,12,13            # the default model really run; validates the simulation
 """
 
-# Why a target is missed, when it is (written from the runs; shown only for figures that miss).
+# What each figure's numbers mean next to the paper's, and why they differ where they do.
 NOTES = {
-    "2": "The Orca variants' token-state shares depend on the trace's length distribution (ours is log-normal "
-    "with the paper's means, not ShareGPT itself) and on how loaded the run is; the paper does not say at which "
-    "rate its Figure 2 was measured. Ours is averaged over the steps with requests waiting, when memory is the limit.",
-    "12": "The sustained-rate ratios depend on how much a larger batch speeds a step up. In the roofline every step "
-    "reads all 26 GB of weights, so batching pays almost linearly until the KV reads grow; the real A100 of the "
-    "paper also pays per-sequence costs (sampling, Python scheduling) that this profile prices only as a fixed "
-    "3 ms per step. On the CPU a step is compute-bound beyond a few sequences, so memory saved buys less.",
-    "13": "At vLLM's sustained rate its batch is set by the load it can keep up with rather than by memory; the "
-    "paper's 2 req/s (OPT-13B) was past vLLM's knee on its hardware, where its batch is at the memory limit.",
-    "15": "Beams and samples here draw random log-probabilities; how soon beams diverge (and so how much they "
-    "share) depends on the real model's distributions, which differ from these.",
-    "16": "The paper does not give the translation workload's lengths; we assume sentences of 25 tokens in and "
-    "out. With longer outputs the shared prefix is a smaller part of each request and the gain shrinks.",
-    "18b": "Block size trades the kernel's per-block overhead (the profile's 1 + 4/block_size on KV reads) "
-    "against the unfilled tail of each sequence's last block; the best range moves with that constant.",
-    "19": "Swap cost per block is a PCIe transfer plus one copy call per layer for keys and values; the constants "
-    "are stated below, and the paper's crossover moves with them.",
+    "2": "At the paper's scale the four shares land within two points of the paper's for every system. They are "
+    "averaged over the steps with requests waiting, when memory is what limits the batch (the paper does not say at "
+    "which load it measured). vLLM's remaining slots are the unfilled tails of last blocks and the 1% admission "
+    "watermark. On the cpu profile the pool has only 64 blocks, so those tails weigh more (vLLM 87%). The real-clock "
+    "runs are at 0.7x vLLM's rate, where vLLM's memory is mostly free: they show the engine's own statistic "
+    "(`get_stats().kv_breakdown`, `/metrics`), not the paper's saturated picture.",
+    "11": "Lengths are log-normal with the paper's means (the datasets are not available offline); truncation to the "
+    "2048-token context trims ShareGPT's means by 3%. The cpu profile scales ShareGPT's lengths by 1/4.",
+    "12": "a100-opt13b: both ShareGPT ratios land inside the paper's ranges. FasterTransformer falls further behind "
+    "than the paper's 22x: here every request of a static batch is answered when its longest sequence ends, and its "
+    "decode steps are padded to the whole batch. Alpaca: vLLM/Orca (Oracle) is 1.6x; the paper too reports smaller "
+    "gains on Alpaca's short sequences. cpu: a CPU step costs about 25 ms plus 7 ms per decoding sequence (an A100's "
+    "step is nearly flat in the batch: it reads the 26 GB of weights once whatever the batch), so twice the unloaded "
+    "latency is reached by a batch of 4-6 sequences before memory binds, and the ratios shrink to 1.0-1.9x. That is the "
+    "CPU's cost structure, not the memory manager: the same runs batch more requests with paged memory (Fig. 13), "
+    "and the real clock confirms the simulation's numbers (the validation rows).",
+    "12 (validation)": "",
+    "13": "Read at 1.25x vLLM's sustained rate, where every system's batch is what its memory holds; the baselines' "
+    "batches then match the paper's within 0.2 requests. At exactly vLLM's sustained rate its batch is still set by "
+    "the load it keeps up with (the ratios in brackets), and on the CPU the batches stay small for the reason given "
+    "under Fig. 12.",
+    "14": "The paper's gain over Orca (Oracle) grows with more samples and beams (1.3x to 2.3x) because sharing lets "
+    "vLLM hold more sequences. Ours stays at 1.7-1.9x: in the roofline every sequence reads its whole context, shared "
+    "blocks or not, so with several sequences per request vLLM becomes bound by memory bandwidth (about 190 sequences "
+    "in flight) before it runs out of memory capacity, and Orca's block copies at HBM speed cost little. Basic "
+    "sampling on Alpaca already gives 1.6x here (the paper: 1.3x). In the cpu profile's 64 blocks Orca-Max cannot "
+    "hold a request of 4 or 6 maximum-length sequences at all, nor Orca (Oracle) the longest requests of 6.",
+    "15": "Savings as the paper defines them (blocks saved by sharing over blocks needed without sharing), averaged over "
+    "the steps of a vLLM run at half its sustained rate. Parallel sampling on ShareGPT matches (33% at n=6, just "
+    "above the paper's 30.5%); the rest come out higher, more so for wider beams. The beams here draw random log-probabilities, so the surviving beams descend "
+    "from few parents and share long prefixes; a real model's beams diverge more. Alpaca's prompts (19 tokens on "
+    "average) share at most one full block, so its parallel-sampling savings depend on how the average is weighted.",
+    "16": "The paper does not give the translation workload's lengths; we assume 25 tokens in and out per sentence. "
+    "5-shot matches (3.5x vs 3.58x); 1-shot comes out higher (2.8x vs 1.67x): Orca (Oracle) reserves 80 + 25 + 25 "
+    "tokens rounded up to a power of two of blocks (256 slots), twice its need, and recomputes the prefix for every "
+    "request. On the cpu profile a 5-shot request alone takes Orca longer than the latency bar (it recomputes the "
+    "341-token prefix on one CPU thread), so no rate is sustained.",
+    "18b": "Block size trades the paged kernel's per-block overhead (1 + 4/block size on KV reads, the profile's "
+    "constant) against the unfilled tail of each sequence's last block. At the paper's scale ShareGPT is best at 32-64 "
+    "(16: +9%, 128: +19%) and Alpaca at 8-32 (16 lowest), close to the paper's 16-128 and 16-32. The cpu profile has no block-size "
+    "term (its cost was fitted at block size 16), so there only the memory side shows.",
+    "19": "The microbenchmark has the paper's shape: swapping is 13x slower than recomputation at block size 1 (one "
+    "copy call per block per layer for keys and values) and within 20% of it from 64 up. End to end, swapping stays 8-13% "
+    "behind recomputation from block size 16 on (the paper: comparable at 16-64): with these constants, PCIe moves a "
+    "block no faster than the A100 recomputes it. On the cpu profile swapping is a memory copy and always cheaper.",
 }
 
 
@@ -58,9 +86,11 @@ def _load(out_dir: Path) -> list[dict]:
 
 
 def _order(result: dict) -> tuple:
+    """By figure; for each, the paper's scale first, then this CPU's, then the real clock."""
     figure = result.get("figure", "")
     index = FIGURE_ORDER.index(figure) if figure in FIGURE_ORDER else len(FIGURE_ORDER)
-    return (index, result.get("where", ""))
+    clock = {"a100-opt13b": 0, "cpu": 1}.get(result.get("profile"), 2) if result.get("clock") != "real" else 3
+    return (index, clock)
 
 
 def _cell(text) -> str:
@@ -97,6 +127,7 @@ def write_report(out_dir: Path) -> Path:
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Each figure's run time (seconds, on this machine's two shared cores):", ""]
     lines += [f"- Fig. {r['figure']}, {r['where']}: {r.get('seconds', 0):.0f} s" for r in results]
+    lines += ["", "(The real clock's runs are made once and shared by figures 2, 12 and 13.)"]
 
     lines += ["", "## Figures", ""]
     for result in results:
@@ -105,6 +136,7 @@ def write_report(out_dir: Path) -> Path:
             heading = f"### Fig. {result['figure']}: {result.get('title', '')} ({result['where']})"
             lines += [heading, "", f"![Fig. {result['figure']}]({png.name})", ""]
 
+    lines += _validation(out_dir)
     lines += _profiles(out_dir)
 
     missed = [(r["figure"], row) for r in results for row in r["summary"] if row["target"] == "missed"]
@@ -114,7 +146,7 @@ def write_report(out_dir: Path) -> Path:
         lines.append("")
     order = {figure: i for i, figure in enumerate(FIGURE_ORDER)}
     present = sorted({r["figure"].split()[0] for r in results}, key=lambda f: order.get(f, len(order)))
-    notes = [f"- **Fig. {figure}.** {NOTES[figure]}" for figure in present if figure in NOTES]
+    notes = [f"- **Fig. {figure}.** {NOTES[figure]}" for figure in present if NOTES.get(figure)]
     if notes:
         lines += ["## Discussion: where we match the paper, where we do not, and why", "", *notes, ""]
     machine = next((r["_machine"] for r in results if r.get("_machine")), {})
@@ -124,6 +156,32 @@ def write_report(out_dir: Path) -> Path:
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _validation(out_dir: Path) -> list[str]:
+    """How the simulated clock compares with the real one (`fig12_real.json`)."""
+    path = out_dir / "fig12_real.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())["results"]["data"]
+    curves = [(dataset, system, points) for dataset, d in data.items() for system, points in d["systems"].items()]
+    validated = sum(1 for *_, points in curves if min(abs(p["error"]) for p in points) <= 0.15)
+    errors = [abs(p["error"]) for *_, points in curves for p in points]
+    lines = [
+        "## Validation of the simulated clock",
+        "",
+        f"The default model really served short traces of every curve of Fig. 12 (cpu scale); {validated} of "
+        f"{len(curves)} curves agree with their simulation within 15% at one rate at least (mean absolute error over "
+        f"all {len(errors)} runs: {100 * sum(errors) / len(errors):.0f}%). Each run is simulated on its own trace with a "
+        "step cost fitted to the steps of all the *other* real runs of the session (leave one run out), so the cost is "
+        "measured on this machine in the same minutes but never on the run it predicts. A curve whose first rate "
+        "misses gets a second one, half the system's own simulated sustained rate; both are shown. The largest misses "
+        "are overloaded baselines: once a queue forms, a few percent of step time moves which requests share a step, "
+        "and with static batching which requests share a batch. Identical steps measured on this shared two-core "
+        "machine vary by +-20% (memory bandwidth taken by other programs), which sets the floor of this comparison.",
+        "",
+    ]
+    return lines
 
 
 def _profiles(out_dir: Path) -> list[str]:
@@ -153,7 +211,7 @@ def _profiles(out_dir: Path) -> list[str]:
         lines += [
             f"**cpu** (simulated and real): the default model on one thread of this CPU ({saved.get('cpu')}), "
             f"{scale['kv_slots']} KV slots, contexts of {scale['max_model_len']} tokens, block size {scale['block_size']}; "
-            "ShareGPT lengths x1/4, Alpaca's unscaled. A step costs, fitted by least squares (relative errors) to "
+            "ShareGPT lengths x1/4, Alpaca's unscaled. A step costs, fitted by least squares to "
             f"{fit.get('num_steps')} timed steps of the real engine serving calibration traces:",
             "",
             f"- {cost['c_step'] * 1e3:.2f} ms + {cost['c_prefill'] * 1e3:.3f} ms per prompt token + {cost['c_decode'] * 1e3:.3f} ms "
