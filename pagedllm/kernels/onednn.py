@@ -9,6 +9,13 @@ compares the two on the default model's shapes).
 The packed tensor is opaque (an MKLDNN tensor); it sits beside the plain weight as
 `weight.packed`, which every other user of the weight (the embedding, tensor parallel loading,
 tests) keeps reading.
+
+oneDNN builds (JIT-compiles) and caches one primitive per distinct shape of product, about 0.6 MB
+each, up to its cache's 1024 entries. A server sees every row count (each decode batch size,
+each prompt length), so the products here run on a bounded set of row counts instead: rows are
+padded up to a bucket (exact to 16, then eight buckets per doubling, so at most 12.5% extra
+rows) and more than `CHUNK_ROWS` rows go through in chunks of that many. That is 48 primitives
+per weight shape, built while the server warms up, and no growth after.
 """
 
 from __future__ import annotations
@@ -42,9 +49,35 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
+CHUNK_ROWS = 256
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a product of `rows` rows runs at (`rows` <= CHUNK_ROWS): `rows` itself up
+    to 16, then rounded up to a step of 1/8 of the power of two above it."""
+    if rows <= 16:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b with W in its packed layout; x: [..., in] float32."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= CHUNK_ROWS:
+        out = _bucketed_linear(rows, packed, bias)
+    else:
+        out = torch.cat([_bucketed_linear(chunk, packed, bias) for chunk in rows.split(CHUNK_ROWS)])
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
+    bucket = row_bucket(rows)
+    if bucket != rows:
+        x = torch.nn.functional.pad(x, (0, 0, 0, bucket - rows))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out[:rows] if bucket != rows else out
 
 
 def pack_weights(params: list[nn.Parameter]) -> int:

@@ -19,12 +19,7 @@ BODY_IDLE_TIMEOUT_S = 5.0
 # machine whose cores other processes keep busy, two OpenMP threads wait for each other at
 # every parallel region while one of them is descheduled: steps then take 10-20x longer, and
 # the timings would measure the neighbours.
-# oneDNN keeps a compiled primitive (0.3-0.75 MB) for every distinct row count a prepacked
-# projection sees, up to 1024 of them (kernels/onednn.py; a known defect, not yet fixed: padding
-# rows to a few bucket sizes would bound it). Random prompt lengths make the server's memory
-# grow with it for a long while, which the soak would report as a leak on every run; capping the
-# caches keeps the soak a test of the engine's own memory.
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "LRU_CACHE_CAPACITY": "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @dataclass
