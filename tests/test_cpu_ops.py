@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,18 @@ from pagedllm.kernels import ops
 from pagedllm.model.layers import RMSNorm
 from pagedllm.model.rotary import RotaryEmbedding
 
+
+def test_loading_the_kernels_leaves_subnormal_floats_alone():
+    """Built with -ffast-math but not linked with it: crtfastmath.o would turn on flush-to-zero
+    for the whole process when the library loads, and torch would then compute 1e-39 / 2 as 0."""
+    script = (
+        "import torch\n"
+        "from pagedllm.kernels import build\n"
+        "build.load()\n"
+        "print((torch.tensor([1e-39]) / 2).item())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert float(out) == pytest.approx(5e-40, rel=1e-3)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 200])  # 200 x 576 takes the multi-threaded path

@@ -25,7 +25,11 @@ SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # fast-math lets the compiler reorder float sums; finite-math stays off because the softmax
 # starts from -inf.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-fPIC"]
+# Linked without -ffast-math: with it, the linker adds crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process when the library loads, and every torch operator after it
+# would compute subnormal floats as zero.
+LINK_FLAGS = ["-shared", "-fPIC", "-fopenmp"]
 
 _P = ctypes.c_void_p
 _I32P = ctypes.POINTER(ctypes.c_int32)
@@ -45,7 +49,7 @@ _WRITE_ARGS = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int,
 def _machine_key() -> str:
     """The compiled library depends on the source, the flags and this CPU (-march=native)."""
     digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
-    digest.update(" ".join(FLAGS).encode())
+    digest.update(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode())
     digest.update(platform.machine().encode())
     try:
         with open("/proc/cpuinfo") as f:
@@ -72,12 +76,19 @@ def build(force: bool = False) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         staging = Path(tmp) / path.name
-        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(staging)], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"building the CPU kernels failed:\n{result.stderr[-2000:]}")
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        for source, obj in zip(SOURCES, objects):
+            _run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+        _run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(staging)])
         os.replace(staging, path)
     logger.info("Built the CPU kernels: %s", path)
     return path
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"building the CPU kernels failed:\n{result.stderr[-2000:]}")
 
 
 @functools.cache
