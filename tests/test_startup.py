@@ -365,12 +365,13 @@ def test_the_budget_adds_up(cache, tiny_gguf):
     assert kv_bytes - 2 * page * len(run.keys + run.values) <= budget.kv_cache <= kv_bytes + 2 * page * len(run.keys)
     # Two rows written (128 KiB, which straddle one more page when the data is not page-aligned),
     # plus the allocator's header page at the start of each pool's mapping.
+    assert budget.kv_cache_reserved == kv_bytes
     assert 0 < budget.swap_pool <= 2 * 16 * 1024 * 4 + page * (2 + len(swap))
     assert budget.swap_pool_reserved == 2 * (64 << 20)
     assert budget.weights > 0 and budget.rest > 0
     assert budget.weights + budget.kv_cache + budget.swap_pool + budget.rest == budget.rss
     assert re.fullmatch(
-        r"Memory: weights [\d.]+ GiB, KV cache [\d.]+ GiB, swap pool [\d.]+ GiB \(of [\d.]+ GiB reserved\), "
+        r"Memory: weights [\d.]+ GiB, KV cache [\d.]+ GiB \(of [\d.]+ GiB reserved\), swap pool [\d.]+ GiB \(of [\d.]+ GiB reserved\), "
         r"rest [\d.]+ GiB \(RSS [\d.]+ GiB\)",
         str(budget),
     )
@@ -389,8 +390,8 @@ def test_serve_logs_its_memory_budget_and_time_to_ready(tiny_llama):
         process.terminate()
         process.wait(30)
     log = "".join(lines)
-    budget = re.search(r"Memory: weights ([\d.]+) GiB, KV cache ([\d.]+) GiB, swap pool ([\d.]+) GiB "
-                       r"\(of [\d.]+ GiB reserved\), rest ([\d.]+) GiB \(RSS ([\d.]+) GiB\)", log)
+    budget = re.search(r"Memory: weights ([\d.]+) GiB, KV cache ([\d.]+) GiB \(of [\d.]+ GiB reserved\), "
+                       r"swap pool ([\d.]+) GiB \(of [\d.]+ GiB reserved\), rest ([\d.]+) GiB \(RSS ([\d.]+) GiB\)", log)
     assert budget, log
     *parts, rss = map(float, budget.groups())
     assert abs(sum(parts) - rss) <= 0.02  # each figure rounded to 0.01 GiB

@@ -7,6 +7,7 @@ conditions; finished sequences free their blocks at once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import logging
 import os
@@ -53,10 +54,12 @@ class LLMEngine:
         self.arch = load_arch_config(source)
         self.max_model_len = self._resolve_max_model_len()
         self.arch.check_tensor_parallel_size(config.parallel.tensor_parallel_size)
-        self.tokenizer = get_tokenizer(source)
+        # The tokenizer loads in a thread while the weights load and the KV cache is set up.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer") as pool:
+            tokenizer = pool.submit(get_tokenizer, source)
+            self.core = EngineCore(config, self.max_model_len)
+            self.tokenizer = tokenizer.result()
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids)
-
-        self.core = EngineCore(config, self.max_model_len)
         self.requests = RequestRegistry()
         self.output_processor = OutputProcessor(
             self.tokenizer,

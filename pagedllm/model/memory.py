@@ -99,6 +99,7 @@ class MemoryBudget:
 
     weights: int
     kv_cache: int
+    kv_cache_reserved: int
     swap_pool: int
     swap_pool_reserved: int
     rss: int | None
@@ -118,7 +119,7 @@ class MemoryBudget:
 
         where = "" if self.device == "cpu" else f" on {self.device}"
         return (
-            f"Memory: weights {gib(self.weights)}, KV cache {gib(self.kv_cache)}{where}, "
+            f"Memory: weights {gib(self.weights)}, KV cache {gib(self.kv_cache)}{where} (of {gib(self.kv_cache_reserved)} reserved), "
             f"swap pool {gib(self.swap_pool)} (of {gib(self.swap_pool_reserved)} reserved), "
             f"rest {gib(self.rest)} (RSS {gib(self.rss)})"
         )
@@ -140,6 +141,7 @@ def memory_budget(model: nn.Module, kv_pools: list[torch.Tensor], swap_pools: li
     return MemoryBudget(
         weights=weights,
         kv_cache=kv_cache,
+        kv_cache_reserved=sum(t.numel() * t.element_size() for t in kv_pools),
         swap_pool=pages.resident_bytes(swap_pools),
         swap_pool_reserved=sum(t.numel() * t.element_size() for t in swap_pools),
         rss=process_rss(),

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from pagedllm.attention import AttentionBackend
+from pagedllm.worker.host_pool import HostKVPools
 
 logger = logging.getLogger("pagedllm")
 
@@ -40,9 +41,16 @@ class CacheEngine:
         self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = num_cpu_blocks
         shape = backend.kv_cache_shape(num_device_blocks, block_size, num_kv_heads, head_dim)
-        # Device pools are zeroed, so the whole budget is really taken now, not on first use.
-        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # The whole budget is taken at start-up, not on first use: zeroed on a GPU; on a CPU,
+        # zero pages mapped by a background thread while the server starts (see host_pool).
+        self.host_pools: HostKVPools | None = None
+        if device.type == "cpu":
+            self.host_pools = HostKVPools(2 * num_layers, shape, dtype)
+            self.key_caches = self.host_pools.tensors[:num_layers]
+            self.value_caches = self.host_pools.tensors[num_layers:]
+        else:
+            self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         cpu_shape = backend.kv_cache_shape(num_cpu_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda"
         # The swap space is touched only when something is swapped out.

@@ -58,23 +58,27 @@ class ModelRunner:
         self.sampler = sampler  # only the driver samples
 
     @torch.inference_mode()
-    def time_prefill(self, num_tokens: int) -> float:
-        """Seconds for one prefill of `num_tokens` tokens (after a warm-up run), written into the
-        first blocks of the cache: only for start-up profiling, before any request exists."""
+    def time_prefill(self, num_tokens: int, repeats: int = 1) -> list[float]:
+        """Seconds for each of `repeats` prefills of `num_tokens` tokens (after a warm-up run),
+        written into the first blocks of the cache: only for start-up profiling, before any
+        request exists."""
         num_blocks = cdiv(num_tokens, self.block_size)
         item = ScheduledSequence(
             seq_id=-1, request_id="", token_ids=[0] * num_tokens, start_position=0,
             block_table=list(range(num_blocks)), sampling_params=None,
         )
         input_ids, positions, metadata = build_attention_metadata([item], self.block_size, self.device)
-        self.model(input_ids, positions, metadata)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        self.model(input_ids, positions, metadata)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start
+        times = []
+        for run in range(repeats + 1):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            self.model(input_ids, positions, metadata)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if run:  # the first is the warm-up
+                times.append(time.perf_counter() - start)
+        return times
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
