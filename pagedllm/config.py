@@ -8,7 +8,10 @@ Imports nothing from the package and nothing heavy.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
+
+logger = logging.getLogger("pagedllm")
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GiB = 1 << 30
@@ -18,6 +21,25 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 # the paper's baselines, contiguous reservations per sequence (pagedllm.core.reservation).
 KV_POLICIES = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other names for the same dtypes.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+# vLLM's names of engine arguments that pagedllm names otherwise (vLLM's name -> ours).
+ARG_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory", "num_gpu_blocks_override": "num_gpu_blocks"}
+# vLLM engine arguments that change nothing here, and why; accepted with one log line each.
+INERT_ARGS = {
+    "trust_remote_code": "pagedllm runs its own model code, never a model folder's",
+    "enforce_eager": "pagedllm always runs eagerly (no CUDA graphs)",
+    "enable_chunked_prefill": "pagedllm always chunks long prompts to the step's token budget",
+    "tokenizer_mode": "the tokenizer is always the model folder's (fast) one",
+    "load_format": "the weights' format is found from the files",
+    "download_dir": "models are never downloaded",
+    "revision": "models are never downloaded",
+    "disable_log_requests": "requests are not logged",
+    "disable_custom_all_reduce": "all-reduce is torch.distributed's",
+}
+# `generation_config`: "auto" reads the model folder's generation_config.json, "vllm" ignores
+# it, anything else is a folder holding one.
+GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 # "auto": triton on a GPU, the fast CPU kernel on a CPU (pagedllm.attention.get_attention_backend).
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 
@@ -106,9 +128,27 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None
     disable_log_stats: bool = False
+    # Default sampling from a generation_config.json (used by the entry points, not the engine).
+    generation_config: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self.kv_cache_dtype = DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        """From keyword arguments, vLLM's names included (`kv_cache_memory_bytes`,
+        `num_gpu_blocks_override`; `trust_remote_code` and others that change nothing here are
+        accepted with a log line)."""
+        for name, why in INERT_ARGS.items():
+            if name in kwargs:
+                value = kwargs.pop(name)
+                logger.info("%s=%r changes nothing: %s.", name, value, why)
+        for vllm_name, name in ARG_ALIASES.items():
+            if vllm_name in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"Give {vllm_name} or {name}, not both: they are the same argument.")
+                kwargs[name] = kwargs.pop(vllm_name)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -171,7 +211,7 @@ class EngineArgs:
                 f"({self.max_num_seqs}), so that every running sequence can decode in one step."
             )
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+            raise ValueError(f"dtype must be one of {DTYPES} (or {tuple(DTYPE_ALIASES)}), got {self.dtype!r}.")
         if self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.preemption_mode not in PREEMPTION_MODES:

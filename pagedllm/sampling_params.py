@@ -12,6 +12,54 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output's text, as vLLM's `StructuredOutputsParams`: exactly one of a
+    JSON schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular
+    expression, a choice among strings, or an EBNF grammar (GBNF, as xgrammar reads it).
+
+    The engine compiles it once per distinct spec, off its step loop, and masks every step's
+    logits to the tokens that keep the output inside the language."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON without whitespace between tokens (vLLM's option): shorter outputs, and no runs of
+    # whitespace that a small model can fall into.
+    disable_any_whitespace: bool = False
+    # The request field the constraint came from, named in errors (an HTTP request sets it).
+    field_name: str = field(default="structured_outputs", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"{self.field_name} must set exactly one of {', '.join(_CONSTRAINT_KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}."
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise ValueError(f"{self.field_name}.choice must be a non-empty list of non-empty strings.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{self.field_name}.{name} must be a non-empty string.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"{self.field_name}.json must be a JSON schema (an object, or its JSON text).")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# OpenAI's bound on logit_bias values; larger ones are clamped, as OpenAI and vLLM do.
+LOGIT_BIAS_LIMIT = 100.0
+
+
 class SamplingType(Enum):
     GREEDY = "greedy"
     RANDOM = "random"
@@ -57,6 +105,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constraints on the tokens: a grammar (structured outputs), an additive bias per token id
+    # (clamped to +-100), the only ids that may be drawn, and words that must not appear.
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Filled in by the engine: the model's EOS id, and the ids that end a sequence.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -75,6 +129,8 @@ class SamplingParams:
             # test one flag.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.stop_token_ids)
+        if self.logit_bias:
+            self.logit_bias = {t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b))) for t, b in self.logit_bias.items()}
 
     def _verify(self) -> None:
         def bad(name: str, value: object, rule: str) -> ValueError:
@@ -131,6 +187,30 @@ class SamplingParams:
             raise bad("best_of", self.best_of, "1 with greedy sampling (temperature=0)")
         if self.early_stopping not in (True, False, "never"):
             raise bad("early_stopping", self.early_stopping, "True, False or 'never'")
+        self._verify_token_controls(bad)
+
+    def _verify_token_controls(self, bad) -> None:
+        def is_token_id(t: object) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+        if self.logit_bias is not None and (
+            not isinstance(self.logit_bias, dict)
+            or any(not is_token_id(t) for t in self.logit_bias)
+            or any(not isinstance(b, numbers.Real) or not math.isfinite(b) for b in self.logit_bias.values())
+        ):
+            raise bad("logit_bias", self.logit_bias, "a map of token ids >= 0 to finite numbers")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or any(not is_token_id(t) for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            raise bad("bad_words", self.bad_words, "a list of non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -143,6 +223,11 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_token_mask(self) -> bool:
+        """Whether each step's next tokens are restricted by a mask the engine computes."""
+        return bool(self.structured_outputs is not None or self.allowed_token_ids or self.bad_words)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -32,6 +32,7 @@ from pagedllm.core.sequence import Sequence
 from pagedllm.utils import cdiv
 
 BlockMove = tuple[int, int]  # (source block id, destination block id)
+RECENT_COPY_ON_WRITES = 1024  # copy-on-writes remembered for the KV snapshot (core.kv_snapshot)
 
 
 class PendingCacheOps(NamedTuple):
@@ -86,6 +87,8 @@ class BlockManager:
         self._pending = PendingCacheOps([], [], [])
         # Counters for stats.
         self.num_copy_on_writes = 0
+        # The latest copy-on-writes as (source, destination) blocks, for the dashboard to flash.
+        self.recent_copy_on_writes: deque[BlockMove] = deque(maxlen=RECENT_COPY_ON_WRITES)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which served from it
 
@@ -280,6 +283,7 @@ class BlockManager:
             self.pool.free([old])
             table.blocks[index] = new
             self.num_copy_on_writes += 1
+            self.recent_copy_on_writes.append((old.block_id, new.block_id))
         total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
         if len(table.blocks) < total:
             # Blocks taken together go in ascending id order (the same blocks, the same evictions):

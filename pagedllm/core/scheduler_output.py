@@ -31,6 +31,11 @@ class ScheduledSequence:
     # Compute log-probabilities of these (prompt) tokens: set for prompt chunks of requests with
     # prompt_logprobs; the targets are the tokens following each position.
     prompt_logprob_targets: list[int] | None = None
+    # The tokens the sampler may draw next, for a sampling sequence whose request has token
+    # constraints (a grammar, allowed_token_ids, bad_words): a packed bitmask, an int32 array of
+    # ceil(vocab / 32) words where bit (t % 32) of word t // 32 is set when token t is allowed.
+    # Filled in by the engine after scheduling; opaque here (a torch tensor).
+    token_bitmask: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -56,6 +56,17 @@ class Detokenizer(Protocol):
         """An independent copy, for a forked sequence."""
 
 
+class TokenConstraint(Protocol):
+    """What limits a sequence's next tokens (a grammar's state, allowed ids, banned words): an
+    opaque object to this layer, which only forks it with the sequence (the engine supplies one)."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance past a generated token; False if the constraint did not allow it."""
+
+    def fork(self) -> "TokenConstraint":
+        """An independent copy, for a forked sequence."""
+
+
 @dataclass(eq=False)
 class Sequence:
     """One token stream. `num_computed_tokens` counts the leading tokens whose keys and values are
@@ -73,6 +84,9 @@ class Sequence:
     output_text: str = ""
     stop_reason: int | str | None = None
     detokenizer: Detokenizer | None = None  # set by the engine with the first output token
+    # The state of the request's token constraints, for requests that have them; it moves on with
+    # each appended token and survives preemption, since it lives here rather than in the cache.
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -122,6 +136,7 @@ class Sequence:
             output_logprobs=list(self.output_logprobs),
             output_text=self.output_text,
             detokenizer=self.detokenizer.fork() if self.detokenizer is not None else None,
+            constraint=self.constraint.fork() if self.constraint is not None else None,
         )
 
 

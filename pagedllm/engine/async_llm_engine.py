@@ -233,6 +233,14 @@ class AsyncLLMEngine:
             raise
         return stream
 
+    async def check_constraints(self, params: SamplingParams) -> None:
+        """Raise the `ValueError` (naming the field) of an invalid grammar or token id in
+        `params`. The grammar compiles on the compile thread meanwhile (cached, so the request
+        added next finds it ready); neither this loop nor the engine's waits for it."""
+        self.engine.constraints.check(params)
+        if params.structured_outputs is not None:
+            await asyncio.wrap_future(self.engine.constraints.compile(params.structured_outputs))
+
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str, arrival_time: float | None = None
     ) -> AsyncIterator[RequestOutput]:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core import BlockManager, Scheduler, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine.beam_search import ranked_beams
+from pagedllm.engine.constraints import RequestConstraints
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.requests import RequestRegistry
@@ -61,6 +62,7 @@ class LLMEngine:
             self.tokenizer = tokenizer.result()
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids)
         self.requests = RequestRegistry()
+        self.constraints = RequestConstraints(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(
             self.tokenizer,
             self.core.block_manager,
@@ -133,6 +135,7 @@ class LLMEngine:
             raise ValueError(f"A request with id {request_id!r} is already running; request ids must be unique.")
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
+        self.constraints.check(params)
         params = copy.copy(params)
         params.max_tokens = self._max_tokens_that_fit(len(token_ids), params)
         params.all_stop_token_ids = set(params.stop_token_ids)
@@ -156,7 +159,9 @@ class LLMEngine:
             forked=num_seqs > 1,
         )
         self.requests.add_group(group)
-        self.scheduler.add(group)
+        # A request with a grammar still compiling is scheduled once it is ready (see step).
+        if not (params.needs_token_mask and self.constraints.hold(group)):
+            self.scheduler.add(group)
         self.num_prompt_tokens_total += len(token_ids)
 
     @property
@@ -228,12 +233,19 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
-            group = self.scheduler.abort(request_id)
+            group = self.scheduler.abort(request_id) or self.constraints.drop(request_id)
             if group is not None:
                 self.requests.remove_group(group)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.constraints.pending)
+
+    def check_constraints(self, params: SamplingParams) -> None:
+        """Raise the `ValueError` (naming the field) of an invalid grammar in `params`; waits for
+        it to compile (cached, so adding the request afterwards finds it ready)."""
+        self.constraints.check(params)
+        if params.structured_outputs is not None:
+            self.constraints.compile(params.structured_outputs).result()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -243,10 +255,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of every request that progressed or ended."""
         with self.timer.part("scheduler"):
+            outputs = self._release_compiled()
             scheduled = self.core.schedule()
-            outputs = [self._make_output(g) for g in self._take_failed()]
+            outputs += [self._make_output(g) for g in self._take_failed()]
         if not scheduled.has_model_work and not scheduled.has_cache_work and not scheduled.finished_request_ids:
             return outputs
+        with self.timer.part("grammar"):
+            self.constraints.fill_bitmasks(scheduled, self.requests.seqs)
         try:
             with self.timer.part("model"):
                 result = self.core.execute(scheduled)
@@ -289,6 +304,7 @@ class LLMEngine:
         outputs = []
         for group in list(self.requests.groups.values()):
             self.scheduler.abort(group.request_id)
+            self.constraints.drop(group.request_id)
             group.error = f"The engine stopped: {reason}"
             for seq in group.seqs:
                 seq.status = SequenceStatus.FINISHED_ERROR
@@ -305,6 +321,21 @@ class LLMEngine:
         except WorkerDiedError as exc:
             self._fail_everything(str(exc))
             raise RuntimeError(f"The engine has stopped: {exc}") from exc
+
+    def _release_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is compiled now; fail those whose grammar failed.
+        With nothing else to run, wait a moment for a grammar rather than spin."""
+        ready, failed = self.constraints.take_ready(wait=not self.scheduler.has_unfinished())
+        for group in ready:
+            self.scheduler.add(group)
+        outputs = []
+        for group, error in failed:
+            group.error = error
+            for seq in group.seqs:
+                seq.status = SequenceStatus.FINISHED_ERROR
+            outputs.append(self._make_output(group))
+            self.requests.remove_group(group)
+        return outputs
 
     def _take_failed(self) -> list[SequenceGroup]:
         failed = self.scheduler.take_failed()
@@ -386,4 +417,5 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        self.constraints.shutdown()
         self.core.shutdown()

@@ -3,6 +3,8 @@ decisions, detokenize, and check stop conditions."""
 
 from __future__ import annotations
 
+import logging
+
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.model_output import ModelRunnerOutput, SampledToken, TopLogprobs
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -12,6 +14,8 @@ from pagedllm.engine.requests import RequestRegistry
 from pagedllm.outputs import Logprob, PositionLogprobs
 from pagedllm.sampling_params import SamplingParams, SamplingType
 from pagedllm.transformers_utils.detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger("pagedllm")
 
 
 class OutputProcessor:
@@ -123,6 +127,9 @@ class OutputProcessor:
         params = group.sampling_params
         seq.append_token(sample.token_id, sample.logprob)
         self.num_generated_tokens += 1
+        if seq.constraint is not None and not seq.constraint.accept_token(sample.token_id):
+            # Only a row whose every token was masked can draw a forbidden one.
+            logger.warning("Request %s drew token %d, which its constraint forbids", group.request_id, sample.token_id)
         if params.logprobs is not None:
             seq.output_logprobs.append(self.to_logprobs(sample.top_logprobs or {}))
         if seq.detokenizer is None:

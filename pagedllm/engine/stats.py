@@ -12,6 +12,7 @@ class StepTime:
     scheduler: float = 0.0  # scheduling and block management (core)
     model: float = 0.0  # the executor: cache copies, model, sampling
     outputs: float = 0.0  # appending tokens, detokenizing, stop checks, building outputs
+    grammar: float = 0.0  # the token bitmasks of constrained sequences (structured outputs)
 
     @property
     def scheduler_share(self) -> float:

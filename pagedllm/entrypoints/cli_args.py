@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 
-from pagedllm.config import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_POLICIES, PREEMPTION_MODES, EngineArgs
+from pagedllm.config import (
+    ARG_ALIASES,
+    ATTENTION_BACKENDS,
+    DEFAULT_MODEL,
+    DTYPE_ALIASES,
+    DTYPES,
+    INERT_ARGS,
+    KV_POLICIES,
+    PREEMPTION_MODES,
+    EngineArgs,
+)
+
+logger = logging.getLogger("pagedllm")
 
 _HELP = {
     "tokenizer": "tokenizer folder (default: the model's own)",
@@ -29,8 +42,13 @@ _HELP = {
     "tensor_parallel_size": "number of tensor-parallel workers",
     "distributed_init_method": "torch.distributed init method (env:// under torchrun)",
     "disable_log_stats": "do not log periodic engine stats",
+    "generation_config": "default sampling: auto = the model folder's generation_config.json (temperature, top_p, "
+    "top_k, repetition_penalty, max_new_tokens), vllm = none, or a folder holding one",
 }
-_CHOICES = {"attention_backend": ATTENTION_BACKENDS, "dtype": DTYPES, "kv_cache_dtype": DTYPES, "preemption_mode": PREEMPTION_MODES, "kv_policy": KV_POLICIES, "device": ("auto", "cpu", "cuda")}
+# Flags of engine arguments that take no value in vLLM (the rest of INERT_ARGS take one).
+_INERT_SWITCHES = ("trust_remote_code", "enforce_eager", "disable_log_requests", "disable_custom_all_reduce")
+_DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)
+_CHOICES = {"attention_backend": ATTENTION_BACKENDS, "dtype": _DTYPE_CHOICES, "kv_cache_dtype": _DTYPE_CHOICES, "preemption_mode": PREEMPTION_MODES, "kv_policy": KV_POLICIES, "device": ("auto", "cpu", "cuda")}
 
 
 def parse_bytes(text: str) -> int:
@@ -58,11 +76,39 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
             kwargs["type"] = parse_bytes if field.name == "kv_cache_memory" else kind
             if field.name in _CHOICES:
                 kwargs["choices"] = _CHOICES[field.name]
-        names = [flag, "-tp"] if field.name == "tensor_parallel_size" else [flag]
+        names = [flag, *_flag_aliases(field.name)]
         group.add_argument(*names, dest=field.name, **kwargs)
+    _add_inert_args(parser)
+
+
+def _flag_aliases(name: str) -> list[str]:
+    """vLLM's other flags for an engine argument (`--kv-cache-memory-bytes`, `-tp`, ...)."""
+    aliases = ["--" + vllm.replace("_", "-") for vllm, ours in ARG_ALIASES.items() if ours == name]
+    return aliases + (["-tp"] if name == "tensor_parallel_size" else [])
+
+
+def _add_inert_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("accepted for vLLM compatibility (they change nothing here)")
+    for name, why in INERT_ARGS.items():
+        flag = "--" + name.replace("_", "-")
+        if name in _INERT_SWITCHES:
+            group.add_argument(flag, dest=name, action="store_true", default=None, help=why)
+        elif name == "enable_chunked_prefill":
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=why)
+        else:
+            group.add_argument(flag, dest=name, default=None, help=why)
+
+
+def log_inert_args(ns: argparse.Namespace) -> None:
+    """One log line for each flag given that changes nothing here."""
+    for name, why in INERT_ARGS.items():
+        value = getattr(ns, name, None)
+        if value is not None:
+            logger.info("--%s%s changes nothing: %s.", name.replace("_", "-"), "" if value is True else f"={value}", why)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    log_inert_args(ns)
     names = {f.name for f in dataclasses.fields(EngineArgs)} - {"extra"}
     return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
 

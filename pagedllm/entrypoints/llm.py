@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import DEFAULT_MODEL, EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.generation_config import default_sampling
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -32,15 +33,23 @@ class LLM:
     """An engine with a model loaded, for batch generation in this process.
 
     Keyword arguments are engine arguments (`block_size`, `max_num_seqs`, `kv_cache_memory`,
-    `dtype`, `seed`, `enable_prefix_caching`, ...; see `EngineArgs`).
+    `dtype`, `seed`, `enable_prefix_caching`, ...; see `EngineArgs`), vLLM's names included.
+    `generation_config` ("auto": the model folder's generation_config.json; "vllm": none; or a
+    folder) gives the default sampling of `generate` without `SamplingParams`.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **engine_args))
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.default_sampling = default_sampling(args.generation_config, args.model)
+        self.llm_engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling `generate` uses when given none: the generation config's, as vLLM does."""
+        return SamplingParams(**self.default_sampling)
 
     # --- generation -------------------------------------------------------------------------
 
@@ -53,7 +62,7 @@ class LLM:
         """Generate for every prompt (strings or token-id lists); outputs in input order."""
         prompts = self._as_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -66,6 +75,7 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._ids))
+                self.llm_engine.check_constraints(params)  # an invalid grammar raises before any work
                 self.llm_engine.add_request(request_id, self._prompt_of(prompt), params)
                 request_ids.append(request_id)
         except Exception:

@@ -1,8 +1,9 @@
 """Turn logits into tokens, per request, with every decoding method mixed in one batch.
 
-Order of operations for each row: min_tokens suppression, penalties (repetition, frequency,
-presence), then greedy argmax, or temperature, top-k, top-p and min-p followed by a random draw.
-Beam rows return their best candidate continuations for the engine to choose from.
+Order of operations for each row: token controls (the engine's bitmask of allowed tokens for
+structured outputs, allowed_token_ids and bad_words; logit_bias), min_tokens suppression,
+penalties (repetition, frequency, presence), then greedy argmax, or temperature, top-k, top-p
+and min-p followed by a random draw. Beam rows return their best candidate continuations for the engine to choose from.
 
 Random draws invert each row's cumulative distribution at a uniform number (on the CPU a fused
 kernel, csrc/sampling.cpp; elsewhere a cumsum and a binary search: both much faster than
@@ -23,6 +24,7 @@ import torch
 from pagedllm.core.model_output import SampledToken, TopLogprobs
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.core.scheduler_output import ScheduledSequence
+from pagedllm.sampling.controls import apply_token_controls
 from pagedllm.sampling.penalties import apply_min_tokens, apply_penalties
 from pagedllm.sampling_params import SamplingType
 
@@ -66,13 +68,21 @@ class Sampler:
         raw = logits[row_of] if len(row_of) != len(items) else logits
         log_norm = fused_ops.logsumexp_rows(raw) if fused_ops.applies(raw) else torch.logsumexp(raw, dim=-1, keepdim=True)
 
+        # The token controls change `raw` in place until `restore` (no copy of the whole batch).
+        controls = apply_token_controls(raw, expanded)
         processed = apply_min_tokens(raw, expanded)
         processed = apply_penalties(processed, expanded)
         chosen = self._choose(processed, expanded, sample_index)
 
         results: list[list[SampledToken]] = [[] for _ in items]
         beam_rows = [r for r, item in enumerate(expanded) if item.sampling_params.sampling_type is SamplingType.BEAM]
-        beam_candidates = self._beam_candidates(raw, log_norm, expanded, beam_rows)
+        beam_picks = self._beam_picks(raw, expanded, beam_rows)
+        if controls is not None:
+            controls.restore(raw)
+        beam_candidates = {
+            r: [SampledToken(t, v) for t, v in zip(ids.tolist(), (raw[r][ids] - log_norm[r]).tolist())]
+            for r, ids in beam_picks.items()
+        }
         chosen_logprob = (raw.gather(1, chosen.unsqueeze(1)) - log_norm).squeeze(1)
         # One device-to-host copy for the step (float64 holds every token id exactly).
         host = torch.stack([chosen.to(torch.float64), chosen_logprob.to(torch.float64)]).cpu()
@@ -122,17 +132,17 @@ class Sampler:
         return chosen
 
     @staticmethod
-    def _beam_candidates(
-        raw: torch.Tensor, log_norm: torch.Tensor, items: list[ScheduledSequence], rows: list[int]
-    ) -> dict[int, list[SampledToken]]:
-        """For each beam row, its K = max(2, 1 + #stop tokens) * beam_width most likely next
-        tokens: enough for the engine to keep beam_width live beams even if the best ones end."""
-        out: dict[int, list[SampledToken]] = {}
+    def _beam_picks(controlled: torch.Tensor, items: list[ScheduledSequence], rows: list[int]) -> dict[int, torch.Tensor]:
+        """For each beam row, the ids of its K = max(2, 1 + #stop tokens) * beam_width most likely
+        next tokens: enough for the engine to keep beam_width live beams even if the best ones
+        end. They are picked under the token controls (forbidden tokens never); the caller scores
+        them with the raw log-probabilities."""
+        out: dict[int, torch.Tensor] = {}
         for r in rows:
             params = items[r].sampling_params
-            k = min(max(2, 1 + len(params.all_stop_token_ids)) * params.best_of, raw.shape[1])
-            values, ids = torch.topk(raw[r] - log_norm[r], k)
-            out[r] = [SampledToken(t, v) for t, v in zip(ids.tolist(), values.tolist())]
+            k = min(max(2, 1 + len(params.all_stop_token_ids)) * params.best_of, controlled.shape[1])
+            picked, ids = torch.topk(controlled[r], k)
+            out[r] = ids[torch.isfinite(picked)]
         return out
 
 

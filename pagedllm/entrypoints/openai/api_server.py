@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI's `/v1` routes (behind the optional API key), vLLM's `/tokenize`,
-`/detokenize`, `/health`, `/version`, `/metrics`, and `/stats` (the engine's counters)."""
+`/detokenize`, `/health`, `/version`, `/metrics`, `/stats` (the engine's counters), and the live
+KV-cache dashboard (`/dashboard`, `/debug/kv`: `dashboard.py`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import threading
 import time
 
@@ -21,8 +21,8 @@ from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.stat_logger import LoggingStatLogger
 from pagedllm.entrypoints.openai.body_limit import BodyLimits
 from pagedllm.entrypoints.openai.cli_serve import DEFAULT_BODY_IDLE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from pagedllm.entrypoints.openai.dashboard import dashboard_router
 from pagedllm.entrypoints.openai.errors import (
-    OpenAIError,
     bad_request,
     documented_errors,
     error_body,
@@ -34,6 +34,15 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.server_options import (
+    RequestFields,
+    RootPath,
+    ServerOptions,
+    api_key_check,
+    install_cors,
+    json_list,
+    load_chat_template,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -60,21 +69,6 @@ _STREAMED_200 = {
 }
 
 
-def _api_key_check(api_key: str | None):
-    """A dependency refusing `/v1` requests without `Authorization: Bearer <api_key>`."""
-
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # compare_digest: the time taken must not reveal how much of the key matched.
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise OpenAIError(401, "Missing or incorrect API key; send 'Authorization: Bearer <key>'.", code="invalid_api_key")
-
-    return check
-
-
 def build_app(
     engine: AsyncLLMEngine,
     served_model_names: list[str],
@@ -83,14 +77,22 @@ def build_app(
     log_stats_interval_s: float = 5.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_idle_timeout_s: float = DEFAULT_BODY_IDLE_TIMEOUT_S,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
-    """The server's app over `engine`; the engine's loop runs while the app is up."""
+    """The server's app over `engine`; the engine's loop runs while the app is up. `api_key`
+    adds one key to `options.api_keys`."""
+    options = options or ServerOptions()
+    api_keys = options.api_keys + ([api_key] if api_key else [])
     metrics = PrometheusStatLogger(served_model_names[0])
     engine.stat_loggers.append(metrics)
     if log_stats:
         engine.stat_loggers.append(LoggingStatLogger(log_stats_interval_s))
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names)
+    completions.max_tokens_cap = chat.max_tokens_cap = options.default_sampling.get("max_tokens")
+    if options.chat_template is not None:  # the served tokenizers' template, not the engine's
+        completions.tokenizer.chat_template = chat.tokenizer.chat_template = options.chat_template
+    request_fields = RequestFields(options)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -102,7 +104,9 @@ def build_app(
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodyLimits, max_bytes=max_body_bytes, idle_timeout_s=body_idle_timeout_s)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))], responses=documented_errors(401))
+    app.add_middleware(RootPath, root_path=options.root_path)
+    install_cors(app, options)  # outermost: preflights are answered before any other check
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_keys))], responses=documented_errors(401))
 
     @v1.get("/models")
     async def list_models() -> dict:
@@ -122,13 +126,16 @@ def build_app(
 
     @v1.post("/completions", responses={**_STREAMED_200, **documented_errors(400, 404, 503)})
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        request_fields.prepare(request)
         return await completions.create_completion(request, raw_request)
 
     @v1.post("/chat/completions", responses={**_STREAMED_200, **documented_errors(400, 404, 503)})
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        request_fields.prepare(request)
         return await chat.create_chat_completion(request, raw_request)
 
     app.include_router(v1)
+    app.include_router(dashboard_router(engine, api_keys))  # /dashboard, its events, /debug/kv
 
     @app.post("/tokenize", responses=documented_errors(400, 404))
     async def tokenize(request: TokenizeRequest) -> dict:
@@ -225,16 +232,17 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
 
     from pagedllm.entrypoints.cli_args import engine_args_from
 
+    options = server_options_from(args)  # bad option values fail before the model loads
     if engine is None:
         engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
     names = args.served_model_name or [args.model]
     app = build_app(
         engine,
         names,
-        api_key=args.api_key,
         log_stats=not args.disable_log_stats,
         max_body_bytes=args.max_body_bytes,
         body_idle_timeout_s=args.body_idle_timeout,
+        options=options,
     )
     drain = GracefulShutdown(engine, args.shutdown_timeout)
 
@@ -273,3 +281,23 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
     )
     return Server(config)
+
+
+def server_options_from(args: argparse.Namespace) -> ServerOptions:
+    """`pagedllm serve`'s HTTP options; a bad value is a `ValueError` saying which flag."""
+    from pagedllm.entrypoints.generation_config import default_sampling
+
+    try:
+        cors = {name: json_list(value) for name in ("allowed_origins", "allowed_methods", "allowed_headers")
+                if (value := getattr(args, name)) is not None}
+    except ValueError as exc:
+        raise ValueError(f"--allowed-origins/--allowed-methods/--allowed-headers: {exc}") from None
+    return ServerOptions(
+        api_keys=args.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else []),
+        **cors,
+        allow_credentials=args.allow_credentials,
+        root_path=args.root_path,
+        chat_template=load_chat_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
+        default_sampling=default_sampling(args.generation_config, args.model),
+    )

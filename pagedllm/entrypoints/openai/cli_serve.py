@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from pagedllm.entrypoints.cli_args import add_engine_args, parse_bytes
 
@@ -28,10 +27,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     server.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     server.add_argument(
-        "--api-key",
-        default=os.environ.get("PAGEDLLM_API_KEY"),
-        help="require 'Authorization: Bearer <key>' on /v1 routes (default: $PAGEDLLM_API_KEY, else none)",
+        "--api-key", nargs="+", action="extend", default=None,
+        help="require 'Authorization: Bearer <key>' on /v1 routes with one of these keys; give several, or the flag "
+        "several times (default: $PAGEDLLM_API_KEY, else none)",
     )
+    server.add_argument(
+        "--chat-template", default=None,
+        help="a Jinja chat template, or a file holding one, used instead of the tokenizer's own",
+    )
+    server.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="let requests bring their own chat_template (a template is code run on this server)",
+    )
+    server.add_argument(
+        "--root-path", default="",
+        help="the path prefix a reverse proxy serves this server under (e.g. /llm); requests may carry it or not",
+    )
+    cors = p.add_argument_group("CORS (no CORS headers unless --allowed-origins is given)")
+    cors.add_argument(
+        "--allowed-origins", default=None, help="""origins allowed: a JSON list ('["https://a.example"]', '["*"]') or one origin""",
+    )
+    cors.add_argument("--allowed-methods", default=None, help="methods allowed, a JSON list (default: all)")
+    cors.add_argument("--allowed-headers", default=None, help="headers allowed, a JSON list (default: all)")
+    cors.add_argument("--allow-credentials", action="store_true", help="allow credentials (cookies) in CORS requests")
     server.add_argument(
         "--served-model-name", nargs="+", default=None,
         help="model name(s) clients use; the first is reported in responses (default: MODEL as given)",

@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pagedllm.entrypoints.openai.errors import bad_request, invalid_input
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.entrypoints.openai.tools import resolve_tool_choice, tool_call_schema
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIBaseModel(BaseModel):
@@ -90,14 +91,23 @@ class SamplingRequest(OpenAIBaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # Constraints: OpenAI's response_format, and vLLM's structured_outputs (json, regex, choice,
+    # grammar, json_object, disable_any_whitespace), allowed_token_ids and bad_words.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the top logprobs of every prompt token
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server.", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true.", "prompt_logprobs")
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_param: str) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_param: str, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The engine's parameters; a bad value is a 400 naming the field."""
         beam = self.use_beam_search
         temperature = self.temperature if self.temperature is not None else (0.0 if beam else 1.0)
@@ -123,10 +133,57 @@ class SamplingRequest(OpenAIBaseModel):
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=self.structured_outputs_params(),
+                logit_bias=self.token_logit_bias(),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
             )
         except ValueError as exc:
             raise invalid_input(exc, prompt_param) from None
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as the map's keys, in text."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token_id): bias for token_id, bias in self.logit_bias.items()}
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers, as text).", "logit_bias") from None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint from response_format or structured_outputs (one at most)."""
+        specs = []
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            specs.append(StructuredOutputsParams(json_object=True, field_name="response_format"))
+        elif kind == "json_schema":
+            json_schema = self.response_format.get("json_schema")
+            schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema object.", "response_format")
+            specs.append(StructuredOutputsParams(json=schema, field_name="response_format"))
+        elif kind != "text":
+            raise bad_request(
+                f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.", "response_format"
+            )
+        if self.structured_outputs is not None:
+            try:
+                specs.append(StructuredOutputsParams(**self.structured_outputs))
+            except (TypeError, ValueError) as exc:
+                raise bad_request(f"structured_outputs is invalid: {exc}", "structured_outputs") from None
+        specs.extend(self.extra_constraints())
+        if len(specs) > 1:
+            raise bad_request(
+                "Give one output constraint: response_format, structured_outputs or a tool_choice that forces a call.",
+                "structured_outputs" if self.structured_outputs is not None else "response_format",
+            )
+        return specs[0] if specs else None
+
+    def extra_constraints(self) -> list[StructuredOutputsParams]:
+        """Constraints from other fields (the chat endpoint's tool_choice)."""
+        return []
 
     @property
     def include_usage(self) -> bool:
@@ -161,8 +218,19 @@ class CompletionRequest(SamplingRequest):
         super().check_supported()
         if self.suffix:
             raise bad_request("suffix is not supported by this server.", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported; drop one of them.", "echo")
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens` 0: the prompt (and its logprobs) and nothing generated, as
+        evaluation harnesses ask for a prompt's log-likelihood."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token: `prompt_logprobs`, else `logprobs` when echoing them."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
 
 class ContentPart(OpenAIBaseModel):
@@ -174,6 +242,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -185,16 +255,24 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # vLLM's: instead of the model's (or --chat-template)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required", or the name of the function the model must call."""
+        return resolve_tool_choice(self.tools, self.tool_choice)
+
+    def extra_constraints(self) -> list[StructuredOutputsParams]:
+        schema = tool_call_schema(self.tools, self.tool_mode, self.parallel_tool_calls) if self.tools else None
+        # Calls are compact JSON: no runs of whitespace for a model to wander into.
+        return [StructuredOutputsParams(json=schema, disable_any_whitespace=True, field_name="tools")] if schema is not None else []
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise bad_request("tools are not supported by this server.", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("Only response_format of type 'text' is supported.", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
 

@@ -16,11 +16,18 @@ from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, Re
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, invalid_input, model_not_found
 from pagedllm.entrypoints.openai.protocol import ChatMessage
 from pagedllm.entrypoints.openai.streaming import DONE, merge_streams, sse
-from pagedllm.outputs import RequestOutput
+from pagedllm.entrypoints.openai.tools import template_conversation, tool_fields
+from pagedllm.outputs import PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 # OpenAI's JSON cannot carry -inf; vLLM reports impossible tokens with this instead.
 MIN_LOGPROB = -9999.0
+# apply_chat_template's own arguments, which chat_template_kwargs may not replace.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})
 # A text longer than max_model_len tokens of the longest token, times this margin (for tokenizers
 # whose normalisation drops characters), cannot fit the context: it is refused untokenized.
 PROMPT_CHARS_MARGIN = 2
@@ -37,6 +44,20 @@ def max_token_chars(tokenizer) -> int:
 
 def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
+
+
+def prompt_logprobs_json(prompt_logprobs: list[PositionLogprobs | None] | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, None for the first (nothing precedes
+    it), then {token id: {logprob, rank, decoded_token}} for the token and the top ones."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None if position is None else {
+            str(token_id): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in position.items()
+        }
+        for position in prompt_logprobs
+    ]
 
 
 def engine_error(exc: Exception) -> OpenAIError:
@@ -94,6 +115,8 @@ class OpenAIServing:
         self.vocab_size = len(self.tokenizer)
         self.max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer) * PROMPT_CHARS_MARGIN
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
+        # The generation config's max_new_tokens: a cap on every request's max_tokens, as vLLM has it.
+        self.max_tokens_cap: int | None = None
 
     async def _on_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
         loop = asyncio.get_running_loop()
@@ -123,26 +146,48 @@ class OpenAIServing:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._on_tokenizer_thread(self.tokenizer.decode, token_ids, skip_special_tokens=False)
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation through the model's chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
+    async def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool,
+        chat_template: str | None = None, template_kwargs: dict | None = None, tools: list[dict] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation through the model's chat template (or `chat_template`, a
+        request's own), with `template_kwargs` as extra template variables and `tools` as the
+        template takes them (see `tools.template_conversation`)."""
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {reserved}: they are request fields.", "chat_template_kwargs")
+        if not chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("This model's tokenizer has no chat template; use /v1/completions.", "messages")
-        conversation = [{"role": m.role, "content": self._message_text(m)} for m in messages]
+        conversation = [
+            {"role": m.role, "content": self._message_text(m), **tool_fields(m)} for m in messages
+        ]
+        template = chat_template or self.tokenizer.chat_template
+        conversation = template_conversation(conversation, tools, template if isinstance(template, str) else "")
+        if tools and isinstance(template, str) and "tools" in template:
+            template_kwargs = {**(template_kwargs or {}), "tools": tools}
         if sum(len(turn["content"]) for turn in conversation) > self.max_prompt_chars:
             raise bad_request(
                 f"The messages hold more characters than the {self.max_model_len} tokens of this model's context "
                 f"can hold ({self.max_prompt_chars:,} at most); shorten them.",
                 "messages",
             )
-        text = await self._on_tokenizer_thread(self._apply_chat_template, conversation, add_generation_prompt)
+        text = await self._on_tokenizer_thread(
+            self._apply_chat_template, conversation, add_generation_prompt, chat_template, template_kwargs or {}
+        )
         # The template already holds any special tokens (BOS) the model expects.
         return await self.encode(text, add_special_tokens=False, param="messages")
 
-    def _apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool) -> str:
+    def _apply_chat_template(
+        self, conversation: list[dict], add_generation_prompt: bool, chat_template: str | None, template_kwargs: dict
+    ) -> str:
         try:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                chat_template=chat_template, **template_kwargs,
+            )
         except Exception as exc:  # jinja errors raised by the template itself (e.g. bad roles)
-            raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
+            param = "chat_template" if chat_template else "messages"
+            raise bad_request(f"The chat template rejected the messages: {exc}", param) from None
 
     @staticmethod
     def _message_text(message: ChatMessage) -> str:
@@ -157,11 +202,12 @@ class OpenAIServing:
 
     def check_length(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
         """A prompt that leaves too little room for max_tokens is refused, as vLLM does (a prompt
-        that alone fills the context is refused by the engine with its own message)."""
+        that alone fills the context is refused by the engine with its own message). Then
+        `max_tokens_cap` lowers max_tokens (if None, to what the context has room for)."""
         num_prompt = len(prompt_ids)
-        if params.max_tokens is None or not 0 < num_prompt < self.max_model_len:
+        if not 0 < num_prompt < self.max_model_len:
             return
-        if num_prompt + params.max_tokens > self.max_model_len:
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
             what = "messages" if prompt_param == "messages" else "prompt"
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -169,6 +215,9 @@ class OpenAIServing:
                 f"completion). Reduce the length of the {what} or max_tokens.",
                 "max_tokens",
             )
+        if self.max_tokens_cap is not None:
+            room = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+            params.max_tokens = max(min(room, self.max_tokens_cap), params.min_tokens, 1)
 
     # --- running requests -------------------------------------------------------------------
 
@@ -186,6 +235,11 @@ class OpenAIServing:
         """Add one engine request per prompt, all in the same engine iteration; if any is
         refused, none stays in the engine. (A cancelled add aborts its own request.)"""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        if params.needs_token_mask or params.logit_bias:
+            try:  # a bad schema, regex or grammar is refused before any work starts
+                await self.engine.check_constraints(params)
+            except ValueError as exc:
+                raise invalid_input(exc, prompt_param) from None
         results = await asyncio.gather(
             *(self.engine.add_request(i, p, params) for i, p in zip(ids, prompts)), return_exceptions=True
         )

@@ -9,8 +9,16 @@ from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.serving_base import OpenAIServing, clamp_logprob, finish_events, ranked_at_end, usage
+from pagedllm.entrypoints.openai.serving_base import (
+    OpenAIServing,
+    clamp_logprob,
+    finish_events,
+    prompt_logprobs_json,
+    ranked_at_end,
+    usage,
+)
 from pagedllm.entrypoints.openai.streaming import DeltaTracker, EventStreamResponse, run_until_disconnect, sse
+from pagedllm.entrypoints.openai.tools import ToolCallStreamer, tool_message
 from pagedllm.outputs import Logprob, PositionLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -35,8 +43,11 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
         request.check_supported()
-        params = request.to_sampling_params(request.max_output_tokens, request.num_logprobs, "messages")
-        prompt_ids = await self.chat_prompt(request.messages, request.add_generation_prompt)
+        params = request.to_sampling_params(request.max_output_tokens, request.num_logprobs, "messages", request.prompt_logprobs)
+        prompt_ids = await self.chat_prompt(
+            request.messages, request.add_generation_prompt, request.chat_template, request.chat_template_kwargs,
+            request.tools if request.tool_mode != "none" else None,
+        )
         self.check_length(prompt_ids, params, "messages")
         request_id = self.new_id("chatcmpl")
         streams = await self.submit(request_id, [prompt_ids], params, "messages")
@@ -49,20 +60,20 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, model: str, request_id: str, streams: list[RequestStream]
     ) -> Response:
         (output,) = await self.final_outputs(streams)
-        choices = [
-            {
-                "index": position,
-                "message": {"role": "assistant", "content": choice.text},
-                "logprobs": (
-                    chat_logprobs(choice.token_ids, choice.logprobs or [], request.num_logprobs)
-                    if request.logprobs
-                    else None
-                ),
-                "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason,
-            }
-            for position, choice in enumerate(output.outputs)
-        ]
+        mode = request.tool_mode
+        choices = []
+        for position, choice in enumerate(output.outputs):
+            message, finish_reason = tool_message(choice.text, choice.finish_reason, mode)
+            logprobs = chat_logprobs(choice.token_ids, choice.logprobs or [], request.num_logprobs) if request.logprobs else None
+            choices.append(
+                {
+                    "index": position,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                    "stop_reason": choice.stop_reason,
+                }
+            )
         body = {
             "id": request_id,
             "object": "chat.completion",
@@ -71,6 +82,8 @@ class OpenAIServingChat(OpenAIServing):
             "choices": choices,
             "usage": usage([output]),
         }
+        if request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
         return JSONResponse(body)
 
     async def _stream(
@@ -91,6 +104,7 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(params.n):
             yield chunk(index, {"role": "assistant", "content": ""})
         tracker = DeltaTracker(params)
+        tools = ToolCallStreamer(request.tool_mode) if request.tool_mode != "none" else None
         final_only = ranked_at_end(params)
         async for output in stream:
             if final_only and not output.finished:
@@ -99,6 +113,15 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = None
                 if request.logprobs:
                     logprobs = chat_logprobs(delta.token_ids, delta.logprobs or [], request.num_logprobs)
+                if tools is not None:  # content and tool-call deltas; the last piece carries the rest
+                    pieces, finish = tools.feed(delta.position, delta.text, delta.finish_reason)
+                    if not pieces and finish is None:
+                        continue
+                    pieces = pieces or [{}]
+                    for piece in pieces[:-1]:
+                        yield chunk(delta.position, piece)
+                    yield chunk(delta.position, pieces[-1], logprobs, finish, delta.stop_reason)
+                    continue
                 content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
                 yield chunk(delta.position, content, logprobs, delta.finish_reason, delta.stop_reason)
         if request.include_usage and output is not None:
