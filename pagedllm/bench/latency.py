@@ -1,6 +1,11 @@
 """`pagedllm bench latency`: time to first token and time per output token of a batch of
 requests of fixed lengths (one request by default), and the decode rate against the roofline
-(tokens/s x 2 x parameters / measured matrix-product FLOP/s)."""
+(tokens/s x 2 x parameters / measured matrix-product FLOP/s).
+
+With `--profile`, it also times each part of a decode step in place (`step_profile`): one more
+batch is prefilled, then its decode steps run with the timers installed, and the table gives
+each part's milliseconds per step beside the physical bound of that step (the projections'
+FLOPs at the measured matrix rate plus the KV cache's bytes at the measured copy bandwidth)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import time
 
 import torch
 
-from pagedllm.bench.hardware import matmul_flops, roofline_fraction
+from pagedllm.bench.hardware import copy_bandwidth, matmul_flops, roofline_fraction
 from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 
@@ -22,20 +27,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="also time each part of a decode step, measured in place")
+    p.add_argument("--profile-steps", type=int, default=16, help="decode steps timed by --profile")
     p.add_argument("--output-json", default="results/bench_latency.json")
     p.set_defaults(func=run)
 
 
-def run_once(engine, batch: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:
-    """(time to first token, [duration of each decode step]) for one batch."""
+def _add_batch(engine, batch: int, input_len: int, output_len: int, seed: int) -> None:
     from pagedllm.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = engine.arch.vocab_size
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
     for i in range(batch):
         engine.add_request(f"{seed}-{i}", [rng.randint(100, vocab - 1) for _ in range(input_len)], params)
+
+
+def run_once(engine, batch: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:
+    """(time to first token, [duration of each decode step]) for one batch."""
+    start = time.perf_counter()
+    _add_batch(engine, batch, input_len, output_len, seed)
     first_token = None
     steps = []
     last = start
@@ -60,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = engine.executor.worker.dtype if hasattr(engine.executor, "worker") else torch.float32
     flops = matmul_flops(dtype)
     # Distinct prompts per run (seeds >= 0: Random(-1) equals Random(1)), so none hits the prefix cache.
-    run_once(engine, args.batch_size, args.input_len, 4, seed=args.num_iters)  # warm-up
+    if args.num_iters:  # --num-iters 0 --profile: the profile alone
+        run_once(engine, args.batch_size, args.input_len, 4, seed=args.num_iters)  # warm-up
     rows = []
     for i in range(args.num_iters):
         before = engine.get_stats().step_time
@@ -83,14 +95,58 @@ def run(args: argparse.Namespace) -> int:
                 "outputs_pct": 100 * spent["outputs"] / sum(spent.values()),
             }
         )
+    profile = _profile(engine, args, flops) if args.profile else None
     engine.shutdown()
     print(f"matrix products: {flops / 1e9:.0f} GFLOP/s ({dtype}); model: {engine.arch.num_parameters / 1e6:.1f}M parameters")
-    print(format_table(rows))
-    best = min(rows, key=lambda r: r["tpot_ms"])
-    print(f"best: TTFT {best['ttft_ms']:.1f} ms, TPOT {best['tpot_ms']:.2f} ms, {best['decode_tok_per_s']:.1f} tok/s, "
-          f"{best['roofline_pct']:.0f}% of the roofline")
+    if rows:
+        print(format_table(rows))
+        best = min(rows, key=lambda r: r["tpot_ms"])
+        print(f"best: TTFT {best['ttft_ms']:.1f} ms, TPOT {best['tpot_ms']:.2f} ms, {best['decode_tok_per_s']:.1f} tok/s, "
+              f"{best['roofline_pct']:.0f}% of the roofline")
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config["matmul_gflops"] = flops / 1e9
+    if profile is not None:
+        print(profile["text"])
+        config["profile"] = {k: v for k, v in profile.items() if k != "text"}
     path = write_json(args.output_json, "latency", config, rows)
     print(f"wrote {path}")
     return 0
+
+
+def _profile(engine, args: argparse.Namespace, flops: float) -> dict:
+    """Time each part of the decode steps of one more batch (prefilled first, untimed)."""
+    from pagedllm.bench.step_profile import profile_decode_steps, profile_rows
+
+    _add_batch(engine, args.batch_size, args.input_len, args.profile_steps + 2, seed=args.num_iters + 1)
+    prefilled: set[str] = set()
+    while len(prefilled) < args.batch_size and engine.has_unfinished_requests():
+        prefilled.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    engine.step()  # one decode step untimed: first-call costs stay out of the profile
+    steps, parts, calls = profile_decode_steps(engine, args.profile_steps)
+    while engine.has_unfinished_requests():
+        engine.step()
+    worker = engine.executor.worker
+    bandwidth = copy_bandwidth()
+    context = args.input_len + len(steps) // 2  # the mean context over the timed steps
+    kv_bytes = 2 * args.batch_size * context * worker.num_layers * worker.num_kv_heads * worker.head_dim
+    kv_bytes *= worker.cache_dtype.itemsize
+    matrix_s = 2 * engine.arch.num_parameters * args.batch_size / flops
+    bound_s = matrix_s + kv_bytes / bandwidth
+    step_s = sum(steps) / len(steps)
+    rows = profile_rows(steps, parts, calls)
+    lines = [
+        f"decode step profile: batch {args.batch_size}, context {context} (mean), {len(steps)} steps, "
+        f"dtype {worker.dtype}, KV cache {worker.cache_dtype}",
+        format_table(rows, ["part", "ms_per_step", "pct", "calls_per_step", "covers"]),
+        f"physical bound: {1e3 * bound_s:.1f} ms = matrix products {1e3 * matrix_s:.1f} ms "
+        f"({flops / 1e9:.0f} GFLOP/s measured) + KV reads {1e3 * kv_bytes / bandwidth:.1f} ms "
+        f"({kv_bytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s measured); step / bound = {step_s / bound_s:.2f}",
+    ]
+    return {
+        "text": "\n".join(lines),
+        "rows": rows,
+        "step_ms": 1e3 * step_s,
+        "bound_ms": 1e3 * bound_s,
+        "copy_bandwidth_gbps": bandwidth / 1e9,
+        "kv_bytes": kv_bytes,
+    }

