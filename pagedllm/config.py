@@ -53,6 +53,9 @@ class ModelConfig:
     seed: int = 0
     device: str = "auto"  # "auto", "cpu" or "cuda"
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    # A sequence's logits do not depend on what else is in the batch, how its prompt was chunked,
+    # whether its prefix was cached or it was preempted (see pagedllm.model.invariance and README).
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -113,6 +116,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     attention_backend: str = "auto"
+    batch_invariant: bool = False
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_gpu_blocks: int | None = None
@@ -169,6 +173,7 @@ class EngineArgs:
                 seed=self.seed,
                 device=self.device,
                 attention_backend=self.attention_backend,
+                batch_invariant=self.batch_invariant,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -95,7 +95,11 @@ def _triton_available(device: torch.device) -> bool:
 
 
 def get_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """`auto` picks the Triton kernels on a GPU (when Triton imports), the fast CPU kernel on a
     CPU (float32 and bfloat16, when it builds), else the reference backend."""
@@ -108,6 +112,11 @@ def get_attention_backend(
 
             fast = device.type == "cpu" and supports(dtype, cache_dtype or dtype) and cpu_kernels.available()
             name = "cpu" if fast else "reference"
+    if batch_invariant and name != "cpu":
+        raise ValueError(
+            f"batch_invariant=True needs the cpu attention backend (float32 or bfloat16 on a CPU, with the CPU "
+            f"kernels built), not {name!r}; drop batch_invariant or use attention_backend='cpu'."
+        )
     if name == "reference":
         from pagedllm.attention.reference import ReferenceAttentionBackend
 
@@ -115,7 +124,7 @@ def get_attention_backend(
     if name == "cpu":
         from pagedllm.attention.cpu import CPUAttentionBackend
 
-        return CPUAttentionBackend()
+        return CPUAttentionBackend(batch_invariant)
     if name == "triton":
         if not _triton_available(device):
             raise ValueError(

@@ -5,6 +5,11 @@ prefill), go through the C++ kernel, which reads keys and values in place throug
 tables, parallel over sequences and KV heads, with grouped-query attention computed per KV head
 (no repeated heads). A prompt with no cached context attends only to its own fresh keys and
 values, so it uses torch's fused causal attention on them directly.
+
+In batch-invariant mode (`batch_invariant=True`) a token's attention is computed in one fixed
+order whatever shares its step: every token goes through the kernel (fresh prompts included),
+and contexts are cut into partitions of a fixed size from their start, merged in order, instead
+of into as many partitions as keep the threads busy.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from pagedllm.utils import cdiv
 # Prompt tokens handled by one work item of the kernel: its keys and values are read once for
 # all of them.
 TILE_TOKENS = 16
+# In batch-invariant mode every context is cut into partitions of this many keys (rounded up to
+# whole blocks) from its start, whatever the batch holds, and merged in order.
+INVARIANT_PARTITION_TOKENS = 256
 
 # (compute dtype, KV cache dtype) -> the kernel's type suffix.
 _KERNELS = {
@@ -48,7 +56,7 @@ class _Plan:
     fresh_prompts: list[tuple[int, int]]  # (first token, length) of prompts without cached context
 
 
-def _plan(metadata: AttentionMetadata) -> _Plan:
+def _plan(metadata: AttentionMetadata, batch_invariant: bool) -> _Plan:
     query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
     seq_lens = np.asarray(metadata.seq_lens_list, dtype=np.int64)
     starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
@@ -56,7 +64,9 @@ def _plan(metadata: AttentionMetadata) -> _Plan:
     # Each token sees the context up to and including itself.
     offsets = np.arange(int(starts[-1])) - np.repeat(starts[:-1], query_lens)
     token_context = np.repeat(seq_lens - query_lens, query_lens) + offsets + 1
-    fresh = (query_lens > 1) & (seq_lens == query_lens)
+    # Batch-invariant: every token through the kernel, whose sums run in the same order for a
+    # token whether it comes alone (decode), in a tile of a prompt, or in a prompt with no context.
+    fresh = (query_lens > 1) & (seq_lens == query_lens) & (not batch_invariant)
     # Decodes are one-token items; other non-fresh sequences are cut into tiles.
     tiles = np.where(fresh, 0, cdiv(query_lens, TILE_TOKENS))
     item_seq = np.repeat(np.arange(len(query_lens)), tiles)
@@ -80,8 +90,9 @@ class CPUAttentionBackend(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
         self.lib = cpu_kernels.load()
+        self.batch_invariant = batch_invariant
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, head_dim)
@@ -106,20 +117,21 @@ class CPUAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
         plan = metadata.backend_plan
         if plan is None:
-            plan = metadata.backend_plan = _plan(metadata)
+            plan = metadata.backend_plan = _plan(metadata, self.batch_invariant)
         attention, _ = self._kernels(query.dtype, key_cache.dtype)
         query = query.contiguous()
         out = torch.empty_like(query)
         num_heads = query.shape[1]
         _, num_kv_heads, block_size, head_dim = key_cache.shape
         num_items = plan.item_seq.shape[0]
+        fixed_partition_blocks = cdiv(INVARIANT_PARTITION_TOKENS, block_size) if self.batch_invariant else 0
         if num_items:
             attention(
                 out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                 key_cache.stride(0), key_cache.stride(1), plan.block_tables.data_ptr(), plan.block_tables.shape[1],
                 plan.item_seq.data_ptr(), plan.item_first_token.data_ptr(), plan.item_num_tokens.data_ptr(), num_items,
                 plan.token_context.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
-                torch.get_num_threads(),
+                fixed_partition_blocks, torch.get_num_threads(),
             )
         if plan.fresh_prompts and key_cache.dtype != key.dtype:
             # Use the keys and values as the cache holds them, as later steps will see them.

@@ -24,8 +24,11 @@ from pagedllm.bench.datasets import BenchRequest, sample_requests
 from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 
-BACKENDS = ("pagedllm", "hf", "hf-cb", "vllm")
+# pagedllm-invariant: this engine in batch-invariant mode (batch_invariant=True), for its cost.
+BACKENDS = ("pagedllm", "pagedllm-invariant", "hf", "hf-cb", "vllm")
 PEERS = ("hf", "hf-cb", "vllm")
+# Each row's output rate is also given as a ratio to these, where they ran in the same dtype.
+RATIO_BASES = (*PEERS, "pagedllm")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -169,12 +172,15 @@ def _summarise(backend: str, raw: dict, requests: list[BenchRequest]) -> dict:
 
 def _run_backend(backend: str, args, engine_args, requests, max_model_len: int) -> dict:
     """One backend's raw result (elapsed_s, output_tokens, ...) in `engine_args.dtype`."""
-    if backend == "pagedllm":
+    if backend in ("pagedllm", "pagedllm-invariant"):
+        import dataclasses
+
         from pagedllm.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine.from_engine_args(engine_args)
+        invariant = backend == "pagedllm-invariant" or engine_args.batch_invariant
+        engine = LLMEngine.from_engine_args(dataclasses.replace(engine_args, batch_invariant=invariant))
         try:
-            return run_pagedllm(engine, requests, args.temperature)
+            return {**run_pagedllm(engine, requests, args.temperature), "batch_invariant": invariant}
         finally:
             engine.shutdown()
     if backend == "vllm":
@@ -224,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{backend} ({dtype}): {rows[-1]['output_tok_per_s']:.1f} output tok/s", flush=True)
     _add_ratios(rows)
     columns = ["backend", "dtype", "requests", "elapsed_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
-    extra = ("scheduler_pct", "peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", *(f"x_vs_{p}" for p in PEERS), "error")
+    extra = ("scheduler_pct", "peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", *(f"x_vs_{p}" for p in RATIO_BASES), "error")
     columns += [c for c in extra if any(c in r for r in rows)]
     print(format_table(rows, columns))
     best = _best_dtype_ratio(rows)
@@ -240,7 +246,7 @@ def _add_ratios(rows: list[dict]) -> None:
     """x_vs_<peer>: a row's output rate over the peer's in the same dtype."""
     base = {(r["backend"], r["dtype"]): r["output_tok_per_s"] for r in rows if "output_tok_per_s" in r}
     for row in rows:
-        for peer in PEERS:
+        for peer in RATIO_BASES:
             other = base.get((peer, row["dtype"]))
             if other and row["backend"] != peer and "output_tok_per_s" in row:
                 row[f"x_vs_{peer}"] = row["output_tok_per_s"] / other

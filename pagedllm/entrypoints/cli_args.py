@@ -27,6 +27,8 @@ _HELP = {
     "seed": "seed of the engine's random state (requests may carry their own seed)",
     "device": "auto, cpu or cuda",
     "attention_backend": "auto (triton on a GPU, cpu on a CPU), reference (the plain torch oracle), cpu or triton",
+    "batch_invariant": "a request's tokens never depend on the rest of the batch, chunking, prefix caching or "
+    "preemption: seeded sampling and greedy decoding reproduce under any load (float32 on a CPU)",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "bytes of KV cache (keys and values, all layers); default: 2 GiB on CPU",
     "gpu_memory_utilization": "on a GPU, the fraction of its memory the engine may use (weights, activations, KV cache)",

@@ -62,19 +62,23 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b with W in its packed layout; x: [..., in] float32."""
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, fixed_rows: int | None = None
+) -> torch.Tensor:
+    """x W^T + b with W in its packed layout; x: [..., in] float32. With `fixed_rows`, every
+    product runs at exactly that many rows (the last chunk padded)."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= CHUNK_ROWS:
-        out = _bucketed_linear(rows, packed, bias)
+    chunk_rows = fixed_rows or CHUNK_ROWS
+    if rows.shape[0] <= chunk_rows:
+        out = _bucketed_linear(rows, packed, bias, fixed_rows)
     else:
-        out = torch.cat([_bucketed_linear(chunk, packed, bias) for chunk in rows.split(CHUNK_ROWS)])
+        out = torch.cat([_bucketed_linear(chunk, packed, bias, fixed_rows) for chunk in rows.split(chunk_rows)])
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fixed_rows: int | None) -> torch.Tensor:
     rows = x.shape[0]
-    bucket = row_bucket(rows)
+    bucket = fixed_rows or row_bucket(rows)
     if bucket != rows:
         x = torch.nn.functional.pad(x, (0, 0, 0, bucket - rows))
     out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -58,7 +58,7 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = No
         return y + bias if bias is not None else y
     packed = getattr(weight, "packed", None)
     if packed is not None and x.dtype == torch.float32:
-        return onednn.packed_linear(x, packed, bias)
+        return onednn.packed_linear(x, packed, bias, getattr(weight, "row_tile", None))
     return F.linear(x, weight, bias)
 
 

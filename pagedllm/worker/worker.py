@@ -13,6 +13,7 @@ from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model import load_model, resolve_dtype
+from pagedllm.model.invariance import make_batch_invariant
 from pagedllm.model.memory import MemoryBudget, memory_budget
 from pagedllm.sampling import Sampler
 from pagedllm.transformers_utils import resolve_model
@@ -83,10 +84,20 @@ class Worker:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         cache_dtype = config.cache.kv_cache_dtype
         self.cache_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype, self.device)
-        self.backend = get_attention_backend(config.model.attention_backend, self.device, self.dtype, self.cache_dtype)
+        invariant = config.model.batch_invariant
+        if invariant and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(
+                f"batch_invariant=True is built for float32 on a CPU, not {self.dtype} on {self.device.type}; "
+                "use device='cpu' and dtype='float32', or drop batch_invariant."
+            )
+        self.backend = get_attention_backend(
+            config.model.attention_backend, self.device, self.dtype, self.cache_dtype, batch_invariant=invariant
+        )
         torch.manual_seed(config.model.seed)
         source = resolve_model(config.model.model)
         self.model = load_model(source, max_model_len, self.backend, self.dtype, self.device, tp)
+        if invariant:
+            make_batch_invariant(self.model)
         arch = self.model.cfg
         self.num_kv_heads = self.model.model.layers[0].self_attn.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim

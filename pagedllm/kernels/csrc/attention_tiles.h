@@ -126,12 +126,14 @@ inline void score_keys(const float* q, const T* keys, int n, int head_dim, float
     for (int r = 0; r < R; ++r)
       _mm_storeu_ps(scores + r * score_stride + j, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), vscale));
   }
+  // The last keys of a tile, one at a time, summed in the same order as hsum4 sums each of four
+  // keys above: a key's score then does not depend on how many keys share its tile.
   for (; j < n; ++j) {
     const T* k = keys + static_cast<int64_t>(j) * head_dim;
     for (int r = 0; r < R; ++r) {
       __m256 a = _mm256_setzero_ps();
       for (int d = 0; d < head_dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * head_dim + d), load8(k + d), a);
-      scores[r * score_stride + j] = hsum(a) * scale;
+      scores[r * score_stride + j] = _mm_cvtss_f32(hsum4(a, a, a, a)) * scale;
     }
   }
 }

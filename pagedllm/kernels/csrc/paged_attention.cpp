@@ -60,6 +60,9 @@ struct Problem {
   int64_t tile_elements;  // of one (block, KV head) tile
   bool adjacent_heads;    // a block's KV heads lie side by side: one prefetch covers them all
   bool vector;            // the AVX2 kernels apply (head_dim a multiple of 8)
+  // > 0: every context is cut into partitions of exactly this many blocks from its start, the
+  // same whatever else is in the batch (batch-invariant mode); 0: as many as keep threads busy.
+  int fixed_partition_blocks;
 };
 
 // One work unit: the query rows of an item (a tile of one sequence's query tokens) for a group
@@ -74,6 +77,7 @@ struct Unit {
 struct Plan {
   std::vector<Unit> units;
   std::vector<int> item_partitions;
+  std::vector<int> item_partition_blocks;
   int heads_per_unit;
   int64_t partial_rows;  // rows of partial results, over all split items
 };
@@ -102,14 +106,20 @@ Plan plan_units(const Problem<Q, T>& pb, int num_threads) {
   Plan plan;
   std::vector<int> item_blocks(num_items);
   std::vector<int>& item_partitions = plan.item_partitions;
+  std::vector<int>& item_partition_blocks = plan.item_partition_blocks;
   item_partitions.resize(num_items);
+  item_partition_blocks.resize(num_items);
   int64_t num_units = 0;
   for (int item = 0; item < num_items; ++item) {
     item_blocks[item] = (item_context(pb, item) + block_size - 1) / block_size;
-    int parts = item_blocks[item] / min_partition_blocks;
-    parts = parts < 1 ? 1 : parts > partitions_wanted ? partitions_wanted : parts;
-    // Whole blocks per partition; rounding up may leave fewer partitions than asked for.
-    const int per_part = (item_blocks[item] + parts - 1) / parts;
+    int per_part = pb.fixed_partition_blocks;
+    if (per_part <= 0) {
+      int parts = item_blocks[item] / min_partition_blocks;
+      parts = parts < 1 ? 1 : parts > partitions_wanted ? partitions_wanted : parts;
+      // Whole blocks per partition; rounding up may leave fewer partitions than asked for.
+      per_part = (item_blocks[item] + parts - 1) / parts;
+    }
+    item_partition_blocks[item] = per_part;
     item_partitions[item] = (item_blocks[item] + per_part - 1) / per_part;
     num_units += item_partitions[item];
   }
@@ -118,8 +128,7 @@ Plan plan_units(const Problem<Q, T>& pb, int num_threads) {
   plan.units.reserve(static_cast<size_t>(num_units) * (num_kv_heads / heads_per_unit));
   int64_t partial_rows = 0;
   for (int item = 0; item < num_items; ++item) {
-    const int parts = item_partitions[item], blocks = item_blocks[item];
-    const int per_part = (blocks + parts - 1) / parts;
+    const int parts = item_partitions[item], blocks = item_blocks[item], per_part = item_partition_blocks[item];
     const int rows = pb.item_num_tokens[item] * pb.group * heads_per_unit;
     for (int first_head = 0; first_head < num_kv_heads; first_head += heads_per_unit)
       for (int b = 0; b < blocks; b += per_part) {  // every token sees itself: blocks >= 1
@@ -375,7 +384,7 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
                const int32_t* item_seq, const int32_t* item_first_token, const int32_t* item_num_tokens,
                int num_items, const int32_t* token_context,
                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-               int num_threads) {
+               int fixed_partition_blocks, int num_threads) {
 #ifdef PAGED_AVX2
   const bool vector = head_dim % 8 == 0;
 #else
@@ -385,7 +394,8 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
   const Problem<Q, T> pb{out, query, key_cache, value_cache, block_stride, head_stride, block_tables,
                          block_table_stride, item_seq, item_first_token, item_num_tokens, num_items,
                          token_context, num_heads, num_kv_heads, head_dim, block_size, scale,
-                         num_heads / num_kv_heads, tile_elements, head_stride == tile_elements, vector};
+                         num_heads / num_kv_heads, tile_elements, head_stride == tile_elements, vector,
+                         fixed_partition_blocks};
   const Plan plan = plan_units(pb, num_threads);
   std::vector<float> partials(static_cast<size_t>(plan.partial_rows) * partial_width(head_dim));
 
@@ -412,12 +422,12 @@ extern "C" {
             int64_t block_table_stride, const int32_t* item_seq, const int32_t* item_first_token,  \
             const int32_t* item_num_tokens, int num_items, const int32_t* token_context,           \
             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,            \
-            int num_threads) {                                                                     \
+            int fixed_partition_blocks, int num_threads) {                                         \
     attention<Q, T>(static_cast<Q*>(out), static_cast<const Q*>(query),                            \
                     static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),          \
                     block_stride, head_stride, block_tables, block_table_stride, item_seq,         \
                     item_first_token, item_num_tokens, num_items, token_context, num_heads,        \
-                    num_kv_heads, head_dim, block_size, scale, num_threads);                       \
+                    num_kv_heads, head_dim, block_size, scale, fixed_partition_blocks, num_threads);  \
   }
 
 PAGED_ATTENTION_ENTRY(paged_attention_f32_f32, float, float)
