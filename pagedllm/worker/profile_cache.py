@@ -3,9 +3,9 @@
 `preemption_mode="auto"` needs what swapping a block and recomputing a token cost on this
 machine. Measuring it takes a few model runs at start-up (1 s on a quiet 2-core machine, 5-30 s
 on a busy one), and a measurement taken while neighbours kept the cores busy is not what the
-server will see. So it is measured once per machine, model and configuration (the fastest of two
-runs of each), kept in the cache folder as JSON, and read back by later starts: they start faster
-and decide the same way every time. `PAGEDLLM_MODEL_CACHE=0` measures on every start.
+server will see. So it is measured once per machine, model and configuration, kept in the cache
+folder as JSON, and read back by later starts: they start faster and decide the same way every
+time (delete `profiles/` under the cache folder to measure again). `PAGEDLLM_MODEL_CACHE=0` measures on every start.
 """
 
 from __future__ import annotations

@@ -198,7 +198,8 @@ class Worker:
         return cached_preemption_costs(parts, lambda: self._measure_preemption_costs(num, num_tokens))
 
     def _measure_preemption_costs(self, num_blocks: int, num_tokens: int) -> tuple[float, float]:
-        """The fastest of two runs of each: a run slowed by a neighbour is not the machine's cost."""
+        """The faster of two swaps (cheap; a run slowed by a neighbour is not the machine's cost),
+        and one prefill after a warm-up one (each costs a forward pass on a cold start)."""
         cache = self.cache_engine
         swap_cost = float("inf")
         if num_blocks:
@@ -212,7 +213,7 @@ class Worker:
                 self._synchronize()
                 times.append(time.perf_counter() - start)
             swap_cost = min(times) / num_blocks
-        recompute_cost = min(self.runner.time_prefill(num_tokens, repeats=2)) / num_tokens
+        recompute_cost = min(self.runner.time_prefill(num_tokens)) / num_tokens
         return swap_cost, recompute_cost
 
     def memory_budget(self) -> MemoryBudget:
