@@ -114,6 +114,24 @@ def test_a_compiling_grammar_holds_back_only_its_own_request(llm, monkeypatch):
     assert_valid_json(finished["constrained"].outputs[0].text)
 
 
+def test_the_grammar_cache_keeps_the_most_recently_used_and_no_more(llm, monkeypatch):
+    """A client sending ever new schemas must not grow the server's memory without end."""
+    from pagedllm.engine import constraints as constraints_module
+
+    monkeypatch.setattr(constraints_module, "MAX_CACHED_GRAMMARS", 3)
+    cache = llm.llm_engine.constraints
+    specs = [StructuredOutputsParams(regex=f"[a-c]{{{n}}}") for n in range(1, 6)]
+    futures = [cache.compile(spec) for spec in specs[:3]]
+    [future.result() for future in futures]
+    assert cache.compile(specs[0]) is futures[0]  # reused, and now the most recently used
+    for spec in specs[3:]:
+        cache.compile(spec).result()
+    assert len(cache._compiled) == 3 and len(cache.compile_seconds) <= 3
+    assert cache.compile(specs[0]) is futures[0]  # kept: the least recently used ones went
+    recompiled = cache.compile(specs[1])
+    assert recompiled is not futures[1] and recompiled.result() is not None
+
+
 @pytest.mark.parametrize(
     "spec, param",
     [

@@ -12,6 +12,7 @@ a row of the step's token bitmask, which the driver's sampler applies to the log
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import copy
 import json
@@ -23,6 +24,10 @@ from pagedllm.core import SchedulerOutput, Sequence, SequenceGroup
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
+
+# Compiled grammars kept for reuse, least recently used dropped first: clients sending ever new
+# schemas must not grow the server's memory without end.
+MAX_CACHED_GRAMMARS = 256
 
 
 def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
@@ -41,7 +46,7 @@ class RequestConstraints:
         self._pool: ThreadPoolExecutor | None = None
         self._compiler = None  # pagedllm.structured.GrammarCompiler, built on the compile thread
         self._compiler_error = ""
-        self._compiled: dict[tuple[str, str], Future] = {}
+        self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()
         # Requests waiting for their grammar: request id -> (group, compiled grammar's future).
         self.pending: dict[str, tuple[SequenceGroup, Future]] = {}
         self.compile_seconds: dict[tuple[str, str], float] = {}  # per spec, for benchmarks
@@ -54,12 +59,17 @@ class RequestConstraints:
         key = spec_key(spec)
         with self._lock:
             future = self._compiled.get(key)
-            if future is None:
+            if future is not None:
+                self._compiled.move_to_end(key)
+            else:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
                     tokenizer = copy.deepcopy(self._tokenizer)  # a fast tokenizer is not shared across threads
                     self._pool.submit(self._start_compiler, tokenizer)
                 future = self._compiled[key] = self._pool.submit(self._compile, key, spec)
+                while len(self._compiled) > MAX_CACHED_GRAMMARS:  # requests hold their own futures
+                    evicted, _ = self._compiled.popitem(last=False)
+                    self.compile_seconds.pop(evicted, None)
         return future
 
     def _start_compiler(self, tokenizer) -> None:
