@@ -229,3 +229,33 @@ def test_stats_snapshot_counts_tokens(tiny_llama, prompts):
     assert stats.num_generation_tokens == 20
     assert stats.num_computed_tokens == num_prompt + 4 * 4  # the 5th token of each is never fed back
     assert stats.num_running == stats.num_waiting == stats.num_preemptions == 0
+
+
+def test_a_failed_step_still_tells_the_workers_which_requests_finished(tiny_llama, monkeypatch):
+    """A step's message carries the requests that finished since the last one, so that workers
+    drop their state (a seeded request's generator). If that step raises, the next one carries them."""
+    engine = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=32).llm_engine
+    sampler = engine.executor.worker.runner.sampler
+    engine.add_request("seeded", [5, 6, 7], SamplingParams(temperature=1.0, seed=3, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(key[0] == "seeded" for key in sampler._generators)  # dropped with the next step's message
+
+    real, failed = engine.core.execute, []
+
+    def fail_once(scheduled):
+        if not failed:
+            failed.append(scheduled)
+            raise RuntimeError("injected fault")
+        return real(scheduled)
+
+    monkeypatch.setattr(engine.core, "execute", fail_once)
+    engine.add_request("next", [8, 9], SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.step()
+    assert failed[0].finished_request_ids == ["seeded"]
+    engine.abort_request("next")  # what the server's recovery does with the requests in flight
+    engine.add_request("probe", [8, 9], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not any(key[0] == "seeded" for key in sampler._generators)

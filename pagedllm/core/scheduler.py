@@ -131,6 +131,11 @@ class Scheduler:
             finished_request_ids=finished,
         )
 
+    def requeue_finished(self, request_ids: list[str]) -> None:
+        """Finished requests a step's message carried but the workers may not have seen (the step
+        failed): they go out again with the next step, so workers drop their state for them."""
+        self._finished_request_ids[:0] = request_ids
+
     def _schedule_running(self, step: _Step) -> None:
         """Running groups, oldest first; preempt from the newest end when blocks run out."""
         index = 0

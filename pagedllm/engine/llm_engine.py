@@ -267,6 +267,9 @@ class LLMEngine:
                 result = self.core.execute(scheduled)
         except WorkerDiedError as exc:
             return outputs + self._fail_everything(str(exc))
+        except BaseException:
+            self.core.scheduler.requeue_finished(scheduled.finished_request_ids)
+            raise
         self.num_steps += 1
         now = time.monotonic()
         with self.timer.part("scheduler"):
