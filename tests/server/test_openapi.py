@@ -36,6 +36,16 @@ def test_every_post_documents_400_in_openai_error_shape(openapi):
         assert set(detail["properties"]) == {"message", "type", "param", "code"}, path
 
 
+def test_every_route_with_a_body_documents_the_body_limits(openapi):
+    """408 (a stalled body) and 413 (too large) come from the body-limit middleware, in OpenAI's shape."""
+    for path, method, op in _operations(openapi):
+        if "requestBody" not in op:
+            continue
+        for status in ("408", "413"):
+            body = op["responses"][status]["content"]["application/json"]["schema"]
+            assert body["$ref"].endswith("/ErrorResponse"), (path, status)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_generation_routes_document_json_and_event_streams(openapi, path):
     content = openapi["paths"][path]["post"]["responses"]["200"]["content"]

@@ -57,6 +57,8 @@ SHUTDOWN_GRACE_S = 3.0
 
 # The generation routes answer JSON, or with `"stream": true`, server-sent events: the schema
 # of each event, whose data is a chunk in OpenAI's shape (JSON), the last one `[DONE]`.
+# Answered by the body-limit middleware (body_limit.py) for any route that reads a body.
+_BODY_LIMITS = (408, 413)
 _STREAMED_200 = {
     200: {
         "description": "The completion; with `stream`, server-sent events ending in `data: [DONE]`.",
@@ -124,12 +126,12 @@ def build_app(
         ]
         return {"object": "list", "data": cards}
 
-    @v1.post("/completions", responses={**_STREAMED_200, **documented_errors(400, 404, 503)})
+    @v1.post("/completions", responses={**_STREAMED_200, **documented_errors(400, 404, *_BODY_LIMITS, 503)})
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         request_fields.prepare(request)
         return await completions.create_completion(request, raw_request)
 
-    @v1.post("/chat/completions", responses={**_STREAMED_200, **documented_errors(400, 404, 503)})
+    @v1.post("/chat/completions", responses={**_STREAMED_200, **documented_errors(400, 404, *_BODY_LIMITS, 503)})
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         request_fields.prepare(request)
         return await chat.create_chat_completion(request, raw_request)
@@ -137,7 +139,7 @@ def build_app(
     app.include_router(v1)
     app.include_router(dashboard_router(engine, api_keys))  # /dashboard, its events, /debug/kv
 
-    @app.post("/tokenize", responses=documented_errors(400, 404))
+    @app.post("/tokenize", responses=documented_errors(400, 404, *_BODY_LIMITS))
     async def tokenize(request: TokenizeRequest) -> dict:
         completions.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
@@ -148,7 +150,7 @@ def build_app(
             tokens = await completions.encode(request.prompt, request.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize", responses=documented_errors(400, 404))
+    @app.post("/detokenize", responses=documented_errors(400, 404, *_BODY_LIMITS))
     async def detokenize(request: DetokenizeRequest) -> dict:
         completions.check_model(request.model)
         vocab = completions.vocab_size

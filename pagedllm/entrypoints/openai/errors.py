@@ -41,6 +41,8 @@ _ERROR_DESCRIPTIONS = {
     400: "A bad parameter, a malformed body or a prompt too long for the context; `param` names the field.",
     401: "Missing or incorrect API key.",
     404: "The model does not exist.",
+    408: "The client paused longer than --body-idle-timeout while sending the body; the connection is closed.",
+    413: "The body is larger than --max-body-bytes (refused before it is read).",
     503: "The engine is not running.",
 }
 
