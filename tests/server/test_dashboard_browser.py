@@ -69,6 +69,7 @@ def test_debug_kv_folds_the_grid_to_max_cells_and_refuses_a_bad_one(server_url):
     assert folded["kv"]["device"]["blocks_per_cell"] == 16  # 160 blocks in 10 cells
     bad = httpx.get(server_url + "/debug/kv", params={"max_cells": 0}, headers=auth)
     assert bad.status_code == 400 and "max_cells" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "max_cells"  # the query parameter's own name
 
 
 def _complete(server_url: str, body: dict, results: list) -> None:

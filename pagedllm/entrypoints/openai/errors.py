@@ -109,7 +109,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"The request body is not valid JSON: {detail}.", None
     parts, first_param = [], None
     for error in errors:
-        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        # A body field's location starts with "body", a query parameter's with "query": the
+        # field's own name is what a client must change.
+        loc = [str(p) for p in error.get("loc", ())]
+        loc = loc[1:] if loc[:1] in (["body"], ["query"], ["path"], ["header"]) else loc
         first_param = first_param or (loc[0] if loc else None)
         if loc and loc[0] in _FORMS:  # one line for a field of several forms, not one per form
             part = f"{loc[0]}: {_FORMS[loc[0]]}"
