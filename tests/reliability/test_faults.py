@@ -232,6 +232,38 @@ def test_a_killed_tensor_parallel_worker_fails_requests_and_the_server_exits_cle
         assert status == 1 and "Application shutdown complete" in text and not leftovers, text[-3000:]
 
 
+def test_clients_that_stall_before_their_headers_end_get_408_and_are_closed(served, figures):
+    """Slowloris: clients that connect and send nothing, or half a header line, or a whole request
+    and then half of the next one's headers, must not hold their connections forever."""
+    port = int(served.url.rsplit(":", 1)[1])
+    sends = [b"", b"POST /v1/completions HTTP/1.1\r\nHost: local", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /hea"]
+    sockets = []
+    for data in sends * 3:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(data)
+        sockets.append(sock)
+    stalled_at = time.monotonic()
+    assert httpx.get(served.url + "/health", timeout=30).status_code == 200  # served meanwhile
+    answers = []
+    for sock in sockets:
+        sock.settimeout(BODY_IDLE_TIMEOUT_S + 30)
+        data = b""
+        while chunk := sock.recv(65536):  # until the server closes the connection
+            data += chunk
+        answers.append((data, time.monotonic() - stalled_at))
+        sock.close()
+    closed_after = max(seconds for _, seconds in answers)
+    figures(
+        "fault: clients stall in their headers",
+        f"{len(sockets)} clients sent nothing, half a header, or a request and half the next one's headers; each got "
+        f"408 and its connection closed {closed_after:.1f} s after stalling (--body-idle-timeout {BODY_IDLE_TIMEOUT_S:g})",
+    )
+    for (data, _), sent in zip(answers, sends * 3):
+        last = data.rsplit(b"HTTP/1.1 ", 1)[-1]  # after the answer to the whole request, if one was sent
+        assert last.startswith(b"408 Request Timeout") and b"--body-idle-timeout" in last, (sent, data[-300:])
+    assert closed_after < BODY_IDLE_TIMEOUT_S + 5
+
+
 def test_a_client_that_stalls_mid_body_gets_408_and_others_are_served(served, figures):
     """Ten clients declare 1000 bytes, send 10 and stall; requests meanwhile are served as usual;
     each stalled client gets 408 after --body-idle-timeout and its connection is closed."""

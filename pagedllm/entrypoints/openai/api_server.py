@@ -232,6 +232,8 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
     loaded, unless given); `server.run()` serves until interrupted."""
     import uvicorn
 
+    from pagedllm.entrypoints.openai.header_timeout import header_timeout_protocol
+
     from pagedllm.entrypoints.cli_args import engine_args_from
 
     options = server_options_from(args)  # bad option values fail before the model loads
@@ -276,6 +278,7 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
         app,
         host=args.host,
         port=args.port,
+        http=header_timeout_protocol(args.body_idle_timeout),  # uvicorn waits for headers forever
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         # Room for the requests in flight to finish or end with their error before uvicorn

@@ -60,8 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     server.add_argument(
         "--body-idle-timeout", type=float, default=DEFAULT_BODY_IDLE_TIMEOUT_S,
-        help="seconds a client may pause while sending a request body before it gets 408 and its connection "
-        "is closed (default: %(default)s)",
+        help="seconds a client may pause while sending a request body, and the most its request's headers may "
+        "take to arrive, before it gets 408 and its connection is closed (default: %(default)s)",
     )
     server.add_argument(
         "--shutdown-timeout", type=float, default=10.0,
