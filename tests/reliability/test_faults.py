@@ -232,6 +232,19 @@ def test_a_killed_tensor_parallel_worker_fails_requests_and_the_server_exits_cle
         assert status == 1 and "Application shutdown complete" in text and not leftovers, text[-3000:]
 
 
+def _answers_until_closed(sockets: list[socket.socket], since: float) -> list[tuple[bytes, float]]:
+    """What each socket received until the server closed it, and when that was (since `since`)."""
+    answers = []
+    for sock in sockets:
+        sock.settimeout(BODY_IDLE_TIMEOUT_S + 30)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        answers.append((data, time.monotonic() - since))
+        sock.close()
+    return answers
+
+
 def test_clients_that_stall_before_their_headers_end_get_408_and_are_closed(served, figures):
     """Slowloris: clients that connect and send nothing, or half a header line, or a whole request
     and then half of the next one's headers, must not hold their connections forever."""
@@ -244,14 +257,7 @@ def test_clients_that_stall_before_their_headers_end_get_408_and_are_closed(serv
         sockets.append(sock)
     stalled_at = time.monotonic()
     assert httpx.get(served.url + "/health", timeout=30).status_code == 200  # served meanwhile
-    answers = []
-    for sock in sockets:
-        sock.settimeout(BODY_IDLE_TIMEOUT_S + 30)
-        data = b""
-        while chunk := sock.recv(65536):  # until the server closes the connection
-            data += chunk
-        answers.append((data, time.monotonic() - stalled_at))
-        sock.close()
+    answers = _answers_until_closed(sockets, stalled_at)
     closed_after = max(seconds for _, seconds in answers)
     figures(
         "fault: clients stall in their headers",
@@ -285,14 +291,7 @@ def test_a_client_that_stalls_mid_body_gets_408_and_others_are_served(served, fi
 
     served_meanwhile = asyncio.run(others())
     served_within = time.monotonic() - stalled_at
-    answers = []
-    for sock in stalled:
-        sock.settimeout(BODY_IDLE_TIMEOUT_S + 30)
-        data = b""
-        while chunk := sock.recv(65536):  # until the server closes the connection
-            data += chunk
-        answers.append((data, time.monotonic() - stalled_at))
-        sock.close()
+    answers = _answers_until_closed(stalled, stalled_at)
     statuses = [data.split(b"\r\n", 1)[0].decode() for data, _ in answers]
     closed_after = max(seconds for _, seconds in answers)
     figures(
