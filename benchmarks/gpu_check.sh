@@ -5,14 +5,19 @@
 # results/gpu_check).
 #
 #   bash benchmarks/gpu_check.sh            # everything
-#   QUICK=1 bash benchmarks/gpu_check.sh    # fewer shapes and requests (about 3 minutes)
+#   QUICK=1 bash benchmarks/gpu_check.sh    # fewer shapes and requests (about 4 minutes)
 #
-# 1. the Triton kernel tests, compiled (pytest -m gpu), and the GPU memory sizing test;
+# 1. the Triton kernel tests, compiled (pytest -m gpu), the GPU memory sizing test, CUDA graphs
+#    and swaps on the side stream;
 # 2. greedy output of the default model's architecture (random weights: its file cannot travel)
-#    on the GPU, equal to transformers on the GPU (float32; bfloat16 reported);
+#    on the GPU, equal to transformers on the GPU (float32; bfloat16 reported), with CUDA graphs
+#    and without (--enforce-eager);
 # 3. pagedllm bench kernel: paged decode vs contiguous SDPA at contexts 256-4096, batch 1-256,
 #    with GB/s against the GPU's measured copy bandwidth;
-# 4. pagedllm bench throughput --backend pagedllm hf hf-cb on a ~1B Llama shape.
+# 4. pagedllm bench latency on a ~1B Llama shape, decode steps with CUDA graphs and without;
+# 5. pagedllm bench throughput --backend pagedllm hf hf-cb on the ~1B Llama shape.
+# Each step has STEP_TIMEOUT seconds (default 300), so one that hangs does not take the rest.
+# ONLY="tests greedy" (or kernel, latency, throughput) runs those parts alone.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu_check}
@@ -22,11 +27,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
 status=()
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 step() {  # step NAME LOG COMMAND...: run, keep the log, note pass/fail and seconds
   local name=$1 log=$2; shift 2
   local start=$SECONDS
   echo "== $name: $*"
-  "$@" 2>&1 | tee "$OUT/$log"
+  timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "$OUT/$log"
   local rc=${PIPESTATUS[0]}
   status+=("$name|$rc|$((SECONDS - start))|$log")
 }
@@ -34,29 +40,42 @@ step() {  # step NAME LOG COMMAND...: run, keep the log, note pass/fail and seco
 nvidia-smi -L 2>&1 | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__); print(torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/gpu.txt"
 
-step models models.log $PY benchmarks/gpu_models.py --out "$MODELS"
+shapes="smollm2"; { want latency || want throughput; } && shapes="smollm2 llama-1b"
+step models models.log $PY benchmarks/gpu_models.py --out "$MODELS" --shapes $shapes
 export PAGEDLLM_TEST_TOKENIZER_DIR="$MODELS/tokenizer"
 
-step kernel-tests kernel_tests.log $PY -m pytest -q -p no:cacheprovider -m gpu -rs \
-  tests/test_triton_attention.py tests/test_gpu_memory.py
+want tests && step kernel-tests kernel_tests.log $PY -m pytest -q -p no:cacheprovider -m gpu -rs \
+  tests/test_triton_attention.py tests/test_gpu_memory.py tests/test_cuda_graphs.py
 
-step greedy greedy.log $PY benchmarks/gpu_greedy.py --model "$MODELS/smollm2" --output-json "$OUT/greedy.json"
+want greedy && step greedy greedy.log $PY benchmarks/gpu_greedy.py --model "$MODELS/smollm2" --output-json "$OUT/greedy.json"
 
 if [ -n "${QUICK:-}" ]; then
-  CONTEXTS="256 1024 4096"; BATCHES="1 64 256"; PROMPTS=64
+  # transformers' static batches (hf) take minutes on this trace: QUICK compares with its
+  # continuous batching (hf-cb), the peer of the issue's target.
+  CONTEXTS="256 1024 4096"; BATCHES="1 64 256"; PROMPTS=64; LATENCY_BATCHES="1 64"; HF="hf-cb"
 else
-  CONTEXTS="256 512 1024 2048 4096"; BATCHES="1 8 32 64 128 256"; PROMPTS=200
+  CONTEXTS="256 512 1024 2048 4096"; BATCHES="1 8 32 64 128 256"; PROMPTS=200; LATENCY_BATCHES="1 16 64 256"; HF="hf hf-cb"
 fi
-step bench-kernel bench_kernel.log $PY -m pagedllm bench kernel --device cuda --contexts $CONTEXTS \
+want kernel && step bench-kernel bench_kernel.log $PY -m pagedllm bench kernel --device cuda --contexts $CONTEXTS \
   --batches $BATCHES --max-reference-tokens 16384 --output-json "$OUT/bench_kernel.json"
 
-step bench-throughput bench_throughput.log $PY -m pagedllm bench throughput "$MODELS/llama-1b" \
-  --device cuda --max-model-len 2048 --num-prompts $PROMPTS --backend pagedllm hf hf-cb \
+want latency || LATENCY_BATCHES=""
+for batch in $LATENCY_BATCHES; do
+  for mode in graphs eager; do
+    flag=$([ $mode = eager ] && echo --enforce-eager)
+    step "latency-$mode-b$batch" "latency_${mode}_b$batch.log" $PY -m pagedllm bench latency "$MODELS/llama-1b" \
+      --device cuda --dtype bfloat16 --max-model-len 2048 --batch-size "$batch" --input-len 512 --output-len 64 \
+      --num-iters 3 $flag --output-json "$OUT/latency_${mode}_b$batch.json"
+  done
+done
+
+want throughput && step bench-throughput bench_throughput.log $PY -m pagedllm bench throughput "$MODELS/llama-1b" \
+  --device cuda --max-model-len 2048 --num-prompts $PROMPTS --backend pagedllm $HF \
   --output-json "$OUT/bench_throughput.json"
 
 echo
 echo "== GPU check summary ($(head -1 "$OUT/gpu.txt"))"
-printf '%-17s %-6s %6s  %s\n' step result secs "key line"
+printf '%-20s %-6s %6s  %s\n' step result secs "key line"
 for entry in "${status[@]}"; do
   IFS='|' read -r name rc secs log <<<"$entry"
   case $name in
@@ -75,10 +94,11 @@ if at:
 PYEOF
 ) ;;
     bench-throughput) key=$(grep -E "^(pagedllm|hf|hf-cb):" "$OUT/$log" | paste -sd ' ' -) ;;
+    latency-*) key=$(grep -E "^best:" "$OUT/$log") ;;
     *) key="" ;;
   esac
   result=$([ "$rc" = 0 ] && echo ok || echo FAIL)
-  printf '%-17s %-6s %6s  %s\n' "$name" "$result" "$secs" "$key"
+  printf '%-20s %-6s %6s  %s\n' "$name" "$result" "$secs" "$key"
 done
 failed=0
 for entry in "${status[@]}"; do [ "$(cut -d'|' -f2 <<<"$entry")" = 0 ] || failed=$((failed + 1)); done

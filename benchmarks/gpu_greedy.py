@@ -13,6 +13,7 @@ difference instead of failing on it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
@@ -57,14 +58,20 @@ def main() -> int:
         expected = [hf_greedy(hf, p, args.max_tokens) for p in batch]
         del hf
         torch.cuda.empty_cache()
-        llm = LLM(args.model, device=args.device, dtype=dtype, attention_backend=args.attention_backend,
-                  max_model_len=2048, max_num_batched_tokens=512, gpu_memory_utilization=0.5)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        outputs = llm.generate(batch, params, use_tqdm=False)
-        got = [o.outputs[0].token_ids for o in outputs]
-        stats = llm.llm_engine.get_stats()
-        del llm
-        torch.cuda.empty_cache()
+        runs = {}
+        for eager in (False, True):  # decode steps through CUDA graphs, then every step eagerly
+            llm = LLM(args.model, device=args.device, dtype=dtype, attention_backend=args.attention_backend,
+                      max_model_len=2048, max_num_batched_tokens=512, gpu_memory_utilization=0.5, enforce_eager=eager)
+            outputs = llm.generate(batch, params, use_tqdm=False)
+            graphs = llm.llm_engine.executor.worker.runner.graphs
+            runs[eager] = ([o.outputs[0].token_ids for o in outputs], llm.llm_engine.get_stats(),
+                           graphs.replays if graphs is not None else 0)
+            del llm, graphs  # the graphs hold the model, and through it the KV cache
+            gc.collect()
+            torch.cuda.empty_cache()
+        got, stats, replays = runs[False]
+        same_as_eager = sum(a == b for a, b in zip(got, runs[True][0]))
         agree = []
         for e, g in zip(expected, got):
             n = next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), min(len(e), len(g)))
@@ -72,9 +79,11 @@ def main() -> int:
         identical = sum(e == g for e, g in zip(expected, got))
         row = {"dtype": dtype, "prompts": len(batch), "identical": identical,
                "tokens_agreeing_before_first_difference": agree, "max_tokens": args.max_tokens,
-               "prefix_cache_hits": stats.prefix_cache_hits, "prefix_cache_queries": stats.prefix_cache_queries}
+               "prefix_cache_hits": stats.prefix_cache_hits, "prefix_cache_queries": stats.prefix_cache_queries,
+               "graph_replays": replays, "identical_to_eager": same_as_eager}
         rows.append(row)
         print(f"greedy {dtype}: {identical}/{len(batch)} prompts identical to transformers on {args.device}; "
+              f"{same_as_eager}/{len(batch)} identical with and without CUDA graphs ({replays} graph replays); "
               f"tokens agreeing before the first difference: {agree}", flush=True)
         print(json.dumps(row), flush=True)
         if dtype == "float32" and identical != len(batch):

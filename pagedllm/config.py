@@ -28,7 +28,6 @@ ARG_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory", "num_gpu_blocks_overr
 # vLLM engine arguments that change nothing here, and why; accepted with one log line each.
 INERT_ARGS = {
     "trust_remote_code": "pagedllm runs its own model code, never a model folder's",
-    "enforce_eager": "pagedllm always runs eagerly (no CUDA graphs)",
     "enable_chunked_prefill": "pagedllm always chunks long prompts to the step's token budget",
     "tokenizer_mode": "the tokenizer is always the model folder's (fast) one",
     "load_format": "the weights' format is found from the files",
@@ -56,6 +55,9 @@ class ModelConfig:
     # A sequence's logits do not depend on what else is in the batch, how its prompt was chunked,
     # whether its prefix was cached or it was preempted (see pagedllm.model.invariance and README).
     batch_invariant: bool = False
+    # On a GPU, decode steps replay CUDA graphs (pagedllm.worker.cuda_graphs); True runs every
+    # step eagerly.
+    enforce_eager: bool = False
 
 
 @dataclass
@@ -117,6 +119,7 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str = "auto"
     batch_invariant: bool = False
+    enforce_eager: bool = False
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_gpu_blocks: int | None = None
@@ -174,6 +177,7 @@ class EngineArgs:
                 device=self.device,
                 attention_backend=self.attention_backend,
                 batch_invariant=self.batch_invariant,
+                enforce_eager=self.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

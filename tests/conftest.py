@@ -77,3 +77,19 @@ def smollm_llm():
     from pagedllm import LLM
 
     return LLM(kv_cache_memory=256 << 20, max_model_len=2048)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def triton_device(request):
+    """The device a Triton test runs on: the CPU, in Triton's interpreter, and a GPU, compiled
+    (marked `gpu`; skipped, with the reason, where there is none)."""
+    from pagedllm.kernels.triton_attention import INTERPRETED
+
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device: this one checks the compiled kernels")
+        if INTERPRETED:
+            pytest.skip("TRITON_INTERPRET=1 is set, so Triton interprets even on the GPU; run without it")
+    elif not INTERPRETED:
+        pytest.skip("Triton compiles for the GPU in this process; CPU tensors need TRITON_INTERPRET=1 before it loads")
+    return torch.device(request.param)

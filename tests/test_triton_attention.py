@@ -30,16 +30,9 @@ from tests.helpers import random_prompts  # noqa: E402
 NUM_BLOCKS = 160
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    if request.param == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("needs a CUDA device: this one checks the compiled kernels")
-        if INTERPRETED:
-            pytest.skip("TRITON_INTERPRET=1 is set, so Triton interprets even on the GPU; run without it")
-    elif not INTERPRETED:
-        pytest.skip("Triton compiles for the GPU in this process; CPU tensors need TRITON_INTERPRET=1 before it loads")
-    return torch.device(request.param)
+@pytest.fixture
+def device(triton_device):
+    return triton_device
 
 
 def _batch(query_lens, context_lens, block_size, device, seed=0):

@@ -40,8 +40,8 @@ class ReferenceAttentionBackend(AttentionBackend):
             q = query[starts[i] : starts[i] + q_len].float()  # [q_len, num_heads, head_dim]
             scores = torch.einsum("qhd,khd->hqk", q, k) * scale
             # Query j sits at position ctx_len - q_len + j and sees keys up to that position.
-            q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
-            visible = torch.arange(ctx_len).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device).unsqueeze(1)
+            visible = torch.arange(ctx_len, device=query.device).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
             scores = scores.masked_fill(~visible, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[starts[i] : starts[i] + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)

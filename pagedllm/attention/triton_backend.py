@@ -114,7 +114,7 @@ def _plan(metadata: AttentionMetadata, group: int, head_dim: int, num_kv_heads: 
     query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
     seq_lens = np.asarray(metadata.seq_lens_list, dtype=np.int64)
     decode_only = bool((query_lens == 1).all())
-    block_m = max(DECODE_BLOCK_M if decode_only else PROMPT_BLOCK_M, 1 << (group - 1).bit_length())
+    block_m = _block_m(decode_only, group)
     tokens_per_item = block_m // group
     starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=starts[1:])
@@ -140,10 +140,28 @@ def _plan(metadata: AttentionMetadata, group: int, head_dim: int, num_kv_heads: 
     return _Plan(
         items=torch.from_numpy(items).to(device),
         block_m=block_m,
-        tile_n=64 if head_dim <= 128 else 32,
+        tile_n=_tile_n(head_dim),
         num_partitions=num_partitions,
         block_tables=block_tables.to(device),
     )
+
+
+def _block_m(decode_only: bool, group: int) -> int:
+    return max(DECODE_BLOCK_M if decode_only else PROMPT_BLOCK_M, 1 << (group - 1).bit_length())
+
+
+def _tile_n(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def decode_items(seq_lens: np.ndarray, size: int) -> np.ndarray:
+    """The work items of a decode-only step of len(seq_lens) sequences (sequence i's token is
+    flat token i), padded to `size` rows of empty items (no token: nothing read or written)."""
+    items = np.zeros((size, 4), dtype=np.int32)
+    items[:, 0] = items[:, 1] = np.arange(size)
+    items[: len(seq_lens), 2] = 1
+    items[: len(seq_lens), 3] = seq_lens - 1
+    return items
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -166,6 +184,18 @@ class TritonAttentionBackend(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         check_block_size(block_size)
         return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def static_decode_plan(self, items: torch.Tensor, block_tables: torch.Tensor, group: int, head_dim: int,
+                           num_kv_heads: int, max_seq_len: int) -> _Plan:
+        """The plan of a decode step over fixed buffers (a CUDA graph's): `items` ([size, 4] int32,
+        filled by `decode_items` before each replay) and `block_tables` ([size, max blocks] int32).
+        The flash-decoding split is fixed too, chosen for contexts of `max_seq_len`: partitions
+        past a shorter context see no key and weigh nothing in the merge."""
+        num_partitions = self.num_partitions or choose_num_partitions(
+            items.shape[0], num_kv_heads, max_seq_len, _target_programs(items.device)
+        )
+        return _Plan(items=items, block_m=_block_m(True, group), tile_n=_tile_n(head_dim),
+                     num_partitions=num_partitions, block_tables=block_tables)
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
         self.kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)

@@ -36,14 +36,20 @@ def _best_cuda_time(fn, repeats: int) -> float:
     return best
 
 
-def matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of a size x size x size matrix product: the faster of torch.mm and, in float32,
-    the oneDNN product with a packed weight that the engine's projections use."""
+def matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 5,
+                 device: torch.device | str = "cpu") -> float:
+    """FLOP/s of a size x size x size matrix product: the faster of torch.mm and, in float32 on
+    a CPU, the oneDNN product with a packed weight that the engine's projections use (on a GPU,
+    at least 8192: a GPU needs that size to be busy)."""
     from pagedllm.kernels import onednn
 
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    best = best_time(lambda: torch.mm(a, b), repeats)
+    if torch.device(device).type == "cuda":
+        size = max(size, 8192)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    best = best_time(lambda: torch.mm(a, b), repeats, device)
+    if torch.device(device).type == "cuda":
+        return 2 * size**3 / best
     packed = onednn.pack(b)
     if packed is not None:
         best = min(best, best_time(lambda: onednn.packed_linear(a, packed), repeats))

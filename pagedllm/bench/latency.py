@@ -68,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)
     engine_args.max_num_batched_tokens = max(engine_args.max_num_batched_tokens or 0, args.batch_size * args.input_len, 2048)
     engine = LLMEngine.from_engine_args(engine_args)
-    dtype = engine.executor.worker.dtype if hasattr(engine.executor, "worker") else torch.float32
-    flops = matmul_flops(dtype)
+    worker = getattr(engine.executor, "worker", None)
+    dtype = worker.dtype if worker is not None else torch.float32
+    flops = matmul_flops(dtype, device=worker.device if worker is not None else "cpu")
     # Distinct prompts per run (seeds >= 0: Random(-1) equals Random(1)), so none hits the prefix cache.
     if args.num_iters:  # --num-iters 0 --profile: the profile alone
         run_once(engine, args.batch_size, args.input_len, 4, seed=args.num_iters)  # warm-up
@@ -126,7 +127,7 @@ def _profile(engine, args: argparse.Namespace, flops: float) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     worker = engine.executor.worker
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(device=worker.device)
     context = args.input_len + len(steps) // 2  # the mean context over the timed steps
     kv_bytes = 2 * args.batch_size * context * worker.num_layers * worker.num_kv_heads * worker.head_dim
     kv_bytes *= worker.cache_dtype.itemsize

@@ -29,6 +29,7 @@ _HELP = {
     "attention_backend": "auto (triton on a GPU, cpu on a CPU), reference (the plain torch oracle), cpu or triton",
     "batch_invariant": "a request's tokens never depend on the rest of the batch, chunking, prefix caching or "
     "preemption: seeded sampling and greedy decoding reproduce under any load (float32 on a CPU)",
+    "enforce_eager": "on a GPU, run every step eagerly: no CUDA graphs of decode steps",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "bytes of KV cache (keys and values, all layers); default: 2 GiB on CPU",
     "gpu_memory_utilization": "on a GPU, the fraction of its memory the engine may use (weights, activations, KV cache)",
@@ -48,7 +49,7 @@ _HELP = {
     "top_k, repetition_penalty, max_new_tokens), vllm = none, or a folder holding one",
 }
 # Flags of engine arguments that take no value in vLLM (the rest of INERT_ARGS take one).
-_INERT_SWITCHES = ("trust_remote_code", "enforce_eager", "disable_log_requests", "disable_custom_all_reduce")
+_INERT_SWITCHES = ("trust_remote_code", "disable_log_requests", "disable_custom_all_reduce")
 _DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)
 _CHOICES = {"attention_backend": ATTENTION_BACKENDS, "dtype": _DTYPE_CHOICES, "kv_cache_dtype": _DTYPE_CHOICES, "preemption_mode": PREEMPTION_MODES, "kv_policy": KV_POLICIES, "device": ("auto", "cpu", "cuda")}
 

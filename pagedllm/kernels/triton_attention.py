@@ -5,8 +5,8 @@ Pools are [num_blocks, num_kv_heads, block_size, head_dim] (keys and values alik
 
 `write_kv` (vLLM's reshape_and_cache). Grid (cdiv(num_tokens, BLOCK_T),): a program copies the
 keys and values of BLOCK_T tokens, all KV heads at once, each into the slot `slot_mapping`
-names, casting to the pool's dtype. It reads the projection's output through its strides,
-without a copy.
+names, casting to the pool's dtype; a token whose slot is negative (padding) is skipped. It
+reads the projection's output through its strides, without a copy.
 
 `paged_attention`. The batch is cut into work items, each a run of at most BLOCK_M // GROUP
 consecutive query tokens of one sequence (a decode is a one-token item; a prompt chunk
@@ -123,8 +123,9 @@ def _write_kv_kernel(
     columns = tl.arange(0, KV_HEADS_PADDED * HEAD_DIM_PADDED)
     heads = columns // HEAD_DIM_PADDED
     dims = columns % HEAD_DIM_PADDED
-    mask = token_valid[:, None] & ((heads < NUM_KV_HEADS) & (dims < HEAD_DIM))[None, :]
-    slots = tl.load(slot_mapping_ptr + tokens, mask=token_valid, other=0)
+    slots = tl.load(slot_mapping_ptr + tokens, mask=token_valid, other=-1)
+    # A negative slot is padding (a CUDA graph's rows past the batch): nothing is written.
+    mask = (slots >= 0)[:, None] & ((heads < NUM_KV_HEADS) & (dims < HEAD_DIM))[None, :]
     cache_offsets = (
         ((slots // BLOCK_SIZE) * cache_stride_block + (slots % BLOCK_SIZE) * cache_stride_slot)[:, None]
         + (heads * cache_stride_head + dims)[None, :]
@@ -240,7 +241,8 @@ def _paged_attention_kernel(
         m = m_new
 
     if NUM_PARTITIONS == 1:
-        out = acc / l[:, None]
+        # l is 0 only on rows past the item's tokens (padding), which are not stored.
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(
             out_ptr + token_index[:, None] * out_stride_token + row_head[:, None] * out_stride_head + dims[None, :],
             _cast(out, out_ptr.dtype.element_ty),

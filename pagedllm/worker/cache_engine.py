@@ -23,6 +23,18 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
 
+def contiguous_runs(mapping: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first source, first destination, count) runs covering (source, destination) block pairs
+    where both sides are consecutive, so each run is one copy."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in sorted(mapping):
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
 class CacheEngine:
     def __init__(
         self,
@@ -56,6 +68,10 @@ class CacheEngine:
         # The swap space is touched only when something is swapped out.
         self.cpu_key_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.cpu_value_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        # On a GPU whose pools keep a block contiguous (blocks on dim 0), swaps are copies of runs
+        # of blocks between the device and pinned memory on a stream of their own: the host never
+        # waits for them (see `_swap`).
+        self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" and self.block_dim == 0 else None
 
     def _copy_blocks(self, src_pools, dst_pools, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
@@ -66,17 +82,38 @@ class CacheEngine:
         dim = self.block_dim
         for src, dst in zip(src_pools, dst_pools):
             # Gather first: a block may be a source and, elsewhere in the list, a destination.
-            dst.index_copy_(dim, dst_ids, src.index_select(dim, src_ids).to(device, non_blocking=True))
+            # A copy into host memory must be complete before the host scatters it: blocking.
+            gathered = src.index_select(dim, src_ids).to(device, non_blocking=device.type != "cpu")
+            dst.index_copy_(dim, dst_ids, gathered)
+
+    def _swap(self, src_pools, dst_pools, mapping: list[tuple[int, int]]) -> None:
+        """Copy blocks between the device and host pools. On a GPU the copies go on the swap
+        stream, after the work already queued on the compute stream (the last step's KV writes),
+        and the compute stream waits for them before the step's model runs: it may write into a
+        block just swapped out, or read one just swapped in. The host does not wait."""
+        if not mapping:
+            return
+        if self.swap_stream is None:
+            self._copy_blocks(src_pools, dst_pools, mapping)
+            return
+        compute = torch.cuda.current_stream(self.swap_stream.device)
+        self.swap_stream.wait_stream(compute)
+        runs = contiguous_runs(mapping)
+        with torch.cuda.stream(self.swap_stream):
+            for src, dst in zip(src_pools, dst_pools):
+                for first_src, first_dst, count in runs:
+                    dst[first_dst : first_dst + count].copy_(src[first_src : first_src + count], non_blocking=True)
+        compute.wait_stream(self.swap_stream)
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks: (device block, cpu block) pairs."""
-        self._copy_blocks(self.key_caches, self.cpu_key_caches, mapping)
-        self._copy_blocks(self.value_caches, self.cpu_value_caches, mapping)
+        self._swap(self.key_caches, self.cpu_key_caches, mapping)
+        self._swap(self.value_caches, self.cpu_value_caches, mapping)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy CPU blocks back to device blocks: (cpu block, device block) pairs."""
-        self._copy_blocks(self.cpu_key_caches, self.key_caches, mapping)
-        self._copy_blocks(self.cpu_value_caches, self.value_caches, mapping)
+        self._swap(self.cpu_key_caches, self.key_caches, mapping)
+        self._swap(self.cpu_value_caches, self.value_caches, mapping)
 
     def copy(self, mapping: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate device blocks, (source, destination) pairs."""

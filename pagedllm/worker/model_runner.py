@@ -14,6 +14,7 @@ from pagedllm.core.model_output import ModelRunnerOutput, SequenceStepOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.sampling import Sampler, prompt_logprobs
 from pagedllm.utils import cdiv
+from pagedllm.worker.cuda_graphs import DecodeGraphs
 
 
 def build_attention_metadata(
@@ -51,11 +52,13 @@ def build_attention_metadata(
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, device: torch.device, sampler: Sampler | None) -> None:
+    def __init__(self, model, block_size: int, device: torch.device, sampler: Sampler | None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.sampler = sampler  # only the driver samples
+        self.graphs = graphs  # decode steps replay CUDA graphs where they apply
 
     @torch.inference_mode()
     def time_prefill(self, num_tokens: int, repeats: int = 1) -> list[float]:
@@ -88,12 +91,17 @@ class ModelRunner:
             return ModelRunnerOutput() if self.sampler is not None else None
         # Decodes (one query token) first: backends take a fast path over that leading run.
         items = sorted(output.seqs, key=lambda item: len(item.token_ids) != 1)
-        input_ids, positions, metadata = build_attention_metadata(items, self.block_size, self.device)
-        hidden = self.model(input_ids, positions, metadata)
+        if self.graphs is not None and self.graphs.applies(items):
+            hidden = self.graphs.run(items)
+            query_lens = [1] * len(items)
+        else:
+            input_ids, positions, metadata = build_attention_metadata(items, self.block_size, self.device)
+            hidden = self.model(input_ids, positions, metadata)
+            query_lens = metadata.query_lens
 
         # Rows that need logits: each sampling sequence's last token, and prompt positions
         # whose log-probabilities were asked for.
-        starts = [0, *itertools.accumulate(metadata.query_lens)]  # host-side: no device sync
+        starts = [0, *itertools.accumulate(query_lens)]  # host-side: no device sync
         rows: list[int] = []
         sampling = [(i, item) for i, item in enumerate(items) if item.num_samples > 0]
         rows.extend(starts[i + 1] - 1 for i, _ in sampling)

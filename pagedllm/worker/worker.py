@@ -19,6 +19,7 @@ from pagedllm.sampling import Sampler
 from pagedllm.transformers_utils import resolve_model
 from pagedllm.utils import cdiv
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
+from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.host_pool import available_memory
 from pagedllm.worker.profile_cache import cached_preemption_costs, machine_identity, model_identity
 from pagedllm.worker.model_runner import ModelRunner, build_attention_metadata
@@ -176,7 +177,20 @@ class Worker:
         )
         self.model.bind_kv_cache(self.cache_engine.key_caches, self.cache_engine.value_caches)
         sampler = Sampler(self.config.model.seed) if self.tp.is_driver else None
-        self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device, sampler)
+        self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device, sampler, self._decode_graphs())
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps, captured now: on a GPU with the Triton backend, unless
+        `enforce_eager`. Tensor-parallel workers run eagerly (their all-reduces are not captured)."""
+        if self.device.type != "cuda" or self.backend.name != "triton" or self.config.model.enforce_eager:
+            return None
+        if self.tp.size > 1:
+            logger.info("CUDA graphs are off with tensor parallelism: decode steps run eagerly.")
+            return None
+        graphs = DecodeGraphs(self.model, self.backend, self.config.cache.block_size, self.max_model_len,
+                              self.config.scheduler.max_num_seqs, self.device)
+        graphs.capture()
+        return graphs
 
     def kv_cache_shape(self) -> tuple[int, ...]:
         """The shape of this worker's key (and value) pool of each layer."""

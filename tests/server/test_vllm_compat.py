@@ -20,7 +20,7 @@ ROOT = "/llm"
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 NUM_BLOCKS = 40
 GENERATION_CONFIG = {"temperature": 0.0, "max_new_tokens": 5, "top_k": 50}  # top_k 50 is transformers' default
-INERT_FLAGS = ["--trust-remote-code", "--enforce-eager", "--enable-chunked-prefill", "--disable-log-requests",
+INERT_FLAGS = ["--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests",
                "--tokenizer-mode", "auto"]
 
 
@@ -52,7 +52,7 @@ def compat_url(tiny_llama, tmp_path_factory, log):
     flags = ["serve", str(tiny_llama), "--port", "0", *SERVE_FLAGS,
              "--api-key", "k1", "--api-key", "k2", "k3", "--allowed-origins", json.dumps([ORIGIN]),
              "--root-path", ROOT, "--chat-template", TEMPLATE, "--trust-request-chat-template", "--generation-config", str(config_dir),
-             "--num-gpu-blocks-override", str(NUM_BLOCKS), "--dtype", "float", *INERT_FLAGS]
+             "--num-gpu-blocks-override", str(NUM_BLOCKS), "--dtype", "float", "--enforce-eager", *INERT_FLAGS]
     server, thread, url = start_server_thread(build_parser().parse_args(flags))
     yield url
     server.should_exit = True
@@ -151,7 +151,7 @@ def test_num_gpu_blocks_override_sets_the_block_count(compat_url):
 
 
 def test_flags_that_change_nothing_are_logged_once_each(compat_url, log):
-    for flag in ("--trust-remote-code", "--enforce-eager", "--enable-chunked-prefill", "--disable-log-requests",
+    for flag in ("--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests",
                  "--tokenizer-mode=auto"):
         assert sum(m.startswith(flag + " changes nothing") for m in log.messages) == 1, flag
 
