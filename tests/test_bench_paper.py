@@ -113,3 +113,22 @@ def test_requests_that_can_never_fit_fail_instead_of_stalling_the_simulation():
     run = simulate("Orca (Max)", trace, Setup("orca-max", scale), A100_OPT13B, 10.0)
     assert run.num_failed == 3
     assert simulate("vLLM", trace, Setup("paged", scale), A100_OPT13B, 10.0).num_failed == 0
+
+
+def test_a_search_runs_every_rate_through_the_runner_it_is_given():
+    """The real clock's search (`real_search.py`) is the simulated one with real runs plugged in."""
+    from types import SimpleNamespace
+
+    from pagedllm.bench.paper.search import Curve, sustained_rate
+
+    curve = Curve("vLLM", Setup("paged", A100_SCALE), requests=(([1, 2], 4),) * 1000, trace_seconds=1000)
+    tried = []
+
+    def run(c, rate):  # normalized latency grows with the rate; the bar of 1.0 is crossed at 1.0 req/s
+        tried.append(rate)
+        return SimpleNamespace(rate=rate, normalized_latency=rate, num_failed=0)
+
+    result = sustained_rate(curve, None, 1.0, 0.7, factor=1.25, refinements=1, run=run, light_load_point=False)
+    assert result.bracket[0] <= 1.0 <= result.bracket[1]
+    assert result.sustained_rate == pytest.approx(1.0, rel=0.02)
+    assert len(tried) == len(result.points) == 4  # 0.7, 0.875, 1.09 (over the bar), then one halving

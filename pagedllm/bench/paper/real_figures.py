@@ -21,18 +21,20 @@ from dataclasses import replace
 from pagedllm.bench.paper import plots
 from pagedllm.bench.paper.calibrate import fit
 from pagedllm.bench.paper.costs import StepWork
-from pagedllm.bench.paper.figures import (
+from pagedllm.bench.paper.context import (
     DATASET_NAMES,
     DATASETS,
     ORCAS,
     PAPER,
     Context,
-    _fmt_ratio,
-    _ratio,
-    _row,
+    fig12_target_rows,
+    format_ratio,
+    ratio_of,
+    summary_row,
     sustained,
 )
 from pagedllm.bench.paper.real import build_engine, run_real
+from pagedllm.bench.paper.real_search import real_sustained_rates
 from pagedllm.bench.paper.simulator import SYSTEMS, Setup, simulate
 from pagedllm.bench.paper.traces import make_trace
 
@@ -132,7 +134,7 @@ def fig12_real(ctx: Context) -> dict:
                 for p in points
             )
             summary.append(
-                _row(
+                summary_row(
                     "12 (validation)",
                     f"{DATASET_NAMES[dataset]}, {system}: normalized latency, simulated vs real (s/token)",
                     "-",
@@ -142,7 +144,12 @@ def fig12_real(ctx: Context) -> dict:
                 )
             )
     plot_validation(ctx.path("fig12"), runs, ctx.where())
-    return {"title": "Normalized latency, real vs simulated (validation)", "summary": summary, "data": runs}
+    result = {"title": "Normalized latency, real vs simulated (validation)", "summary": summary, "data": runs}
+    if ctx.real_search:  # Figure 12's target itself, on the real clock (long: see real_search.py)
+        search = real_sustained_rates(ctx)
+        summary += fig12_target_rows(ctx, {s: r["sustained_rate"] for s, r in search["systems"].items()})
+        result["sustained_search"] = search
+    return result
 
 
 def plot_validation(path, runs: dict, where: str) -> None:
@@ -168,14 +175,15 @@ def fig13_real(ctx: Context) -> dict:
         batches = {s: points[0]["real"]["mean_batched_requests"] for s, points in runs[dataset]["systems"].items()}
         data[dataset] = {"rate": rate, "mean_batched_requests": batches}
         panels.append({"title": f"{DATASET_NAMES[dataset]} ({rate:.2f} req/s)", "bars": batches})
-        oracle, maximum = _ratio(batches["vLLM"], batches["Orca (Oracle)"]), _ratio(batches["vLLM"], batches["Orca (Max)"])
+        oracle, maximum = (ratio_of(batches["vLLM"], batches[s]) for s in ("Orca (Oracle)", "Orca (Max)"))
+        name = DATASET_NAMES[dataset]
         summary += [
             # At 0.7x vLLM's rate vLLM is not memory-bound: these are not the saturated batches of
             # the paper's Figure 13 (the simulated figures measure those).
-            _row("13", f"{DATASET_NAMES[dataset]}: vLLM's batch / Orca (Oracle)'s, at light load", "2.2x (ShareGPT)",
-                 _fmt_ratio(oracle), ctx, "-"),
-            _row("13", f"{DATASET_NAMES[dataset]}: vLLM's batch / Orca (Max)'s, at light load", "4.3x (ShareGPT)",
-                 _fmt_ratio(maximum), ctx, "-"),
+            summary_row("13", f"{name}: vLLM's batch / Orca (Oracle)'s, at light load", "2.2x (ShareGPT)",
+                        format_ratio(oracle), ctx, "-"),
+            summary_row("13", f"{name}: vLLM's batch / Orca (Max)'s, at light load", "4.3x (ShareGPT)",
+                        format_ratio(maximum), ctx, "-"),
         ]
     plots.grouped_bars(ctx.path("fig13"), panels, f"Fig. 13 ({ctx.where()}): requests per step", "Mean batched requests")
     return {"title": "Average number of batched requests (real)", "summary": summary, "data": data}
@@ -193,7 +201,7 @@ def fig2_real(ctx: Context) -> dict:
         f"Fig. 2 ({ctx.where()}): ShareGPT at {runs['rate']:.2f} req/s, steps with requests waiting",
     )
     summary = [
-        _row(
+        summary_row(
             "2",
             f"{s}: KV slots holding token states (steps with requests waiting; all steps, from get_stats())",
             f"{PAPER['fig2_token_states'][s]}%",

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from pagedllm.bench.paper.costs import A100_OPT13B
+from pagedllm.bench.paper.profiles import CPU_SCALE
 
 FIGURE_ORDER = ["2", "11", "12", "12 (validation)", "13", "14", "15", "16", "18b", "19"]
 COMMANDS = """\
@@ -24,7 +25,12 @@ NOTES = {
     "2": "At the paper's scale the four shares land within two points of the paper's for every system. They are "
     "averaged over the steps with requests waiting, when memory is what limits the batch (the paper does not say at "
     "which load it measured). vLLM's remaining slots are the unfilled tails of last blocks and the 1% admission "
-    "watermark. On the cpu profile the pool has only 64 blocks, so those tails weigh more (vLLM 87%). The real-clock "
+    "watermark. On the cpu profile (32 blocks, ShareGPT lengths x1/4, no watermark: 1% of 32 blocks rounds to 0) "
+    "vLLM holds 84.5%: the tails of last blocks take 5.5% (3.7 sequences in flight of about 115 tokens, each leaving "
+    "7.5 slots of its last block empty on average; 1.7% on the A100), and 10% stays free because the head of the "
+    "queue, a preempted sequence on 77% of those steps, needs 5.9 blocks at once while 3.2 are free (1.4% on the "
+    "A100). Both shrink only with more and longer sequences in the pool (unscaled lengths, contexts of 2048 and 3072 "
+    "slots: 93%), and the CPU cannot batch many within the latency bar (Fig. 12). The real-clock "
     "runs are at 0.7x vLLM's rate, where vLLM's memory is mostly free: they show the engine's own statistic "
     "(`get_stats().kv_breakdown`, `/metrics`), not the paper's saturated picture.",
     "11": "Lengths are log-normal with the paper's means (the datasets are not available offline); truncation to the "
@@ -32,22 +38,28 @@ NOTES = {
     "12": "a100-opt13b: both ShareGPT ratios land inside the paper's ranges. FasterTransformer falls further behind "
     "than the paper's 22x: here every request of a static batch is answered when its longest sequence ends, and its "
     "decode steps are padded to the whole batch. Alpaca: vLLM/Orca (Oracle) is 1.6x; the paper too reports smaller "
-    "gains on Alpaca's short sequences. cpu: a CPU step costs about 25 ms plus 7 ms per decoding sequence (an A100's "
+    "gains on Alpaca's short sequences. cpu: a CPU step costs 26.7 ms plus 5.9 ms per decoding sequence (an A100's "
     "step is nearly flat in the batch: it reads the 26 GB of weights once whatever the batch), so twice the unloaded "
-    "latency is reached by a batch of 4-6 sequences before memory binds, and the ratios shrink to 1.0-1.9x. That is the "
+    "latency is reached at about 3.4 requests in flight even with unbounded memory (0.83 req/s on ShareGPT), and "
+    "batching b requests speeds each token up by at most b x 32.6 / (26.7 + 5.9 b) over one request alone: 2.2x at "
+    "b = 3. The 512-slot budget holds vLLM to 70% of that ceiling (memory-bound, as on the A100: 61%), yet its gain "
+    "is 1.33x over Orca (Oracle) and 2.44x over Orca (Max). No budget reaches 1.7x over Orca (Oracle): from 512 to "
+    "1024 slots the gain stays at 1.16-1.40x. Orca (Max) falls 2.7x behind only at 640-896 slots, where a fifth to a "
+    "third of its pool cannot hold a second maximum-length reservation (1024 slots, two reservations: 1.75x). That is the "
     "CPU's cost structure, not the memory manager: the same runs batch more requests with paged memory (Fig. 13), "
-    "and the real clock confirms the simulation's numbers (the validation rows).",
+    "and the real clock confirms the simulation's step cost (the validation rows).",
     "12 (validation)": "",
     "13": "Read at 1.25x vLLM's sustained rate, where every system's batch is what its memory holds; the baselines' "
     "batches then match the paper's within 0.2 requests. At exactly vLLM's sustained rate its batch is still set by "
-    "the load it keeps up with (the ratios in brackets), and on the CPU the batches stay small for the reason given "
-    "under Fig. 12.",
+    "the load it keeps up with (the ratios in brackets). On the CPU's 32 blocks vLLM holds 2.2x Orca (Oracle)'s token "
+    "states but only 1.5x its requests: it preempts (127 times in 174 requests), and each preempted sequence, back at "
+    "the head of the queue, waits until about 6 of the 32 blocks are free at once (Fig. 2).",
     "14": "The paper's gain over Orca (Oracle) grows with more samples and beams (1.3x to 2.3x) because sharing lets "
     "vLLM hold more sequences. Ours stays at 1.7-1.9x: in the roofline every sequence reads its whole context, shared "
     "blocks or not, so with several sequences per request vLLM becomes bound by memory bandwidth (about 190 sequences "
     "in flight) before it runs out of memory capacity, and Orca's block copies at HBM speed cost little. Basic "
-    "sampling on Alpaca already gives 1.6x here (the paper: 1.3x). In the cpu profile's 64 blocks Orca-Max cannot "
-    "hold a request of 4 or 6 maximum-length sequences at all, nor Orca (Oracle) the longest requests of 6.",
+    "sampling on Alpaca already gives 1.6x here (the paper: 1.3x). In the cpu profile's 32 blocks Orca-Max cannot "
+    "hold a request of two or more maximum-length sequences at all, nor Orca (Oracle) the longer requests of 4 or 6.",
     "15": "Savings as the paper defines them (blocks saved by sharing over blocks needed without sharing), averaged over "
     "the steps of a vLLM run at half its sustained rate. Parallel sampling on ShareGPT matches (33% at n=6, just "
     "above the paper's 30.5%); the rest come out higher, more so for wider beams. The beams here draw random log-probabilities, so the surviving beams descend "
@@ -163,7 +175,8 @@ def _validation(out_dir: Path) -> list[str]:
     path = out_dir / "fig12_real.json"
     if not path.exists():
         return []
-    data = json.loads(path.read_text())["results"]["data"]
+    payload = json.loads(path.read_text())
+    data = payload["results"]["data"]
     curves = [(dataset, system, points) for dataset, d in data.items() for system, points in d["systems"].items()]
     validated = sum(1 for *_, points in curves if min(abs(p["error"]) for p in points) <= 0.15)
     errors = [abs(p["error"]) for *_, points in curves for p in points]
@@ -181,6 +194,19 @@ def _validation(out_dir: Path) -> list[str]:
         "machine vary by +-20% (memory bandwidth taken by other programs), which sets the floor of this comparison.",
         "",
     ]
+    slots = payload.get("config", {}).get("scale", {}).get("kv_slots")
+    if slots != CPU_SCALE.kv_slots:
+        lines += [
+            f"These real runs were made at {slots} KV slots; the cpu profile now has {CPU_SCALE.kv_slots}. They validate "
+            "the step cost, not this budget's figures: rerun `--clock real`.",
+            "",
+        ]
+    if "sustained_search" not in payload["results"]:
+        lines += [
+            "Figure 12's target on the real clock (each system's sustained rate, searched with real runs) is not in "
+            "these runs: `pagedllm bench paper --clock real --figures 12 --real-search` adds it (about 45 minutes).",
+            "",
+        ]
     return lines
 
 
@@ -210,9 +236,11 @@ def _profiles(out_dir: Path) -> list[str]:
         cost, fit, scale = saved["cost"], saved.get("fit", {}), saved["scale"]
         lines += [
             f"**cpu** (simulated and real): the default model on one thread of this CPU ({saved.get('cpu')}), "
-            f"{scale['kv_slots']} KV slots, contexts of {scale['max_model_len']} tokens, block size {scale['block_size']}; "
-            "ShareGPT lengths x1/4, Alpaca's unscaled. A step costs, fitted by least squares to "
-            f"{fit.get('num_steps')} timed steps of the real engine serving calibration traces:",
+            f"{CPU_SCALE.kv_slots} KV slots (one maximum-length sequence), contexts of {CPU_SCALE.max_model_len} tokens, "
+            f"block size {CPU_SCALE.block_size}; ShareGPT lengths x1/4, Alpaca's unscaled; traces of 240 s (ShareGPT) "
+            "and 120 s (Alpaca). A step costs, fitted by least squares to "
+            f"{fit.get('num_steps')} timed steps of the real engine serving calibration traces "
+            f"(with {scale['kv_slots']} KV slots, so that batches of 1 to about 20 sequences occur):",
             "",
             f"- {cost['c_step'] * 1e3:.2f} ms + {cost['c_prefill'] * 1e3:.3f} ms per prompt token + {cost['c_decode'] * 1e3:.3f} ms "
             f"per decoding sequence + {cost['c_kv'] * 1e6:.3f} us per KV position read (R^2 {fit.get('r2', 0):.3f}, mean error per step "

@@ -15,11 +15,12 @@ their request order and lengths and differ only in load.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from pagedllm.bench.paper.simulator import RunResult, Setup, simulate
-from pagedllm.bench.paper.traces import make_trace
+from pagedllm.bench.paper.traces import TraceRequest, make_trace
 
 
 @dataclass(frozen=True)
@@ -63,23 +64,39 @@ def num_requests_at(curve: Curve, rate: float) -> int:
     return max(min(curve.min_requests, len(curve.requests)), min(len(curve.requests), round(rate * curve.trace_seconds)))
 
 
-def run_at(curve: Curve, cost, rate: float) -> RunResult:
+def trace_at(curve: Curve, rate: float) -> list[TraceRequest]:
+    """The requests a run of `curve` at `rate` serves, with their arrival times."""
     requests = list(curve.requests[: num_requests_at(curve, rate)])
-    trace = make_trace(requests, rate, curve.seed, curve.n, curve.beam_width)
+    return make_trace(requests, rate, curve.seed, curve.n, curve.beam_width)
+
+
+def run_at(curve: Curve, cost, rate: float) -> RunResult:
+    """`curve` at `rate`, on the simulated clock priced by `cost`."""
+    trace = trace_at(curve, rate)
     return simulate(curve.system, trace, curve.setup, cost, rate, track_sharing=curve.track_sharing, seed=curve.seed)
 
 
 def sustained_rate(
-    curve: Curve, cost, threshold: float, start: float, factor: float = 1.6, refinements: int = 2, max_moves: int = 10
+    curve: Curve,
+    cost,
+    threshold: float,
+    start: float,
+    factor: float = 1.6,
+    refinements: int = 2,
+    max_moves: int = 10,
+    run: Callable[[Curve, float], RunResult] | None = None,
+    light_load_point: bool = True,
 ) -> SearchResult:
     """The highest rate whose normalized latency is at most `threshold`, searched from `start`:
     bracketed within factor ** (1 / 2 ** refinements), then interpolated between the bracket's
-    ends (normalized latency linear in log rate)."""
+    ends (normalized latency linear in log rate). Each rate is run by `run(curve, rate)`: by
+    default simulated (`run_at` priced by `cost`), on the real clock by `real_search`."""
     result = SearchResult(curve.system, 0.0, threshold)
     latency: dict[float, float] = {}
+    run = run or (lambda c, rate: run_at(c, cost, rate))
 
     def ok(rate: float) -> bool:
-        point = run_at(curve, cost, rate)
+        point = run(curve, rate)
         result.points.append(point)
         latency[rate] = point.normalized_latency if point.num_failed == 0 else math.inf
         return latency[rate] <= threshold
@@ -126,7 +143,7 @@ def sustained_rate(
     if math.isfinite(latency[high]) and latency[high] > latency[low]:
         share = (threshold - latency[low]) / (latency[high] - latency[low])
         result.sustained_rate = low * (high / low) ** share
-    if min(p.rate for p in result.points) > 0.5 * low:
+    if light_load_point and min(p.rate for p in result.points) > 0.5 * low:
         ok(0.3 * low)  # one light-load point, so the curve shows where it starts
     return result
 
