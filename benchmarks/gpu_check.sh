@@ -89,8 +89,13 @@ longest = max(r["context"] for r in rows)
 best_long = max(r["paged_pct_of_copy"] for r in rows if r["context"] == longest)
 if at:
     r = at[0]
-    print(f"ctx 1024 batch 64: paged {r['paged_ms']:.3f} ms vs sdpa {r['sdpa_ms']:.3f} ms ({r['paged_vs_sdpa']:.2f}x; "
-          f"target <= 1.2x); ctx {longest}: best {best_long:.0f}% of copy bandwidth (target >= 60%)")
+    line = (f"ctx 1024 batch 64: paged {r['paged_ms']:.3f} ms vs sdpa {r['sdpa_ms']:.3f} ms ({r['paged_vs_sdpa']:.2f}x; "
+            f"target <= 1.2x); ctx {longest}: best {best_long:.0f}% of copy bandwidth (target >= 60%)")
+    if "paged_vs_sdpa_graph" in r:
+        best_graph = max(x.get("paged_graph_pct_of_copy", 0) for x in rows if x["context"] == longest)
+        line += (f"; from CUDA graphs: {r['paged_graph_ms']:.3f} vs {r['sdpa_graph_ms']:.3f} ms "
+                 f"({r['paged_vs_sdpa_graph']:.2f}x), ctx {longest}: {best_graph:.0f}% of copy")
+    print(line)
 PYEOF
 ) ;;
     bench-throughput) key=$(grep -E "^(pagedllm|hf|hf-cb):" "$OUT/$log" | paste -sd ' ' -) ;;

@@ -36,6 +36,23 @@ def _best_cuda_time(fn, repeats: int) -> float:
     return best
 
 
+def graph_time(fn, repeats: int, calls: int = 20) -> float | None:
+    """Seconds of one call of `fn` on a GPU without the host's launch costs: `calls` calls
+    captured in one CUDA graph, the fastest of `repeats` replays, over `calls` (what a decode
+    step that replays graphs pays). None where `fn` cannot be captured (it waits for the host)."""
+    fn()  # outside the capture: compiles kernels, builds what `fn` caches
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+    return best_time(graph.replay, repeats, "cuda") / calls
+
+
 def matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 5,
                  device: torch.device | str = "cpu") -> float:
     """FLOP/s of a size x size x size matrix product: the faster of torch.mm and, in float32 on
