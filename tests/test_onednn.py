@@ -36,8 +36,41 @@ def test_packed_linear_equals_f_linear(rows, bias):
 
 
 def test_pack_declines_what_it_cannot_take():
-    assert onednn.pack(torch.randn(8, 16, dtype=torch.bfloat16)) is None
     assert onednn.pack(torch.randn(16)) is None
+    assert onednn.pack(torch.randn(8, 16, dtype=torch.float64)) is None
+    for dtype in (torch.bfloat16, torch.float16):
+        packed = onednn.pack(torch.randn(8, 16, dtype=dtype))
+        assert (packed is not None) == onednn.packing_pays(dtype)
+
+
+def test_16_bit_packing_needs_the_instructions_and_survives_a_refusal(monkeypatch, caplog):
+    monkeypatch.setattr(onednn, "_has_16_bit_instructions", lambda dtype: False)
+    onednn.packing_pays.cache_clear()
+    try:
+        assert not onednn.packing_pays(torch.bfloat16) and onednn.packing_pays(torch.float32)
+        # A CPU that claims the instructions but whose oneDNN refuses the reorder (or any
+        # failure of the trial) falls back to F.linear, saying why.
+        monkeypatch.setattr(onednn, "_has_16_bit_instructions", lambda dtype: True)
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                            lambda *args: (_ for _ in ()).throw(RuntimeError("no bf16 path here")), raising=False)
+        onednn.packing_pays.cache_clear()
+        with caplog.at_level("INFO", logger="pagedllm"):
+            assert not onednn.packing_pays(torch.bfloat16)
+        assert "no bf16 path here" in caplog.text
+    finally:
+        onednn.packing_pays.cache_clear()
+
+
+@pytest.mark.skipif(not onednn._has_16_bit_instructions(torch.bfloat16),
+                    reason="needs a CPU with AVX-512 BF16 or AMX: oneDNN refuses bfloat16 reorders elsewhere")
+@pytest.mark.parametrize("rows", [1, 13, 300])
+def test_packed_bfloat16_linear_equals_a_float32_product_within_bfloat16_rounding(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 160, generator=gen).bfloat16()
+    x = torch.randn(rows, 160, generator=gen).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    expected = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(onednn.packed_linear(x, packed).float(), expected, rtol=1e-2, atol=0.1)
 
 
 def test_loaded_models_pack_every_projection_and_linear_uses_it(tiny_llama, monkeypatch):

@@ -1,6 +1,11 @@
-"""float32 matrix products through oneDNN, with each weight reordered once, at load time, into
-the blocked layout oneDNN's kernels read (what `torch.compile` does for CPU linears when it
-freezes weights).
+"""Matrix products through oneDNN, with each weight reordered once, at load time, into the
+blocked layout oneDNN's kernels read (what `torch.compile` does for CPU linears when it freezes
+weights).
+
+float32 weights are always packed. bfloat16 and float16 weights are packed where this CPU has
+oneDNN's 16-bit instructions (AVX-512 BF16 / AVX-512 FP16, AMX) and a packed product beats
+`F.linear` on a trial of decoding's shapes, measured once per process (`packing_pays`): on
+other CPUs oneDNN refuses 16-bit reorders, and `F.linear` serves them.
 
 `F.linear` goes to MKL's sgemm, which re-packs the weight on every call and, on AMD CPUs, runs
 far from the machine's peak for the skinny products of decoding (`pagedllm bench matmul`
@@ -22,9 +27,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
+import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger("pagedllm")
 
 
 @functools.cache
@@ -42,9 +52,68 @@ def available() -> bool:
     return torch.allclose(y, x @ w.t(), atol=1e-4)
 
 
+def _has_16_bit_instructions(dtype: torch.dtype) -> bool:
+    """Whether oneDNN runs `dtype` (bfloat16, float16) products natively on this CPU."""
+    check = {
+        torch.bfloat16: getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None),
+        torch.float16: getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None),
+    }.get(dtype)
+    try:
+        return bool(check is not None and check())
+    except RuntimeError:
+        return False
+
+
+# The trial of `packing_pays`: a projection of decoding's size at the row counts of small and
+# larger decode batches.
+_TRIAL_SHAPE = (1536, 1024)
+_TRIAL_ROWS = (1, 16, 64)
+
+
+@functools.cache
+def packing_pays(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` are packed: float32 always (`pagedllm bench matmul`); 16-bit
+    only where oneDNN has the instructions, its product agrees with F.linear, and it is faster
+    on the trial shapes (the best of three timings each, once per process, a few ms)."""
+    if dtype == torch.float32:
+        return available()
+    if not (available() and _has_16_bit_instructions(dtype)):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(*_TRIAL_SHAPE, generator=gen).to(dtype)
+    try:
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            inputs = [torch.randn(rows, _TRIAL_SHAPE[1], generator=gen).to(dtype) for rows in _TRIAL_ROWS]
+            for x in inputs:
+                expected = F.linear(x.float(), weight.float())
+                if not torch.allclose(_bucketed_linear(x, packed, None, None).float(), expected, rtol=2e-2, atol=0.5):
+                    logger.info("%s products: F.linear (oneDNN's packed product disagrees on a trial)", dtype)
+                    return False
+            packed_s = sum(_best_of(lambda: _bucketed_linear(x, packed, None, None)) for x in inputs)
+            plain_s = sum(_best_of(lambda: F.linear(x, weight)) for x in inputs)
+    except RuntimeError as exc:
+        logger.info("%s products: F.linear (oneDNN refused a packed weight: %s)", dtype, exc)
+        return False
+    logger.info("%s products: %s (trial: packed %.2f ms, F.linear %.2f ms)", dtype,
+                "oneDNN packed weights" if packed_s < plain_s else "F.linear", packed_s * 1e3, plain_s * 1e3)
+    return packed_s < plain_s
+
+
+def _best_of(fn, repeats: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN layout of a float32 CPU weight [out, in], or None where it does not apply."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or not available():
+    """The oneDNN layout of a CPU weight [out, in], or None where it does not apply (a dtype
+    whose packing does not pay here: `packing_pays`)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not packing_pays(weight.dtype):
         return None
     with torch.inference_mode():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
@@ -65,8 +134,8 @@ def row_bucket(rows: int) -> int:
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, fixed_rows: int | None = None
 ) -> torch.Tensor:
-    """x W^T + b with W in its packed layout; x: [..., in] float32. With `fixed_rows`, every
-    product runs at exactly that many rows (the last chunk padded)."""
+    """x W^T + b with W in its packed layout; x: [..., in] in the weight's dtype. With
+    `fixed_rows`, every product runs at exactly that many rows (the last chunk padded)."""
     rows = x.reshape(-1, x.shape[-1])
     chunk_rows = fixed_rows or CHUNK_ROWS
     if rows.shape[0] <= chunk_rows:

@@ -57,15 +57,15 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = No
         y = quantized_matmul(x, quantized)
         return y + bias if bias is not None else y
     packed = getattr(weight, "packed", None)
-    if packed is not None and x.dtype == torch.float32:
+    if packed is not None and x.dtype == weight.dtype:
         return onednn.packed_linear(x, packed, bias, getattr(weight, "row_tile", None))
     return F.linear(x, weight, bias)
 
 
 def prepare_linear_weights(model: nn.Module) -> int:
     """Lay out every projection weight of `model` for its kernels, once the weights are loaded
-    and placed: reordered for oneDNN (float32 on CPU), and quantized blocks unpacked for the
-    quantized kernel. Returns how many weights were packed for oneDNN.
+    and placed: reordered for oneDNN (on a CPU: float32, and 16-bit where it pays), and quantized
+    blocks unpacked for the quantized kernel. Returns how many weights were packed for oneDNN.
 
     Each form is kept only where a kernel reads it: the quantized kernel serves float32 on a
     CPU, so on other devices and dtypes the blocks are dropped rather than held unused."""
