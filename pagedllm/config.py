@@ -58,6 +58,9 @@ class ModelConfig:
     # On a GPU, decode steps replay CUDA graphs (pagedllm.worker.cuda_graphs); True runs every
     # step eagerly.
     enforce_eager: bool = False
+    # On a CPU, compute with fewer threads while other processes keep cores busy
+    # (pagedllm.worker.cpu_threads).
+    adapt_cpu_threads: bool = True
 
 
 @dataclass
@@ -120,6 +123,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     batch_invariant: bool = False
     enforce_eager: bool = False
+    adapt_cpu_threads: bool = True
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_gpu_blocks: int | None = None
@@ -178,6 +182,7 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 batch_invariant=self.batch_invariant,
                 enforce_eager=self.enforce_eager,
+                adapt_cpu_threads=self.adapt_cpu_threads,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

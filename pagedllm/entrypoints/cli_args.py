@@ -30,6 +30,7 @@ _HELP = {
     "batch_invariant": "a request's tokens never depend on the rest of the batch, chunking, prefix caching or "
     "preemption: seeded sampling and greedy decoding reproduce under any load (float32 on a CPU)",
     "enforce_eager": "on a GPU, run every step eagerly: no CUDA graphs of decode steps",
+    "adapt_cpu_threads": "on a CPU, compute with fewer threads while other processes keep cores busy",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "bytes of KV cache (keys and values, all layers); default: 2 GiB on CPU",
     "gpu_memory_utilization": "on a GPU, the fraction of its memory the engine may use (weights, activations, KV cache)",

@@ -19,6 +19,7 @@ from pagedllm.sampling import Sampler
 from pagedllm.transformers_utils import resolve_model
 from pagedllm.utils import cdiv
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
+from pagedllm.worker.cpu_threads import ThreadGovernor
 from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.host_pool import available_memory
 from pagedllm.worker.profile_cache import cached_preemption_costs, machine_identity, model_identity
@@ -108,6 +109,9 @@ class Worker:
         )
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
+        # Tensor-parallel ranks would count each other as the machine's other load.
+        adapt = config.model.adapt_cpu_threads and not invariant and tp.size == 1
+        self.thread_governor = ThreadGovernor() if adapt and self.device.type == "cpu" else None
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, cpu swap blocks) that the budgets allow."""
@@ -245,6 +249,8 @@ class Worker:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Swaps and copies first (in that order: a block swapped out may be reused by this very
         step), then the model."""
+        if self.thread_governor is not None:
+            self.thread_governor.adjust()
         cache = self.cache_engine
         cache.swap_out(output.blocks_to_swap_out)
         cache.swap_in(output.blocks_to_swap_in)
