@@ -261,3 +261,47 @@ def test_reported_logprobs_stay_those_of_the_raw_model_under_a_mask(llm):
     assert position[best].rank == 1
     assert position[best].logprob == pytest.approx(plain.outputs[0].logprobs[0][best].logprob, abs=1e-5)
     assert position[chosen].logprob < position[best].logprob
+
+
+def test_without_xgrammar_loaded_the_mask_is_applied_the_same_in_torch(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    import xgrammar  # noqa: F401  (loaded: the first application uses its kernel)
+
+    from pagedllm.sampling.controls import apply_token_controls
+    from pagedllm.structured import pack_token_ids
+
+    vocab, gen = 100, torch.Generator().manual_seed(5)
+    allowed = [sorted(torch.randperm(vocab, generator=gen)[:k].tolist()) for k in (3, 40)]
+    items = [SimpleNamespace(token_bitmask=None, sampling_params=SamplingParams())]
+    items += [SimpleNamespace(token_bitmask=pack_token_ids(ids, vocab), sampling_params=SamplingParams()) for ids in allowed]
+    logits = torch.randn(3, vocab, generator=gen)
+    with_kernel = logits.clone()
+    apply_token_controls(with_kernel, items)
+    monkeypatch.delitem(sys.modules, "xgrammar")
+    in_torch = logits.clone()
+    apply_token_controls(in_torch, items)
+    assert torch.equal(in_torch, with_kernel)
+    assert torch.equal(in_torch[0], logits[0])
+    assert torch.isfinite(in_torch[1]).nonzero().flatten().tolist() == allowed[0]
+
+
+def test_allowed_token_ids_and_bad_words_never_import_xgrammar(tiny_llama):
+    """xgrammar takes seconds to import: a request without a grammar must not make the engine's
+    thread wait for it (a fresh process, since this one may have loaded it)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from pagedllm import LLM, SamplingParams
+llm = LLM({str(tiny_llama)!r}, device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks=16)
+out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=8, seed=1, allowed_token_ids=[11, 12, 13],
+                   bad_words=["hello"]), use_tqdm=False)
+assert set(out[0].outputs[0].token_ids) <= {{11, 12, 13}}, out[0].outputs[0].token_ids
+assert "xgrammar" not in sys.modules
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -4,6 +4,8 @@ engine) and each request's logit_bias. Rows without either are not touched."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from pagedllm.core.scheduler_output import ScheduledSequence
@@ -46,14 +48,22 @@ def apply_token_controls(logits: torch.Tensor, items: list[ScheduledSequence]) -
     rows = torch.tensor(keep, device=logits.device) if keep else None
     controls = AppliedControls(rows, logits[rows] if keep else None)
     if masked:
-        # One batched application for every constrained row of the step: xgrammar's kernel
-        # (C++ on a CPU, CUDA or Triton on a GPU) touches only the listed rows.
-        import xgrammar
-
         bitmask = torch.full((len(items), items[masked[0]].token_bitmask.shape[0]), -1, dtype=torch.int32)
         for r in masked:  # row copies: small enough to stay on this thread (an indexed put does not)
             bitmask[r] = items[r].token_bitmask
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab, indices=masked)
+        xgrammar = sys.modules.get("xgrammar")
+        if xgrammar is not None:
+            # One batched application for every constrained row of the step: xgrammar's kernel
+            # (C++ on a CPU, CUDA or Triton on a GPU) touches only the listed rows.
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab, indices=masked)
+        else:
+            # No grammar was ever compiled (allowed_token_ids, bad_words): the same masking in
+            # torch, rather than importing xgrammar (seconds) on the engine's thread.
+            index = torch.tensor(masked, device=logits.device)
+            allowed = unpack_bitmask(bitmask[masked].to(logits.device), vocab)
+            if allowed.shape[1] < vocab:  # tokens past the bitmask are not allowed (as xgrammar)
+                allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     if biased:
         row_ids, token_ids, values = [], [], []
         for r in biased:

@@ -8,9 +8,12 @@ bad_words clear bits in it. The sampler applies all rows to the logits in one ca
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:  # xgrammar is imported only with a compiled grammar (see the package's doc)
+    import xgrammar as xgr
 
 _SHIFTS = torch.arange(32, dtype=torch.int64)
 
@@ -43,7 +46,7 @@ class SequenceConstraint:
 
     def __init__(
         self,
-        matcher: xgr.GrammarMatcher | None,
+        matcher: "xgr.GrammarMatcher | None",
         fixed_mask: torch.Tensor | None,
         bad_words: tuple[tuple[int, ...], ...],
         recent: list[int] | None = None,
@@ -57,12 +60,16 @@ class SequenceConstraint:
     @classmethod
     def create(
         cls,
-        compiled: xgr.CompiledGrammar | None,
+        compiled: "xgr.CompiledGrammar | None",
         vocab_size: int,
         allowed_token_ids: list[int] | None = None,
         bad_words: Sequence[Sequence[int]] = (),
     ) -> "SequenceConstraint":
-        matcher = xgr.GrammarMatcher(compiled) if compiled is not None else None
+        matcher = None
+        if compiled is not None:
+            import xgrammar
+
+            matcher = xgrammar.GrammarMatcher(compiled)
         single = {w[0] for w in bad_words if len(w) == 1}
         longer = tuple(tuple(w) for w in bad_words if len(w) > 1)
         fixed = None
