@@ -29,7 +29,7 @@ wait_ready() {  # URL PID: until the server answers, or its process is gone
   return 1
 }
 
-for engine in pagedllm vllm; do
+for engine in ${ENGINES:-pagedllm vllm}; do
   if [ $engine = pagedllm ]; then
     $PY -m pagedllm serve --port "$PORT" --dtype "$PAGEDLLM_DTYPE" >"$OUT/server_$engine.log" 2>&1 &
     ready=/health

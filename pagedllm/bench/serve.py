@@ -63,6 +63,20 @@ def arrival_delays(num: int, rate: float, seed: int) -> list[float]:
     return [rng.expovariate(rate) for _ in range(num)]
 
 
+async def sse_lines(response):
+    """The lines of a server-sent event stream, split at line feeds only: httpx's `aiter_lines`
+    also splits at U+2028 and other Unicode line breaks, which JSON carries unescaped inside
+    strings (a token's text), cutting an event in two."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
+
+
 async def send_request(client, url: str, payload: dict, prompt_len: int) -> RequestResult:
     """Stream one completion; time its first chunk and the gaps between chunks."""
     start = time.perf_counter()
@@ -73,7 +87,7 @@ async def send_request(client, url: str, payload: dict, prompt_len: int) -> Requ
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data: ") :])

@@ -156,11 +156,29 @@ def serve(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     python = ensure_vllm_python(Path(args.vllm_venv) if args.vllm_venv else default_venv())
     folder = hf_folder(args.model)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    # VLLM_TARGET_DEVICE: the CLI's platform detection misses the CPU build and loads its
+    # AVX-512 kernels, an illegal instruction on an AVX2-only CPU.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_TARGET_DEVICE="cpu")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.pop("PYTHONPATH", None)
-    command = [str(python.with_name("vllm")), "serve", str(folder), "--dtype", args.dtype, "--port", str(args.port)]
+    command = server_command(python, folder, args.dtype, args.port)
     print(" ".join(command), flush=True)
     os.execve(command[0], command, env)
+
+
+# vLLM's command line asks for the version of the distribution named "vllm", but the CPU build
+# is distributed as "vllm-cpu": its `vllm` script fails before serving. This runs the same entry
+# point with that one lookup answered.
+_CLI_SHIM = (
+    "import importlib.metadata as m, sys; version = m.version; "
+    "m.version = lambda name: version('vllm-cpu' if name == 'vllm' else name); "
+    "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; sys.exit(main())"
+)
+
+
+def server_command(python: Path, folder: Path, dtype: str, port: int) -> list[str]:
+    """The command that starts vLLM's OpenAI server (`vllm serve`) on `folder`."""
+    return [str(python), "-c", _CLI_SHIM, "serve", str(folder), "--dtype", dtype, "--port", str(port)]
 
 
 if __name__ == "__main__":

@@ -219,6 +219,11 @@ class Worker:
         """The faster of two swaps (cheap; a run slowed by a neighbour is not the machine's cost),
         and one prefill after a warm-up one (each costs a forward pass on a cold start)."""
         cache = self.cache_engine
+        if cache.host_pools is not None:
+            # Not beside the thread still mapping the pools: it takes a core, and two compute
+            # threads sharing the other stall at every parallel region (measured: a 256-token
+            # prefill 30x slower). This measurement is kept for every later start.
+            cache.host_pools.populated.wait(timeout=120)
         swap_cost = float("inf")
         if num_blocks:
             mapping = [(i, i) for i in range(num_blocks)]

@@ -24,3 +24,25 @@ def test_bench_serve_reports_latencies_and_writes_json(server_url, tmp_path, cap
     assert result["output_tokens"] == sum(r.output_len for r in planned)  # ignore_eos: every planned token
     assert 0 < result["ttft_ms"]["median"] <= result["e2e_latency_ms"]["p99"]
     assert result["normalized_latency_s_per_token"] > 0
+
+
+def test_a_token_text_holding_a_unicode_line_separator_does_not_cut_its_event():
+    """JSON leaves U+2028 unescaped inside strings; httpx's aiter_lines splits there."""
+    import asyncio
+
+    import httpx
+
+    from pagedllm.bench.serve import send_request
+
+    chunk = {"choices": [{"index": 0, "text": "a\u2028b"}]}
+    usage = {"choices": [], "usage": {"completion_tokens": 2}}
+    body = "".join(f"data: {json.dumps(c, ensure_ascii=False)}\r\n\r\n" for c in (chunk, chunk, usage)) + "data: [DONE]\n\n"
+
+    async def run():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body.encode()))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send_request(client, "http://test/v1/completions", {}, prompt_len=3)
+
+    result = asyncio.run(run())
+    assert result.ok, result.error
+    assert result.output_len == 2 and len(result.itls) == 1
