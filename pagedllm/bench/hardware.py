@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from pagedllm.utils import best_wall_time
 
 
 def best_time(fn, repeats: int, device: torch.device | str = "cpu") -> float:
@@ -13,13 +13,7 @@ def best_time(fn, repeats: int, device: torch.device | str = "cpu") -> float:
     by CUDA events around it (the launch is asynchronous)."""
     if torch.device(device).type == "cuda":
         return _best_cuda_time(fn, repeats)
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_wall_time(fn, repeats)
 
 
 def _best_cuda_time(fn, repeats: int) -> float:

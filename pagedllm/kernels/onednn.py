@@ -28,11 +28,12 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.utils import best_wall_time
 
 logger = logging.getLogger("pagedllm")
 
@@ -90,24 +91,14 @@ def packing_pays(dtype: torch.dtype) -> bool:
                 if not torch.allclose(_bucketed_linear(x, packed, None, None).float(), expected, rtol=2e-2, atol=0.5):
                     logger.info("%s products: F.linear (oneDNN's packed product disagrees on a trial)", dtype)
                     return False
-            packed_s = sum(_best_of(lambda: _bucketed_linear(x, packed, None, None)) for x in inputs)
-            plain_s = sum(_best_of(lambda: F.linear(x, weight)) for x in inputs)
+            packed_s = sum(best_wall_time(lambda: _bucketed_linear(x, packed, None, None), 3) for x in inputs)
+            plain_s = sum(best_wall_time(lambda: F.linear(x, weight), 3) for x in inputs)
     except RuntimeError as exc:
         logger.info("%s products: F.linear (oneDNN refused a packed weight: %s)", dtype, exc)
         return False
     logger.info("%s products: %s (trial: packed %.2f ms, F.linear %.2f ms)", dtype,
                 "oneDNN packed weights" if packed_s < plain_s else "F.linear", packed_s * 1e3, plain_s * 1e3)
     return packed_s < plain_s
-
-
-def _best_of(fn, repeats: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
