@@ -41,6 +41,9 @@ INERT_ARGS = {
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 # "auto": triton on a GPU, the fast CPU kernel on a CPU (pagedllm.attention.get_attention_backend).
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
+# GGUF-quantized projections on int8 activations (pagedllm.kernels.quant.INT8_MODES, kept here
+# so that this module imports no torch).
+INT8_MODES = ("off", "auto", "on")
 
 
 @dataclass
@@ -61,6 +64,9 @@ class ModelConfig:
     # On a CPU, compute with fewer threads while other processes keep cores busy
     # (pagedllm.worker.cpu_threads).
     adapt_cpu_threads: bool = True
+    # GGUF-quantized projections multiply int8-quantized activations: "off", "auto" (where a
+    # start-up trial finds it faster) or "on" (pagedllm.kernels.quant).
+    int8_activations: str = "off"
 
 
 @dataclass
@@ -124,6 +130,7 @@ class EngineArgs:
     batch_invariant: bool = False
     enforce_eager: bool = False
     adapt_cpu_threads: bool = True
+    int8_activations: str = "off"
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_gpu_blocks: int | None = None
@@ -183,6 +190,7 @@ class EngineArgs:
                 batch_invariant=self.batch_invariant,
                 enforce_eager=self.enforce_eager,
                 adapt_cpu_threads=self.adapt_cpu_threads,
+                int8_activations=self.int8_activations,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -240,3 +248,10 @@ class EngineArgs:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+        if self.int8_activations not in INT8_MODES:
+            raise ValueError(f"int8_activations must be one of {INT8_MODES}, got {self.int8_activations!r}.")
+        if self.int8_activations != "off" and self.batch_invariant:
+            raise ValueError(
+                "int8_activations and batch_invariant do not combine: batch-invariant mode keeps every product in "
+                "float32 at a fixed row tile; turn one of them off."
+            )

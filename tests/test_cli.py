@@ -115,6 +115,8 @@ def test_bench_kernel_latency_and_dtype_write_results(tiny_llama, tmp_path):
     rows = json.loads(latency_json.read_text())["results"]
     assert len(rows) == 2 and all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["roofline_pct"] > 0 for r in rows)
     assert main(["bench", "dtype", str(tiny_llama), "--max-model-len", "256", "--num-tokens", "4",
-                 "--output-json", str(dtype_json)]) == 0
+                 "--dtypes", "float32", "bfloat16", "float32+int8", "--output-json", str(dtype_json)]) == 0
     rows = {r["dtype"]: r for r in json.loads(dtype_json.read_text())["results"]["rows"]}
     assert rows["float32"]["agree_pct"] == 100 and 0 <= rows["bfloat16"]["agree_pct"] <= 100
+    # A safetensors model has no quantized blocks, so int8 activations change nothing there.
+    assert rows["float32+int8"]["agree_pct"] == 100

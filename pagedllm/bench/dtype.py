@@ -1,6 +1,7 @@
 """`pagedllm bench dtype`: bfloat16 against float32 on the same prompts: how often the greedy
 continuations agree (all of the first N tokens, and the shared prefix length) and how fast each
-dtype decodes."""
+dtype decodes. `float32+int8` is float32 with the quantized projections on int8 activations
+(`int8_activations="on"`): the bar it is held to is the agreement bfloat16 gets."""
 
 from __future__ import annotations
 
@@ -31,10 +32,16 @@ QUESTIONS = [
 ]
 
 
+# Each variant: (dtype, int8_activations).
+VARIANTS = {"float32": ("float32", "off"), "bfloat16": ("bfloat16", "off"), "float16": ("float16", "off"),
+            "float32+int8": ("float32", "on")}
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dtype", help="bfloat16 vs float32: greedy agreement and speed")
     add_engine_args(p)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=VARIANTS,
+                   help="the first is the reference; float32+int8: float32 with int8 activations")
     p.add_argument("--num-tokens", type=int, default=32)
     p.add_argument("--output-json", default="results/bench_dtype.json")
     p.set_defaults(func=run)
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=0, max_tokens=args.num_tokens, ignore_eos=True)
     runs = {}
     for dtype in args.dtypes:
-        engine_args = replace(base, dtype=dtype)
+        engine_args = replace(base, dtype=VARIANTS[dtype][0], int8_activations=VARIANTS[dtype][1])
         kwargs = {k: v for k, v in vars(engine_args).items() if k not in ("model", "extra")}
         llm = LLM(engine_args.model, **kwargs)
         conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]

@@ -11,6 +11,9 @@ input row counts (sequences decoding together), through the three paths a layer 
   float32 path beyond MAX_ROWS;
 - plain `F.linear` (MKL sgemm), which re-packs the weight on every call and is slow on the
   skinny products of decoding: the reason float32 projections go through packed oneDNN.
+- `int8`: the quantized blocks times int8-quantized activations (`int8_activations`), on the
+  CPU's integer dot products (VNNI, or AVX2's VPMADDUBSW; the table's header names which): not
+  float32's outputs, so it is not in the race for MAX_ROWS; its column shows what it would buy.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch.nn.functional as F
 from pagedllm.bench.hardware import best_time
 from pagedllm.bench.report import format_table, write_json
 
-PATHS = ("quant", "onednn", "linear")
+PATHS = ("quant", "onednn", "linear", "int8")
+FLOAT_PATHS = PATHS[:3]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,14 +52,15 @@ def path_fns(weights) -> dict:
     """Each path as fn(inputs by in_features) -> None running every projection once; the
     quantized kernel is called directly, past MAX_ROWS too."""
     from pagedllm.kernels import onednn
-    from pagedllm.kernels.quant import quantized_matmul
+    from pagedllm.kernels.quant import float_matmul, int8_matmul
 
     def step(product):
         return lambda xs: [product(xs[w.shape[1]], w) for w in weights]
 
     fns = {"linear": step(F.linear)}
     if all(getattr(w, "quantized", None) is not None for w in weights):
-        fns["quant"] = step(lambda x, w: quantized_matmul(x, w.quantized))
+        fns["quant"] = step(lambda x, w: float_matmul(x, w.quantized))
+        fns["int8"] = step(lambda x, w: int8_matmul(x, w.quantized))
     if all(getattr(w, "packed", None) is not None for w in weights):
         fns["onednn"] = step(lambda x, w: onednn.packed_linear(x, w.packed))
     return fns
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     flops_per_row = 2 * sum(w.numel() for w in weights)
     qtypes = sorted({w.quantized.qtype for w in weights if getattr(w, "quantized", None) is not None})
     print(f"{len(weights)} projections per step, {flops_per_row / 2e6:.1f}M weights ({', '.join(qtypes) or 'not quantized'}); "
-          f"paths: {', '.join(p for p in PATHS if p in fns)}")
+          f"paths: {', '.join(p for p in PATHS if p in fns)}" + (f"; int8 on {quant.int8_isa()}" if "int8" in fns else ""))
 
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -86,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                     t = best_time(lambda: fns[path](xs), args.repeats)
                     row[f"{path}_ms"] = t * 1e3
                     row[f"{path}_GFLOPs"] = n * flops_per_row / t / 1e9
-            row["fastest"] = min((p for p in PATHS if f"{p}_ms" in row), key=lambda p: row[f"{p}_ms"])
+            row["fastest"] = min((p for p in FLOAT_PATHS if f"{p}_ms" in row), key=lambda p: row[f"{p}_ms"])
             rows.append(row)
             print(f"rows {n:3d}: " + ", ".join(f"{p} {row[f'{p}_ms']:.2f} ms" for p in PATHS if p in fns), flush=True)
 
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         crossover = rows[last + 1]["rows"] if last + 1 < len(rows) else None
     for r in rows:
         r["note"] = "<- quant overtaken" if r["rows"] == crossover else ""
-    columns = ["rows", *(f"{p}_ms" for p in PATHS), *(f"{p}_GFLOPs" for p in PATHS), "fastest", "note"]
+    columns = ["rows", *(f"{p}_ms" for p in PATHS if p in fns), *(f"{p}_GFLOPs" for p in PATHS if p in fns), "fastest", "note"]
     print(format_table(rows, columns))
     if "quant" not in fns:
         print("the model has no quantized blocks: no quantized kernel to compare")
@@ -109,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"the quantized kernel stops being fastest at {crossover} rows; quant.MAX_ROWS = {quant.MAX_ROWS} "
               f"(used up to {quant.MAX_ROWS} rows)")
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    config.update(max_rows=quant.MAX_ROWS, quant_overtaken_at=crossover,
+    config.update(max_rows=quant.MAX_ROWS, quant_overtaken_at=crossover, int8_isa=quant.int8_isa(),
                   num_projections=len(weights), flops_per_row=flops_per_row)
     path = write_json(args.output_json, "matmul", config, rows)
     print(f"wrote {path}")

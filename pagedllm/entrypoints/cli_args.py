@@ -13,6 +13,7 @@ from pagedllm.config import (
     DTYPE_ALIASES,
     DTYPES,
     INERT_ARGS,
+    INT8_MODES,
     KV_POLICIES,
     PREEMPTION_MODES,
     EngineArgs,
@@ -31,6 +32,8 @@ _HELP = {
     "preemption: seeded sampling and greedy decoding reproduce under any load (float32 on a CPU)",
     "enforce_eager": "on a GPU, run every step eagerly: no CUDA graphs of decode steps",
     "adapt_cpu_threads": "on a CPU, compute with fewer threads while other processes keep cores busy",
+    "int8_activations": "GGUF-quantized projections multiply int8-quantized activations (VNNI or AVX2 integer dot "
+    "products): off, auto (where a start-up trial finds it faster) or on; close to float32, not equal",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "bytes of KV cache (keys and values, all layers); default: 2 GiB on CPU",
     "gpu_memory_utilization": "on a GPU, the fraction of its memory the engine may use (weights, activations, KV cache)",
@@ -52,7 +55,7 @@ _HELP = {
 # Flags of engine arguments that take no value in vLLM (the rest of INERT_ARGS take one).
 _INERT_SWITCHES = ("trust_remote_code", "disable_log_requests", "disable_custom_all_reduce")
 _DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)
-_CHOICES = {"attention_backend": ATTENTION_BACKENDS, "dtype": _DTYPE_CHOICES, "kv_cache_dtype": _DTYPE_CHOICES, "preemption_mode": PREEMPTION_MODES, "kv_policy": KV_POLICIES, "device": ("auto", "cpu", "cuda")}
+_CHOICES = {"attention_backend": ATTENTION_BACKENDS, "dtype": _DTYPE_CHOICES, "kv_cache_dtype": _DTYPE_CHOICES, "preemption_mode": PREEMPTION_MODES, "kv_policy": KV_POLICIES, "device": ("auto", "cpu", "cuda"), "int8_activations": INT8_MODES}
 
 
 def parse_bytes(text: str) -> int:

@@ -1,26 +1,42 @@
 """Matrix products with weights from their GGUF block quantization (Q4_1, Q8_0).
 
 A layer loaded from a GGUF file keeps, beside its float weight, the raw blocks of the file
-(`param.quantized`). For a few rows of input (decoding a handful of sequences), reading the
-quantized values (1.25 bytes per weight, against 4 for float32) and expanding them in
-registers beats streaming the float weight from memory; for more rows, the float matmul's
-arithmetic wins. The blocks are unpacked once (`QuantizedMatrix.unpack`, at load time) into the
-layout the kernel reads: one byte per value, float32 scales and minimums.
+(`param.quantized`). Up to `MAX_ROWS` rows of input (sequences decoding together), reading the
+quantized values (1.25 bytes per weight, against 4 for float32) and expanding them on the fly
+beats the float product (csrc/quant_matmul.cpp); for more rows (prompts), oneDNN's float matmul
+wins. The blocks are unpacked once (`QuantizedMatrix.unpack`, at load time) into the layout the
+kernels read: one byte per value, float32 scales and minimums.
+
+With int8 activations (`int8_activations="auto"` or `"on"`, off by default), the products of up
+to `QuantizedMatrix.int8_rows` rows quantize x to int8 per block of 32 and multiply on 8-bit
+integers (csrc/quant_int8.cpp: VNNI's VPDPBUSD where the CPU has it, AVX2's VPMADDUBSW else).
+Their outputs are close to float32's, not equal: `pagedllm bench dtype --dtypes float32
+float32+int8` measures the greedy agreement. "auto" uses them only at the row counts where a
+trial at start-up finds them faster than the float kernel (`int8_rows_that_pay`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import functools
+import logging
+
 import torch
+
+from pagedllm.config import INT8_MODES  # noqa: F401  ("off", "auto", "on"), re-exported
+from pagedllm.utils import best_wall_time
+
+logger = logging.getLogger("pagedllm")
 
 # GGML type -> bytes per block of 32 weights
 QUANT_TYPES = {"Q8_0": 34, "Q4_1": 20}
 BLOCK = 32
-# Up to this many input rows (sequences decoding together), the quantized kernel is used: the
-# row count at which the float32 oneDNN product of every projection of a decode step overtook
-# it on the default model (2-core AVX2 machine; `pagedllm bench matmul` measures it).
-MAX_ROWS = 15
+# Up to this many input rows (sequences decoding together), the quantized kernel is used: about
+# the row count at which the float32 oneDNN product of every projection of a decode step
+# catches up with its tiled way on the default model (2-core AVX2 machine: the two are within
+# 5% from 64 to 128 rows; `pagedllm bench matmul` measures it). Before the tiled way, 15.
+MAX_ROWS = 64
 
 
 @dataclass
@@ -36,6 +52,7 @@ class QuantizedMatrix:
     data: torch.Tensor  # uint8 [out_features, in_features / 32 * bytes per block]
     in_features: int
     _unpacked: Unpacked | None = field(default=None, repr=False)
+    int8_rows: int = 0  # products of up to this many rows run on int8 activations
 
     @property
     def out_features(self) -> int:
@@ -61,19 +78,71 @@ class QuantizedMatrix:
         return self._unpacked
 
 
-def quantized_matmul(x: torch.Tensor, w: QuantizedMatrix) -> torch.Tensor:
-    """x: [rows, in_features] float32 -> x W^T: [rows, out_features] float32."""
+def _product(kernel: str, x: torch.Tensor, w: QuantizedMatrix) -> torch.Tensor:
     from pagedllm.kernels.build import load
 
     x = x.contiguous()
     u = w.unpack()
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-    load().quant_matmul_f32(
+    getattr(load(), kernel)(
         y.data_ptr(), x.data_ptr(), u.values.data_ptr(), u.scales.data_ptr(),
         u.mins.data_ptr() if u.mins is not None else None, x.shape[0], w.out_features, w.in_features,
         torch.get_num_threads(),
     )
     return y
+
+
+def quantized_matmul(x: torch.Tensor, w: QuantizedMatrix) -> torch.Tensor:
+    """x: [rows, in_features] float32 -> x W^T: [rows, out_features] float32; on int8
+    activations when `w.int8_rows` covers the rows."""
+    return _product("quant_matmul_int8" if x.shape[0] <= w.int8_rows else "quant_matmul_f32", x, w)
+
+
+def float_matmul(x: torch.Tensor, w: QuantizedMatrix) -> torch.Tensor:
+    """x W^T on float32 activations, whatever `w.int8_rows` says."""
+    return _product("quant_matmul_f32", x, w)
+
+
+def int8_matmul(x: torch.Tensor, w: QuantizedMatrix) -> torch.Tensor:
+    """x W^T with x quantized to int8 per block of 32, whatever `w.int8_rows` says."""
+    return _product("quant_matmul_int8", x, w)
+
+
+INT8_ISA = {0: "portable C++", 1: "AVX2 VPMADDUBSW", 2: "AVX-VNNI VPDPBUSD", 3: "AVX512-VNNI VPDPBUSD"}
+# The start-up trial of "auto": a projection of the default model's size, at the row counts of
+# small and larger decode batches.
+_TRIAL_SHAPE = (1536, 576)
+_TRIAL_ROWS = (1, 4, 16, 64)
+
+
+def int8_isa() -> str:
+    from pagedllm.kernels.build import load
+
+    return INT8_ISA[load().quant_int8_isa()]
+
+
+@functools.cache
+def int8_rows_that_pay() -> int:
+    """The most rows up to which int8 activations beat the float kernel on a trial (Q4_1 blocks
+    of `_TRIAL_SHAPE`, best of five timings at each of `_TRIAL_ROWS`, once per process): the
+    largest trial row count that it wins along with every smaller one; 0 if it loses at 1."""
+    out_features, in_features = _TRIAL_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (out_features, in_features // BLOCK * QUANT_TYPES["Q4_1"]), dtype=torch.uint8, generator=gen)
+    blocks.view(out_features, -1, QUANT_TYPES["Q4_1"])[..., 0:4] = torch.tensor([0.01, 0.0], dtype=torch.float16).view(torch.uint8)
+    w = QuantizedMatrix("Q4_1", blocks, in_features)
+    pays, timings = 0, []
+    for rows in _TRIAL_ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
+        t_int8 = best_wall_time(lambda: int8_matmul(x, w), 5)
+        t_float = best_wall_time(lambda: float_matmul(x, w), 5)
+        timings.append(f"{rows} rows {t_int8 * 1e6:.0f} vs {t_float * 1e6:.0f} us")
+        if t_int8 >= t_float:
+            break
+        pays = rows
+    logger.info("int8 activations (%s): %s on a trial (%s)", int8_isa(),
+                f"used up to {pays} rows" if pays else "not faster than float32, not used", "; ".join(timings))
+    return pays
 
 
 def usable(w: QuantizedMatrix | None, x: torch.Tensor) -> bool:

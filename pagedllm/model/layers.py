@@ -7,6 +7,8 @@ loader stays a loop over names.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,9 +16,12 @@ from torch import nn
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
+from pagedllm.kernels import quant
 from pagedllm.kernels.quant import QuantizedMatrix, quantized_matmul, usable
 from pagedllm.model.weights import LazyWeight
 from pagedllm.utils import cdiv
+
+logger = logging.getLogger("pagedllm")
 
 
 def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -79,6 +84,26 @@ def prepare_linear_weights(model: nn.Module) -> int:
         else:
             param.quantized = None
     return onednn.pack_weights(list(params.values()))
+
+
+def use_int8_activations(model: nn.Module, mode: str) -> int:
+    """Let the quantized projections of `model` run on int8 activations (`kernels/quant.py`):
+    "on" up to `quant.MAX_ROWS` rows, "auto" up to the rows where the start-up trial finds them
+    faster, "off" never. Returns how many weights take them."""
+    if mode not in quant.INT8_MODES:
+        raise ValueError(f"int8_activations must be one of {', '.join(quant.INT8_MODES)}, not {mode!r}")
+    matrices = [m for m in (getattr(p, "quantized", None) for p in model.parameters()) if m is not None]
+    if mode == "off" or not matrices:
+        if mode != "off":
+            logger.warning("int8_activations=%r changes nothing: the model has no quantized blocks here "
+                           "(they serve GGUF Q4_1/Q8_0 weights on a CPU in float32)", mode)
+        return 0
+    rows = quant.MAX_ROWS if mode == "on" else min(quant.int8_rows_that_pay(), quant.MAX_ROWS)
+    for matrix in matrices:
+        matrix.int8_rows = rows
+    logger.info("int8 activations (%s) for products of up to %d rows, on %d quantized weights",
+                quant.int8_isa(), rows, len(matrices))
+    return len(matrices) if rows else 0
 
 
 def _new_param(*shape: int, dtype: torch.dtype, loader) -> nn.Parameter:

@@ -1,0 +1,107 @@
+"""Matmuls from GGUF-quantized blocks on int8 activations (`int8_activations`): the kernel
+against an oracle in torch that quantizes x the same way, and the engine option end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import quant
+from pagedllm.kernels.quant import MAX_ROWS, int8_matmul, quantized_matmul
+from tests.test_quant_matmul import _quantized
+
+
+def _int8_oracle(x: torch.Tensor, matrix) -> torch.Tensor:
+    """The kernel's arithmetic in float64 from the unpacked blocks: x quantized per block of 32
+    (scale max|x| / 127, values rounded to nearest), then per block d dx sum(q qx), plus
+    m sum(x) for Q4_1's minimum."""
+    u = matrix.unpack()
+    rows = x.shape[0]
+    blocks = x.view(rows, -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    qx = torch.round(blocks * torch.where(scale > 0, 1 / scale, torch.zeros_like(scale)))
+    assert qx.abs().max() <= 127
+    qw = u.values.view(torch.int8) if matrix.qtype == "Q8_0" else u.values
+    qw = qw.double().view(matrix.out_features, -1, 32)
+    dots = torch.einsum("rbj,nbj->rnb", qx.double(), qw)  # integer sums, exact in float64
+    y = (dots * u.scales.double()[None] * scale.double().squeeze(-1)[:, None]).sum(-1)
+    if u.mins is not None:
+        y += blocks.double().sum(-1) @ u.mins.double().T
+    return y
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])  # every row-group size, and groups plus a rest
+@pytest.mark.parametrize("shape", [(96, 64), (130, 576)])
+def test_int8_matmul_equals_the_product_of_the_quantized_activations(qtype, rows, shape):
+    matrix, dense = _quantized(qtype, *shape, seed=rows)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+    got = int8_matmul(x, matrix).double()
+    torch.testing.assert_close(got, _int8_oracle(x, matrix), atol=2e-3, rtol=1e-4)
+    # and it is near the float32 product: the activations' quantization error only
+    exact = x.double() @ dense.double().T
+    assert 1e-5 < (got - exact).norm() / exact.norm() < 0.02
+
+
+def test_int8_rows_choose_the_kernel():
+    matrix, dense = _quantized("Q4_1", 64, 96, seed=0)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
+    float_path = quantized_matmul(x, matrix)
+    torch.testing.assert_close(float_path, x @ dense.T, atol=2e-4, rtol=1e-5)  # int8_rows = 0: float
+    matrix.int8_rows = 3
+    assert torch.equal(quantized_matmul(x, matrix), int8_matmul(x, matrix))
+    assert not torch.equal(quantized_matmul(x, matrix), float_path)
+    matrix.int8_rows = 2  # 3 rows is past it: float again
+    assert torch.equal(quantized_matmul(x, matrix), float_path)
+
+
+def test_the_trial_reports_rows_and_the_instructions():
+    rows = quant.int8_rows_that_pay()
+    assert rows == 0 or rows in quant._TRIAL_ROWS
+    isa = quant.int8_isa()
+    flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
+    if " avx512_vnni" in flags and " avx512vl" in flags:
+        assert isa == "AVX512-VNNI VPDPBUSD"
+    elif " avx_vnni" in flags:
+        assert isa == "AVX-VNNI VPDPBUSD"
+    elif " avx2" in flags and " fma" in flags:
+        assert isa == "AVX2 VPMADDUBSW"
+
+
+def test_bad_modes_and_combinations_are_refused():
+    from pagedllm.config import EngineArgs
+
+    with pytest.raises(ValueError, match="int8_activations must be one of"):
+        EngineArgs(int8_activations="yes").create_engine_config()
+    with pytest.raises(ValueError, match="do not combine"):
+        EngineArgs(int8_activations="on", batch_invariant=True).create_engine_config()
+
+
+@pytest.mark.slow
+def test_the_default_model_on_int8_activations_stays_close_to_float32(smollm_llm):
+    """Greedy continuations on int8 activations against the float32 engine's (equal to
+    transformers', tests/test_correctness.py): the same first token for every prompt, and
+    long shared prefixes; and the int8 kernel is what ran. (They do not stay equal as long as
+    bfloat16's do: `pagedllm bench dtype --dtypes float32 bfloat16 float32+int8`.)"""
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "Water boils at", "The three primary colors are", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in smollm_llm.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(int8_activations="on", max_model_len=256, kv_cache_memory=64 << 20)
+    try:
+        weight = llm.llm_engine.executor.worker.model.model.layers[0].mlp.down_proj.weight
+        assert weight.quantized.int8_rows == MAX_ROWS
+        calls = []
+        original = quant._product
+        quant._product = lambda kernel, x, w: calls.append(kernel) or original(kernel, x, w)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            quant._product = original
+        assert "quant_matmul_int8" in calls
+    finally:
+        llm.llm_engine.shutdown()
+    shared = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(reference, got)]
+    assert min(shared) >= 1 and sum(shared) / len(shared) >= 4, shared
