@@ -114,10 +114,14 @@ class CPUAttentionBackend(AttentionBackend):
         write(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
               key_cache.stride(0), key_cache.stride(1), slots.data_ptr(), slots.shape[0], num_kv_heads, head_dim, block_size)
 
+    def plan(self, metadata: AttentionMetadata) -> _Plan:
+        """The step's plan, built by its first layer and kept in `metadata` for the others."""
+        if metadata.backend_plan is None:
+            metadata.backend_plan = _plan(metadata, self.batch_invariant)
+        return metadata.backend_plan
+
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
-        plan = metadata.backend_plan
-        if plan is None:
-            plan = metadata.backend_plan = _plan(metadata, self.batch_invariant)
+        plan = self.plan(metadata)
         attention, _ = self._kernels(query.dtype, key_cache.dtype)
         query = query.contiguous()
         out = torch.empty_like(query)

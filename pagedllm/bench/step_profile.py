@@ -11,10 +11,16 @@ Times are exclusive: a part nested in another (the projections inside the MLP, t
 inside attention) is subtracted from its parent, so the parts add up to the step. What no
 wrapper covers (the layer loop, residual views, the executor's and engine's Python) is the
 remainder, reported as `other`.
+
+Steps whose layers run as one C++ call (`pagedllm.model.fused_layers`) have no Python entry
+points inside it: there the C++ side times its parts itself, into counters the profile hands it
+for its duration, and they are added to the same parts (gathering q, k and v out of the fused
+projection counts to `other`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import time
 from collections import defaultdict
@@ -39,6 +45,10 @@ PARTS = {
     "outputs": "output processing: detokenizing, stop checks, request outputs (engine)",
     "other": "the rest: Python between the parts (layer loop, views, executor, engine)",
 }
+
+
+# The part name of a whole fused call of the layers while it is timed.
+_FUSED = "fused_layers"
 
 
 @dataclass
@@ -91,15 +101,32 @@ class StepProfiler:
         """Wrap every part's entry point for the enclosed code; everything is restored after,
         even on error."""
         saved = []
+        fused = _in_process_worker(engine).model.model.fused_layers
         try:
             for owner, name, part, absorb in _hook_points(engine):
                 original = owner.__dict__[name]
                 saved.append((owner, name, original))
                 setattr(owner, name, self.wrap(part, original, absorb))
+            if fused is not None:
+                fused.part_ns = (ctypes.c_int64 * len(fused.PARTS))()
             yield self
         finally:
             for owner, name, original in reversed(saved):
                 setattr(owner, name, original)
+            if fused is not None:
+                self._add_fused_parts(fused.PARTS, fused.part_ns, len(fused.model.layers))
+                fused.part_ns = None
+
+    def _add_fused_parts(self, names, part_ns, num_layers: int) -> None:
+        """The C++ parts of the fused calls, into the same parts; their calls as the loop would
+        have made them (per layer: two norms, four projections, one of each other part)."""
+        fused_calls = self.calls.pop(_FUSED, 0)
+        self.part_ns.pop(_FUSED, None)  # the whole call: what its parts leave is `other`
+        per_layer = {"norms": 2, "projections": 4}
+        for name, ns in zip(names, part_ns):
+            if name in PARTS and name != "other":
+                self.part_ns[name] += ns
+                self.calls[name] += fused_calls * num_layers * per_layer.get(name, 1)
 
 
 def _hook_points(engine) -> list[tuple[object, str, str, bool]]:
@@ -107,7 +134,7 @@ def _hook_points(engine) -> list[tuple[object, str, str, bool]]:
     globals are wrapped where callers look them up at call time (`linear` in layers.py)."""
     from pagedllm.attention import cpu as cpu_attention
     from pagedllm.attention.layer import Attention
-    from pagedllm.model import layers, llama, rotary
+    from pagedllm.model import fused_layers, layers, llama, rotary
 
     worker = _in_process_worker(engine)
     backend_class = type(worker.backend)
@@ -125,6 +152,7 @@ def _hook_points(engine) -> list[tuple[object, str, str, bool]]:
         (llama.LlamaMLP, "forward", "mlp_activation", False),
         (layers.ParallelLMHead, "forward", "lm_head", True),
         (type(worker.runner.sampler), "__call__", "sampling", False),
+        (fused_layers.FusedDecoderLayers, "__call__", _FUSED, True),
     ]
     owner = next(c for c in backend_class.__mro__ if "write_kv" in c.__dict__)
     return [*points, (owner, "write_kv", "kv_write", False)]

@@ -97,12 +97,18 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, rotary, backend, tp, dtype) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # The layer loop as one C++ call where it applies (pagedllm.model.fused_layers; set by the
+        # worker).
+        self.fused_layers = None
 
     def forward(self, input_ids, positions, metadata):
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
+        if self.fused_layers is not None and self.fused_layers.applies(hidden, metadata):
+            hidden, residual = self.fused_layers(positions, hidden, metadata)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -14,6 +14,7 @@ from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model import load_model, resolve_dtype
 from pagedllm.model.invariance import make_batch_invariant
+from pagedllm.model.fused_layers import enable_fused_layers
 from pagedllm.model.layers import use_int8_activations
 from pagedllm.model.memory import MemoryBudget, memory_budget
 from pagedllm.sampling import Sampler
@@ -102,6 +103,7 @@ class Worker:
         if invariant:
             make_batch_invariant(self.model)
         use_int8_activations(self.model, config.model.int8_activations)
+        enable_fused_layers(self.model, self.backend)
         arch = self.model.cfg
         self.num_kv_heads = self.model.model.layers[0].self_attn.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim

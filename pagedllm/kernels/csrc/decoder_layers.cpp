@@ -1,0 +1,170 @@
+// Every decoder layer of a float32 Llama-family model in one call, for a step of a few tokens
+// whose projections have GGUF-quantized blocks (a decode step of up to quant.MAX_ROWS
+// sequences): the same kernels the Python layer loop calls, in the same order on the same
+// buffers, so the output is bitwise the loop's. What it saves is the loop itself: at a handful
+// of sequences, each of the ~300 kernel calls of a step cost more in Python (module calls,
+// views, temporaries, ctypes) than in arithmetic.
+//
+// Per layer: norm (with the residual add) -> qkv -> rotary -> KV write -> paged attention ->
+// o -> norm (with the residual add) -> gate_up -> SiLU(gate) * up -> down. With `part_ns`, the
+// nanoseconds of each part are added to it (the step profile's parts, `kernels/fused.py`).
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+void quant_matmul_f32(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins,
+                      int num_rows, int out_features, int in_features, int num_threads);
+void quant_matmul_int8(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins,
+                       int num_rows, int out_features, int in_features, int num_threads);
+void fused_add_rms_norm_f32(float* out, float* residual, const float* x, const float* weight, int num_rows, int dim,
+                            float eps, int num_threads);
+void rotary_neox_f32(float* qk, int64_t row_stride, const int64_t* positions, const float* cos_cache,
+                     const float* sin_cache, int num_tokens, int num_heads, int head_dim, int num_threads);
+void silu_and_mul_f32(float* out, const float* x, int num_rows, int dim, int num_threads);
+void write_kv_f32_f32(const void* key, const void* value, void* key_cache, void* value_cache, int64_t block_stride,
+                      int64_t head_stride, const int64_t* slot_mapping, int num_tokens, int num_kv_heads,
+                      int head_dim, int block_size);
+void paged_attention_f32_f32(void* out, const void* query, const void* key_cache, const void* value_cache,
+                             int64_t block_stride, int64_t head_stride, const int32_t* block_tables,
+                             int64_t block_table_stride, const int32_t* item_seq, const int32_t* item_first_token,
+                             const int32_t* item_num_tokens, int num_items, const int32_t* token_context,
+                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                             int fixed_partition_blocks, int num_threads);
+}
+
+namespace {
+
+// One projection's quantized blocks (QuantizedMatrix.unpack) and optional bias.
+struct Projection {
+  const uint8_t* values;
+  const float* scales;
+  const float* mins;  // null for Q8_0
+  const float* bias;  // null without
+  int32_t out_features;
+  int32_t in_features;
+  int32_t int8_rows;  // products of up to this many rows on int8 activations
+  int32_t pad;
+};
+
+struct Layer {
+  const float* input_norm;
+  const float* post_attention_norm;
+  Projection qkv, o, gate_up, down;
+  float* key_cache;
+  float* value_cache;
+};
+
+// The step: its tokens, the attention plan (attention/cpu.py's _Plan) and scratch buffers.
+struct Step {
+  int32_t num_tokens, hidden_size, num_heads, num_kv_heads, head_dim, block_size, intermediate_size, num_threads;
+  float eps, scale;
+  const int64_t* positions;
+  const float* cos_cache;
+  const float* sin_cache;
+  const int64_t* slot_mapping;
+  int64_t block_stride, head_stride;
+  const int32_t* block_tables;
+  int64_t block_table_stride;
+  const int32_t* item_seq;
+  const int32_t* item_first_token;
+  const int32_t* item_num_tokens;
+  int64_t num_items;
+  const int32_t* token_context;
+  // scratch: [T, qkv width], [T, heads * head_dim] twice, [T, kv heads * head_dim] twice,
+  // [T, hidden], [T, 2 * intermediate], [T, intermediate]
+  float *qkv, *query, *attn, *key, *value, *normed, *gate_up, *act;
+};
+
+// Parts timed (the order of part_ns).
+enum Part { kNorms, kProjections, kRotary, kKvWrite, kAttention, kActivation, kCopies, kNumParts };
+
+class Timer {
+ public:
+  explicit Timer(int64_t* part_ns) : part_ns_(part_ns), last_(part_ns ? now() : 0) {}
+  void lap(Part part) {
+    if (part_ns_ == nullptr) return;
+    const int64_t t = now();
+    part_ns_[part] += t - last_;
+    last_ = t;
+  }
+
+ private:
+  static int64_t now() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  int64_t* part_ns_;
+  int64_t last_;
+};
+
+void project(float* y, const float* x, const Projection& p, int rows, int num_threads) {
+  auto kernel = rows <= p.int8_rows ? quant_matmul_int8 : quant_matmul_f32;
+  kernel(y, x, p.values, p.scales, p.mins, rows, p.out_features, p.in_features, num_threads);
+  if (p.bias != nullptr)
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < p.out_features; ++j) y[static_cast<int64_t>(r) * p.out_features + j] += p.bias[j];
+}
+
+// Rows of `width` floats at column `offset` of `src` (rows of `stride`) into contiguous `dst`.
+void gather_columns(float* dst, const float* src, int rows, int64_t stride, int offset, int width) {
+  for (int r = 0; r < rows; ++r)
+    std::memcpy(dst + static_cast<int64_t>(r) * width, src + r * stride + offset, sizeof(float) * width);
+}
+
+}  // namespace
+
+extern "C" {
+
+// hidden: [T, hidden_size], the embeddings in; the last layer's output (not yet added to the
+// residual stream) out. residual: [T, hidden_size], the residual stream out (the model's final
+// norm adds the two). part_ns: null, or kNumParts counters.
+void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, float* hidden, float* residual,
+                        int64_t* part_ns) {
+  const int T = s->num_tokens, H = s->hidden_size, threads = s->num_threads;
+  const int q_width = s->num_heads * s->head_dim, kv_width = s->num_kv_heads * s->head_dim;
+  const int64_t qkv_width = q_width + 2 * kv_width;
+  Timer timer(part_ns);
+  std::memcpy(residual, hidden, sizeof(float) * T * H);
+  timer.lap(kCopies);
+  for (int l = 0; l < num_layers; ++l) {
+    const Layer& layer = layers[l];
+    if (l == 0)  // the first layer's residual is its input: norm it alone
+      fused_add_rms_norm_f32(s->normed, nullptr, hidden, layer.input_norm, T, H, s->eps, threads);
+    else
+      fused_add_rms_norm_f32(s->normed, residual, hidden, layer.input_norm, T, H, s->eps, threads);
+    timer.lap(kNorms);
+    project(s->qkv, s->normed, layer.qkv, T, threads);
+    timer.lap(kProjections);
+    rotary_neox_f32(s->qkv, qkv_width, s->positions, s->cos_cache, s->sin_cache, T, s->num_heads + s->num_kv_heads,
+                    s->head_dim, threads);
+    timer.lap(kRotary);
+    gather_columns(s->query, s->qkv, T, qkv_width, 0, q_width);
+    gather_columns(s->key, s->qkv, T, qkv_width, q_width, kv_width);
+    gather_columns(s->value, s->qkv, T, qkv_width, q_width + kv_width, kv_width);
+    timer.lap(kCopies);
+    write_kv_f32_f32(s->key, s->value, layer.key_cache, layer.value_cache, s->block_stride, s->head_stride,
+                     s->slot_mapping, T, s->num_kv_heads, s->head_dim, s->block_size);
+    timer.lap(kKvWrite);
+    paged_attention_f32_f32(s->attn, s->query, layer.key_cache, layer.value_cache, s->block_stride, s->head_stride,
+                            s->block_tables, s->block_table_stride, s->item_seq, s->item_first_token,
+                            s->item_num_tokens, static_cast<int>(s->num_items), s->token_context, s->num_heads,
+                            s->num_kv_heads, s->head_dim, s->block_size, s->scale, 0, threads);
+    timer.lap(kAttention);
+    project(hidden, s->attn, layer.o, T, threads);
+    timer.lap(kProjections);
+    fused_add_rms_norm_f32(s->normed, residual, hidden, layer.post_attention_norm, T, H, s->eps, threads);
+    timer.lap(kNorms);
+    project(s->gate_up, s->normed, layer.gate_up, T, threads);
+    timer.lap(kProjections);
+    silu_and_mul_f32(s->act, s->gate_up, T, s->intermediate_size, threads);
+    timer.lap(kActivation);
+    project(hidden, s->act, layer.down, T, threads);
+    timer.lap(kProjections);
+  }
+}
+
+int decoder_layers_num_parts() { return kNumParts; }
+
+}  // extern "C"

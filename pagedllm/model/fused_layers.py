@@ -1,0 +1,160 @@
+"""Every decoder layer in one C++ call (`kernels/csrc/decoder_layers.cpp`) for the steps where
+Python's layer loop costs more than its arithmetic: a float32 model on a CPU whose projections
+have GGUF-quantized blocks, at up to `quant.MAX_ROWS` tokens (decode steps of a handful of
+sequences), with the C++ attention backend. The call runs the very kernels the loop runs, in
+the same order on the same inputs, so its output is bitwise the loop's (tests/test_fused_layers.py);
+every other step (prompts, bfloat16, GPUs, tensor parallelism, batch-invariant mode) takes the
+loop.
+
+`pagedllm bench latency --profile` still sees each part: while a profile is taken, the C++ side
+adds each part's nanoseconds to `part_ns` (`PARTS`, in the order of its enum).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagedllm.kernels import build
+from pagedllm.kernels.quant import MAX_ROWS
+
+_P = ctypes.c_void_p
+# The C++ parts, in the order of decoder_layers.cpp's enum, as the step profile names them
+# ("copies": gathering q, k and v out of the fused projection, counted with the rest).
+PARTS = ("norms", "projections", "rotary", "kv_write", "attention", "mlp_activation", "copies")
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("values", _P), ("scales", _P), ("mins", _P), ("bias", _P),
+                ("out_features", ctypes.c_int32), ("in_features", ctypes.c_int32),
+                ("int8_rows", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_attention_norm", _P), ("qkv", _Projection), ("o", _Projection),
+                ("gate_up", _Projection), ("down", _Projection), ("key_cache", _P), ("value_cache", _P)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "num_tokens", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "block_size", "intermediate_size",
+        "num_threads")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
+        ("positions", _P), ("cos_cache", _P), ("sin_cache", _P), ("slot_mapping", _P),
+        ("block_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
+        ("block_tables", _P), ("block_table_stride", ctypes.c_int64),
+        ("item_seq", _P), ("item_first_token", _P), ("item_num_tokens", _P), ("num_items", ctypes.c_int64),
+        ("token_context", _P)] + [(name, _P) for name in (
+        "qkv", "query", "attn", "key", "value", "normed", "gate_up", "act")]
+
+
+def _projection(linear) -> _Projection:
+    matrix = linear.weight.quantized
+    u = matrix.unpack()
+    bias = getattr(linear, "bias", None)
+    return _Projection(u.values.data_ptr(), u.scales.data_ptr(), u.mins.data_ptr() if u.mins is not None else None,
+                       bias.data_ptr() if bias is not None else None, matrix.out_features, matrix.in_features,
+                       matrix.int8_rows, 0)
+
+
+class FusedDecoderLayers:
+    """The layer loop of a `LlamaModel` as one call; see the module's docstring."""
+
+    PARTS = PARTS
+
+    def __init__(self, model, backend) -> None:
+        self.model = model  # the LlamaModel
+        self.backend = backend
+        self.lib = build.load()
+        self.lib.decoder_layers_f32.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P]
+        self.lib.decoder_layers_f32.restype = None
+        self._layers = None
+        self._bound_to = None
+        self.part_ns: ctypes.Array | None = None  # set while a step profile is taken
+        first = model.layers[0]
+        attn = first.self_attn
+        self.hidden_size = first.input_layernorm.weight.shape[0]
+        self.num_heads, self.num_kv_heads = attn.attn.num_heads, attn.attn.num_kv_heads
+        self.head_dim = attn.attn.head_dim
+        self.intermediate_size = first.mlp.down_proj.weight.shape[1]
+        self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
+
+    @staticmethod
+    def supported(model, backend) -> bool:
+        """Whether every layer of `model` (a LlamaModel, float32 on a CPU, one rank) can run
+        fused with `backend`: the C++ attention outside batch-invariant mode, quantized blocks
+        on every projection."""
+        from pagedllm.attention.cpu import CPUAttentionBackend
+
+        if not isinstance(backend, CPUAttentionBackend) or backend.batch_invariant:
+            return False
+        if model.layers[0].input_layernorm.weight.dtype != torch.float32 or model.layers[0].self_attn.o_proj.tp.size != 1:
+            return False
+        if model.layers[0].self_attn.rotary.cos.dtype != torch.float32:
+            return False
+        projections = [p for layer in model.layers for p in _projections(layer)]
+        return all(getattr(p.weight, "quantized", None) is not None for p in projections)
+
+    def applies(self, hidden: torch.Tensor, metadata) -> bool:
+        """A step of at most MAX_ROWS tokens, none of them a prompt without cached context (those
+        take torch's fused causal attention in the loop)."""
+        return (hidden.shape[0] <= MAX_ROWS and hidden.device.type == "cpu"
+                and not self.backend.plan(metadata).fresh_prompts)
+
+    def _layer_array(self) -> ctypes.Array:
+        """The layers' pointers, built again if the KV pools were bound anew."""
+        attns = [layer.self_attn.attn for layer in self.model.layers]
+        if attns[0].key_cache is None:
+            raise RuntimeError("Attention layer has no KV cache bound; call model.bind_kv_cache() first.")
+        bound = (attns[0].key_cache.data_ptr(), attns[-1].value_cache.data_ptr(), len(attns))
+        if self._bound_to != bound:
+            layers = []
+            for layer, attn in zip(self.model.layers, attns):
+                qkv, o, gate_up, down = (_projection(p) for p in _projections(layer))
+                layers.append(_Layer(layer.input_layernorm.weight.data_ptr(),
+                                     layer.post_attention_layernorm.weight.data_ptr(), qkv, o, gate_up, down,
+                                     attn.key_cache.data_ptr(), attn.value_cache.data_ptr()))
+            self._layers = (_Layer * len(layers))(*layers)
+            self._bound_to = bound
+        return self._layers
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the embeddings [T, hidden_size] -> (last layer's output, residual stream), as
+        the loop leaves them for the final norm."""
+        layers = self._layer_array()
+        plan = self.backend.plan(metadata)
+        attn = self.model.layers[0].self_attn
+        key_cache = attn.attn.key_cache
+        T, H, I = hidden.shape[0], self.hidden_size, self.intermediate_size
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        widths = (q_width + 2 * kv_width, q_width, q_width, kv_width, kv_width, H, 2 * I, I)
+        scratch = torch.empty(T * sum(widths), dtype=torch.float32)
+        pointers, offset = [], 0
+        for width in widths:
+            pointers.append(scratch.data_ptr() + 4 * offset)
+            offset += T * width
+        hidden = hidden.contiguous()
+        residual = torch.empty_like(hidden)
+        positions = positions.contiguous()
+        slots = metadata.slot_mapping
+        step = _Step(
+            T, H, self.num_heads, self.num_kv_heads, self.head_dim, key_cache.shape[2], I, torch.get_num_threads(),
+            self.eps, self.scale, positions.data_ptr(), attn.rotary.cos.data_ptr(), attn.rotary.sin.data_ptr(),
+            slots.data_ptr(), key_cache.stride(0), key_cache.stride(1), plan.block_tables.data_ptr(),
+            plan.block_tables.shape[1], plan.item_seq.data_ptr(), plan.item_first_token.data_ptr(),
+            plan.item_num_tokens.data_ptr(), plan.item_seq.shape[0], plan.token_context.data_ptr(), *pointers,
+        )
+        self.lib.decoder_layers_f32(ctypes.addressof(layers), len(layers), ctypes.byref(step), hidden.data_ptr(),
+                                    residual.data_ptr(), ctypes.cast(self.part_ns, _P) if self.part_ns is not None else None)
+        return hidden, residual
+
+
+def enable_fused_layers(model, backend) -> bool:
+    """Give `model` (a LlamaForCausalLM) the fused path where it is supported; returns whether."""
+    inner = model.model
+    inner.fused_layers = FusedDecoderLayers(inner, backend) if FusedDecoderLayers.supported(inner, backend) else None
+    return inner.fused_layers is not None
+
+
+def _projections(layer) -> tuple:
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

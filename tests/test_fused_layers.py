@@ -1,0 +1,105 @@
+"""The decoder layers in one C++ call (`pagedllm.model.fused_layers`): bitwise the Python layer
+loop's output, used only where it applies, and seen part by part by the step profile."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from pagedllm.bench.step_profile import profile_decode_steps
+from pagedllm.kernels.quant import MAX_ROWS
+from pagedllm.model.fused_layers import FusedDecoderLayers
+from pagedllm.sampling_params import SamplingParams
+
+
+@contextlib.contextmanager
+def _counting(fused, calls: list):
+    original = FusedDecoderLayers.__call__
+
+    def counted(self, *args):
+        calls.append(args[1].shape[0])
+        return original(self, *args)
+
+    FusedDecoderLayers.__call__ = counted
+    try:
+        yield
+    finally:
+        FusedDecoderLayers.__call__ = original
+
+
+@contextlib.contextmanager
+def _without(model):
+    fused, model.model.fused_layers = model.model.fused_layers, None
+    try:
+        yield
+    finally:
+        model.model.fused_layers = fused
+
+
+def _run(llm, prompts, params):
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_fused_layers_equal_the_layer_loop_bitwise(smollm_llm):
+    model = smollm_llm.llm_engine.executor.worker.model
+    assert model.model.fused_layers is not None  # float32, CPU, quantized blocks: supported
+    prompts = ["The capital of France is", "Water boils at", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, logprobs=5)
+    calls: list[int] = []
+    with _counting(model.model.fused_layers, calls):
+        fused = _run(smollm_llm, prompts, params)
+        assert calls and max(calls) <= MAX_ROWS  # decode steps went through it
+        assert 3 in calls  # the three sequences decoding together
+        with _without(model):
+            count = len(calls)
+            loop = _run(smollm_llm, prompts, params)
+            assert len(calls) == count  # and not through it here
+    # Same sampled tokens and exactly the same log-probabilities (floats compared with ==).
+    assert fused == loop
+
+
+def test_prompts_and_large_batches_take_the_loop(smollm_llm):
+    model = smollm_llm.llm_engine.executor.worker.model
+    calls: list[int] = []
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with _counting(model.model.fused_layers, calls):
+        smollm_llm.generate([[200 + i for i in range(40)]], params, use_tqdm=False)
+        # one prompt of 40 fresh tokens: the loop (torch's causal attention); its one decode: fused
+        assert calls == [1]
+        calls.clear()
+        smollm_llm.generate([[300 + i, 301 + i] for i in range(MAX_ROWS + 1)], params, use_tqdm=False)
+        assert calls == []  # the prompts, and the batch of MAX_ROWS + 1 decodes, ran in the loop
+
+
+def test_unsupported_models_have_no_fused_path(tiny_llama):
+    from pagedllm.entrypoints.llm import LLM
+
+    # A safetensors model has no quantized blocks; batch-invariant mode keeps its own order.
+    for kwargs in ({"model": str(tiny_llama)}, {"batch_invariant": True}):
+        llm = LLM(max_model_len=128, num_gpu_blocks=32, **kwargs)
+        try:
+            assert llm.llm_engine.executor.worker.model.model.fused_layers is None
+        finally:
+            llm.llm_engine.shutdown()
+
+
+def test_the_step_profile_sees_the_fused_parts(smollm_llm):
+    engine = smollm_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"profile-{i}", [400 + i + j for j in range(16)], params)
+    engine.step()  # the prompts
+    steps, parts, calls = profile_decode_steps(engine, 3)
+    fused = engine.executor.worker.model.model.fused_layers
+    assert fused.part_ns is None  # handed back
+    layers = len(engine.executor.worker.model.model.layers)
+    assert calls["attention"] == calls["rotary"] == calls["kv_write"] == layers * len(steps)
+    assert calls["projections"] == 4 * layers * len(steps)
+    assert "fused_layers" not in calls and "fused_layers" not in parts
+    for part in ("norms", "projections", "rotary", "kv_write", "attention", "mlp_activation"):
+        assert parts[part] > 0, part
+    assert parts["projections"] > parts["norms"]  # the C++ timers, not zeros or the whole call
+    assert parts["other"] >= 0 and sum(parts.values()) == pytest.approx(sum(steps))
+    while engine.has_unfinished_requests():
+        engine.step()
