@@ -21,8 +21,12 @@ def _int8_oracle(x: torch.Tensor, matrix) -> torch.Tensor:
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     qx = torch.round(blocks * torch.where(scale > 0, 1 / scale, torch.zeros_like(scale)))
     assert qx.abs().max() <= 127
-    qw = u.values.view(torch.int8) if matrix.qtype == "Q8_0" else u.values
-    qw = qw.double().view(matrix.out_features, -1, 32)
+    if matrix.qtype == "Q8_0":
+        qw = u.values.view(torch.int8).view(matrix.out_features, -1, 32)
+    else:  # nibbles: value j of a block in the low half of its byte j, value j + 16 in the high
+        packed = u.values.view(matrix.out_features, -1, 16)
+        qw = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+    qw = qw.double()
     dots = torch.einsum("rbj,nbj->rnb", qx.double(), qw)  # integer sums, exact in float64
     y = (dots * u.scales.double()[None] * scale.double().squeeze(-1)[:, None]).sum(-1)
     if u.mins is not None:

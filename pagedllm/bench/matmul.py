@@ -3,7 +3,7 @@ layer's fused qkv, o, gate_up and down, and the LM head), on its real weights, f
 input row counts (sequences decoding together), through the three paths a layer can take
 (`pagedllm.model.layers.linear`):
 
-- the quantized kernel (`kernels/quant.py`) reads the GGUF blocks (Q4_1: 1.25 bytes per weight,
+- the quantized kernel (`kernels/quant.py`) reads the GGUF blocks (Q4_1: 0.75 bytes per weight,
   against 4 for float32). With few rows a step is bound by reading the weights, so it wins; its
   arithmetic is plain FMAs on expanded values, so as rows grow the float product overtakes it.
   The row count where that happens is what `quant.MAX_ROWS` should be; the table marks it.

@@ -2,10 +2,11 @@
 
 A layer loaded from a GGUF file keeps, beside its float weight, the raw blocks of the file
 (`param.quantized`). Up to `MAX_ROWS` rows of input (sequences decoding together), reading the
-quantized values (1.25 bytes per weight, against 4 for float32) and expanding them on the fly
+quantized values (0.75 bytes per Q4_1 weight, against 4 for float32) and expanding them on the fly
 beats the float product (csrc/quant_matmul.cpp); for more rows (prompts), oneDNN's float matmul
 wins. The blocks are unpacked once (`QuantizedMatrix.unpack`, at load time) into the layout the
-kernels read: one byte per value, float32 scales and minimums.
+kernels read: the values (Q4_1's nibbles as the file packs them, 0.75 bytes per weight with the
+float32 scales and minimums), float32 scales and minimums.
 
 With int8 activations (`int8_activations="auto"` or `"on"`, off by default), the products of up
 to `QuantizedMatrix.int8_rows` rows quantize x to int8 per block of 32 and multiply on 8-bit
@@ -41,7 +42,8 @@ MAX_ROWS = 64
 
 @dataclass
 class Unpacked:
-    values: torch.Tensor  # uint8 [out_features, in_features]: Q4_1 0..15, Q8_0 int8 bits
+    values: torch.Tensor  # uint8: Q8_0 [out_features, in_features] int8 bits; Q4_1 [out_features, in_features / 2],
+    # value j of a block in the low nibble of its byte j, value j + 16 in the high one
     scales: torch.Tensor  # float32 [out_features, in_features / 32]
     mins: torch.Tensor | None  # float32 [out_features, in_features / 32] (Q4_1), else None
 
@@ -70,11 +72,10 @@ class QuantizedMatrix:
             scales = blocks[..., 0:2].contiguous().view(torch.float16).float().view(rows, -1)
             if self.qtype == "Q4_1":
                 mins = blocks[..., 2:4].contiguous().view(torch.float16).float().view(rows, -1)
-                packed = blocks[..., 4:20]  # value j in the low nibble of byte j, value j + 16 in the high
-                values = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+                values = blocks[..., 4:20]  # value j in the low nibble of byte j, value j + 16 in the high
             else:
                 mins, values = None, blocks[..., 2:34]
-            self._unpacked = Unpacked(values.reshape(rows, self.in_features).contiguous(), scales.contiguous(), mins)
+            self._unpacked = Unpacked(values.reshape(rows, -1).contiguous(), scales.contiguous(), mins)
         return self._unpacked
 
 

@@ -74,7 +74,14 @@ inline void dot_rows(float* y, int64_t out_features, const int8_t* qx, const flo
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int b = 0; b < num_blocks; ++b) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + b * kBlock));
+    __m256i w;
+    if (kSigned) {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + b * kBlock));
+    } else {  // Q4_1's nibbles: values 0-15 in the low ones, 16-31 in the high ones
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + b * (kBlock / 2)));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+    }
     const __m256i wu = kSigned ? _mm256_abs_epi8(w) : w;
     const float d = scales[b];
     for (int r = 0; r < R; ++r) {
@@ -122,7 +129,8 @@ inline void row_group(float* y, int64_t out_features, const int8_t* qx, const fl
       int32_t dot = 0;
       for (int j = 0; j < kBlock; ++j) {
         const int k = b * kBlock + j;
-        const int32_t q = kSigned ? static_cast<int8_t>(values[k]) : values[k];
+        const int32_t q = kSigned ? static_cast<int8_t>(values[k])
+                                  : (j < 16 ? values[b * 16 + j] & 0x0F : values[b * 16 + j - 16] >> 4);
         dot += q * qx[r * in_features + k];
       }
       total += scales[b] * dx[r * num_blocks + b] * static_cast<float>(dot);
@@ -143,7 +151,7 @@ void matmul(float* y, const float* x, const uint8_t* values, const float* scales
   quantize_rows(qx.data(), dx.data(), sx.data(), x, num_rows, in_features);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int n = 0; n < out_features; ++n) {
-    const uint8_t* v = values + static_cast<int64_t>(n) * in_features;
+    const uint8_t* v = values + static_cast<int64_t>(n) * (kSigned ? in_features : in_features / 2);
     const float* d = scales + static_cast<int64_t>(n) * num_blocks;
     const float* m = kSigned ? nullptr : mins + static_cast<int64_t>(n) * num_blocks;
     for (int r0 = 0; r0 < num_rows; r0 += kRowGroup) {
@@ -159,7 +167,8 @@ void matmul(float* y, const float* x, const uint8_t* values, const float* scales
 
 extern "C" {
 
-// As quant_matmul_f32 (same unpacked blocks), with x quantized to int8 per block of 32.
+// As quant_matmul_f32 (same unpacked blocks: Q4_1's values as nibbles), with x quantized to
+// int8 per block of 32.
 void quant_matmul_int8(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins,
                        int num_rows, int out_features, int in_features, int num_threads) {
   if (mins != nullptr)

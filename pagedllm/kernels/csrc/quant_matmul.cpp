@@ -3,9 +3,11 @@
 // Decoding a handful of sequences is bound by reading the weights: a float32 copy of a 135M
 // parameter model is 540 MB per step. Per block of 32 weights, Q4_1 holds a scale d, a minimum
 // m and 32 4-bit values q (w = d q + m); Q8_0 holds d and 32 int8 values (w = d q). At load
-// time the blocks are unpacked once into one byte per value plus float32 scales and minimums
-// (1.25 bytes per weight, against 4 for float32): one instruction then widens 8 values from
-// memory, where nibbles would take three more per 8, and there is no float16 to convert.
+// time the blocks are unpacked once into their values (Q4_1: the file's 16 bytes of nibbles,
+// value j in the low nibble of byte j and value j + 16 in the high one; Q8_0: one byte each) and
+// float32 scales and minimums: 0.75 bytes per Q4_1 weight, against 4 for float32, and no
+// float16 to convert. A few rows are bound by reading them, so the nibbles stay packed: two
+// instructions split a block's 16 bytes into its 32 values.
 // Two ways through, by the number of rows of x:
 // - a few rows (decoding a handful of sequences, below kTiledRows): each block's 32 weights are
 //   expanded in registers (w = q d + m, one FMA per 8), and every row of x in a group of up to 8
@@ -34,8 +36,33 @@ constexpr int kTiledRows = 8;  // from this many rows of x on, the tiled way
 constexpr int kTileW = 6;  // rows of W expanded together (tiled way)
 constexpr int kTileX = 2;  // rows of x per register tile (tiled way): 12 accumulators
 
+// Bytes of values per row of W: Q4_1 (the type with minimums) keeps two per byte.
+template <bool kNibbles>
+constexpr int64_t row_bytes(int64_t in_features) {
+  return kNibbles ? in_features / 2 : in_features;
+}
+
 #ifdef QUANT_AVX2
 using namespace pagedllm_simd;
+
+// The 32 values of block b as 4 vectors of 8 floats (see the top of the file for the layouts).
+template <bool kSigned, bool kNibbles>
+inline void load_block(__m256 q[4], const uint8_t* values, int b) {
+  if (kNibbles) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + b * (kBlock / 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + b * kBlock + 8 * c));
+      q[c] = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
+    }
+  }
+}
 
 // y[r * out_features + n] = x_r . w_n for R rows of x (R <= 8) and one row n of W. With few
 // rows, each row keeps several accumulators so that consecutive FMAs do not wait on each other.
@@ -51,11 +78,8 @@ inline void dot_rows(float* y, int64_t out_features, const float* x, int64_t in_
     const __m256 d = _mm256_broadcast_ss(scales + b);
     const __m256 m = kMin ? _mm256_broadcast_ss(mins + b) : _mm256_setzero_ps();
     __m256 w[4];
-    for (int c = 0; c < 4; ++c) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + b * kBlock + 8 * c));
-      const __m256 q = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
-      w[c] = kMin ? _mm256_fmadd_ps(q, d, m) : _mm256_mul_ps(q, d);
-    }
+    load_block<kSigned, kMin>(w, values, b);
+    for (int c = 0; c < 4; ++c) w[c] = kMin ? _mm256_fmadd_ps(w[c], d, m) : _mm256_mul_ps(w[c], d);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * in_features + b * kBlock;
       for (int c = 0; c < 4; ++c) acc[r][c % A] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(xb + 8 * c), acc[r][c % A]);
@@ -91,11 +115,10 @@ inline void expand_row(float* dst, const uint8_t* values, const float* scales, c
   for (int b = 0; b < num_blocks; ++b) {
     const __m256 d = _mm256_broadcast_ss(scales + b);
     const __m256 m = kMin ? _mm256_broadcast_ss(mins + b) : _mm256_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + b * kBlock + 8 * c));
-      const __m256 q = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
-      _mm256_store_ps(dst + b * kBlock + 8 * c, kMin ? _mm256_fmadd_ps(q, d, m) : _mm256_mul_ps(q, d));
-    }
+    __m256 q[4];
+    load_block<kSigned, kMin>(q, values, b);
+    for (int c = 0; c < 4; ++c)
+      _mm256_store_ps(dst + b * kBlock + 8 * c, kMin ? _mm256_fmadd_ps(q[c], d, m) : _mm256_mul_ps(q[c], d));
   }
 }
 
@@ -125,7 +148,7 @@ inline void tiled_rows(float* y, const float* x, const uint8_t* values, const fl
   const int num_blocks = in_features / kBlock;
   for (int j = 0; j < kTileW; ++j) {
     const int64_t n = n0 + j;
-    expand_row<kSigned, kMin>(w + j * in_features, values + n * in_features, scales + n * num_blocks,
+    expand_row<kSigned, kMin>(w + j * in_features, values + n * row_bytes<kMin>(in_features), scales + n * num_blocks,
                               kMin ? mins + n * num_blocks : nullptr, num_blocks);
   }
   int r = 0;
@@ -149,7 +172,8 @@ inline void row_group(float* y, int64_t out_features, const float* x, int64_t in
       const float m = kMin ? mins[b] : 0.0f;
       for (int j = 0; j < kBlock; ++j) {
         const int k = b * kBlock + j;
-        const float q = kSigned ? static_cast<float>(static_cast<int8_t>(values[k])) : static_cast<float>(values[k]);
+        const float q = kSigned ? static_cast<float>(static_cast<int8_t>(values[k]))
+                                : static_cast<float>(j < 16 ? values[b * 16 + j] & 0x0F : values[b * 16 + j - 16] >> 4);
         dot += (q * scales[b] + m) * x[r * in_features + k];
       }
     }
@@ -164,7 +188,7 @@ template <bool kSigned, bool kMin>
 inline void direct_row(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins,
                        int num_rows, int out_features, int in_features, int n) {
   const int num_blocks = in_features / kBlock;
-  const uint8_t* v = values + static_cast<int64_t>(n) * in_features;
+  const uint8_t* v = values + static_cast<int64_t>(n) * row_bytes<kMin>(in_features);
   const float* d = scales + static_cast<int64_t>(n) * num_blocks;
   const float* m = kMin ? mins + static_cast<int64_t>(n) * num_blocks : nullptr;
   for (int r0 = 0; r0 < num_rows; r0 += kRowGroup) {
@@ -203,8 +227,8 @@ void matmul(float* y, const float* x, const uint8_t* values, const float* scales
 
 extern "C" {
 
-// x: [num_rows, in_features] float32; values: [out_features, in_features] one byte each
-// (signed for Q8_0, 0..15 for Q4_1); scales, mins: [out_features, in_features / 32] float32
+// x: [num_rows, in_features] float32; values: [out_features, in_features] one signed byte each
+// for Q8_0, [out_features, in_features / 2] nibbles for Q4_1; scales, mins: [out_features, in_features / 32] float32
 // (mins null for Q8_0); y: [num_rows, out_features] float32. in_features: a multiple of 32.
 void quant_matmul_f32(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins,
                       int num_rows, int out_features, int in_features, int num_threads) {
