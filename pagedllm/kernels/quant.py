@@ -5,8 +5,8 @@ A layer loaded from a GGUF file keeps, beside its float weight, the raw blocks o
 quantized values (0.75 bytes per Q4_1 weight, against 4 for float32) and expanding them on the fly
 beats the float product (csrc/quant_matmul.cpp); for more rows (prompts), oneDNN's float matmul
 wins. The blocks are unpacked once (`QuantizedMatrix.unpack`, at load time) into the layout the
-kernels read: the values (Q4_1's nibbles as the file packs them, 0.75 bytes per weight with the
-float32 scales and minimums), float32 scales and minimums.
+kernels read: the values (Q4_1's nibbles as the file packs them; Q8_0's bytes) and float32
+scales and minimums.
 
 With int8 activations (`int8_activations="auto"` or `"on"`, off by default), the products of up
 to `QuantizedMatrix.int8_rows` rows quantize x to int8 per block of 32 and multiply on 8-bit
@@ -18,10 +18,9 @@ trial at start-up finds them faster than the float kernel (`int8_rows_that_pay`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import functools
 import logging
+from dataclasses import dataclass, field
 
 import torch
 

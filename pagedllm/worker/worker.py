@@ -23,7 +23,6 @@ from pagedllm.utils import cdiv
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
 from pagedllm.worker.cpu_threads import ThreadGovernor
 from pagedllm.worker.cuda_graphs import DecodeGraphs
-from pagedllm.worker.heap import keep_freed_heap_memory
 from pagedllm.worker.host_pool import available_memory
 from pagedllm.worker.profile_cache import cached_preemption_costs, machine_identity, model_identity
 from pagedllm.worker.model_runner import ModelRunner, build_attention_metadata
@@ -105,8 +104,6 @@ class Worker:
             make_batch_invariant(self.model)
         use_int8_activations(self.model, config.model.int8_activations)
         enable_fused_layers(self.model, self.backend)
-        if self.device.type == "cpu":
-            keep_freed_heap_memory()  # steps' activation buffers reused, not faulted in anew (worker/heap.py)
         arch = self.model.cfg
         self.num_kv_heads = self.model.model.layers[0].self_attn.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
