@@ -41,8 +41,7 @@ INERT_ARGS = {
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 # "auto": triton on a GPU, the fast CPU kernel on a CPU (pagedllm.attention.get_attention_backend).
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
-# GGUF-quantized projections on int8 activations (pagedllm.kernels.quant.INT8_MODES, kept here
-# so that this module imports no torch).
+# Modes of GGUF-quantized projections on int8 activations (pagedllm.kernels.quant).
 INT8_MODES = ("off", "auto", "on")
 
 

@@ -108,6 +108,8 @@ def load() -> ctypes.CDLL:
     lib.quant_matmul_int8.restype = None
     lib.quant_int8_isa.argtypes = []
     lib.quant_int8_isa.restype = ctypes.c_int
+    lib.decoder_layers_f32.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P]
+    lib.decoder_layers_f32.restype = None
     lib.decoder_layers_num_parts.restype = ctypes.c_int
     lib.fused_add_rms_norm_f32.argtypes = [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     lib.rotary_neox_f32.argtypes = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.config import INT8_MODES  # noqa: F401  ("off", "auto", "on"), re-exported
 from pagedllm.utils import best_wall_time
 
 logger = logging.getLogger("pagedllm")

@@ -66,8 +66,8 @@ class FusedDecoderLayers:
         self.model = model  # the LlamaModel
         self.backend = backend
         self.lib = build.load()
-        self.lib.decoder_layers_f32.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P]
-        self.lib.decoder_layers_f32.restype = None
+        if self.lib.decoder_layers_num_parts() != len(PARTS):  # part_ns is sized from PARTS
+            raise RuntimeError("decoder_layers.cpp and fused_layers.PARTS disagree on the parts of a step")
         self._layers = None
         self._bound_to = None
         self.part_ns: ctypes.Array | None = None  # set while a step profile is taken

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.config import INT8_MODES
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
@@ -90,8 +91,8 @@ def use_int8_activations(model: nn.Module, mode: str) -> int:
     """Let the quantized projections of `model` run on int8 activations (`kernels/quant.py`):
     "on" up to `quant.MAX_ROWS` rows, "auto" up to the rows where the start-up trial finds them
     faster, "off" never. Returns how many weights take them."""
-    if mode not in quant.INT8_MODES:
-        raise ValueError(f"int8_activations must be one of {', '.join(quant.INT8_MODES)}, not {mode!r}")
+    if mode not in INT8_MODES:
+        raise ValueError(f"int8_activations must be one of {', '.join(INT8_MODES)}, not {mode!r}")
     matrices = [m for m in (getattr(p, "quantized", None) for p in model.parameters()) if m is not None]
     if mode == "off" or not matrices:
         if mode != "off":

@@ -78,9 +78,9 @@ inline void dot_rows(float* y, int64_t out_features, const int8_t* qx, const flo
     if (kSigned) {
       w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + b * kBlock));
     } else {  // Q4_1's nibbles: values 0-15 in the low ones, 16-31 in the high ones
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + b * (kBlock / 2)));
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+      __m128i lo, hi;
+      split_nibbles(values + b * (kBlock / 2), &lo, &hi);
+      w = _mm256_set_m128i(hi, lo);
     }
     const __m256i wu = kSigned ? _mm256_abs_epi8(w) : w;
     const float d = scales[b];

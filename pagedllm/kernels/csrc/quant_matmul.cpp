@@ -49,9 +49,8 @@ using namespace pagedllm_simd;
 template <bool kSigned, bool kNibbles>
 inline void load_block(__m256 q[4], const uint8_t* values, int b) {
   if (kNibbles) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + b * (kBlock / 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    __m128i lo, hi;
+    split_nibbles(values + b * (kBlock / 2), &lo, &hi);
     q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
     q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
     q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));

@@ -4,6 +4,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace pagedllm_simd {
 
 inline float hsum(__m256 v) {
@@ -31,6 +33,15 @@ inline __m256 exp8(__m256 x) {
   poly = _mm256_add_ps(poly, _mm256_set1_ps(1.0f));
   const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(poly, _mm256_castsi256_ps(pow2n));
+}
+
+// A GGUF Q4_1 block's 16 bytes of nibbles as its 32 values 0..15, one byte each: lo holds values
+// 0-15 (the low nibbles), hi values 16-31 (the high ones).
+inline void split_nibbles(const uint8_t* bytes, __m128i* lo, __m128i* hi) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  *lo = _mm_and_si128(raw, mask);
+  *hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
 }
 
 inline float hmax(__m256 v) {
