@@ -22,7 +22,8 @@ def _quantized(qtype: str, out_features: int, in_features: int, seed: int):
 # Every row-group size of the few-rows way and a group plus a rest; the tiled way from 8 rows,
 # with an odd row past its 2-row register tiles (17, 33).
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 17, 33, MAX_ROWS])
-@pytest.mark.parametrize("shape", [(96, 64), (130, 576)])  # 130: 4 rows of W past the last 6-row tile
+# 130: 4 rows of W past the last 6-row tile; 97: an odd row of W after the 1-row way's pairs
+@pytest.mark.parametrize("shape", [(96, 64), (130, 576), (97, 64)])
 def test_quantized_matmul_equals_the_dequantized_product(qtype, rows, shape):
     matrix, dense = _quantized(qtype, *shape, seed=rows)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
