@@ -255,22 +255,24 @@ void matmul(float* y, const float* x, const uint8_t* values, const float* scales
     }
     return;
   }
-  if (kMin && num_rows == 1) {  // Q4_1: rows of W in pairs (see dot_rows)
-    const int num_blocks = in_features / kBlock;
-    const int num_pairs = out_features / 2;
+  if constexpr (kMin) {
+    if (num_rows == 1) {  // Q4_1: rows of W in pairs (see dot_rows)
+      const int num_blocks = in_features / kBlock;
+      const int num_pairs = out_features / 2;
 #pragma omp parallel num_threads(num_threads)
-    {
+      {
 #pragma omp for schedule(static)
-      for (int p = 0; p < num_pairs; ++p) {
-        const int64_t n = 2 * static_cast<int64_t>(p);
-        dot_rows<1, 2, kSigned, kMin>(y + n, out_features, x, in_features, values + n * row_bytes<kMin>(in_features),
-                                      scales + n * num_blocks, kMin ? mins + n * num_blocks : nullptr, num_blocks);
-      }
+        for (int p = 0; p < num_pairs; ++p) {
+          const int64_t n = 2 * static_cast<int64_t>(p);
+          dot_rows<1, 2, kSigned, kMin>(y + n, out_features, x, in_features, values + n * row_bytes<kMin>(in_features),
+                                        scales + n * num_blocks, mins + n * num_blocks, num_blocks);
+        }
 #pragma omp single
-      if (out_features % 2 != 0)
-        direct_row<kSigned, kMin>(y, x, values, scales, mins, num_rows, out_features, in_features, out_features - 1);
+        if (out_features % 2 != 0)
+          direct_row<kSigned, kMin>(y, x, values, scales, mins, num_rows, out_features, in_features, out_features - 1);
+      }
+      return;
     }
-    return;
   }
 #endif
 #pragma omp parallel for schedule(static) num_threads(num_threads)
