@@ -19,15 +19,28 @@ def _quantized(qtype: str, out_features: int, in_features: int, seed: int):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-# Every row-group size of the few-rows way and a group plus a rest; the tiled way from 8 rows,
-# with an odd row past its 2-row register tiles (17, 33).
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 17, 33, MAX_ROWS])
-# 130: 4 rows of W past the last 6-row tile; 97: an odd row of W after the 1-row way's pairs
+# Every row-group size of the few-rows way and a group plus a rest; the tiled way from 8 rows: one
+# 8-row panel (8), one 16-row panel part empty (11, 15) or full (16), a 16-row panel and an 8-row
+# one (17, 24, 33), and past its 64-row blocks (137).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 17, 24, 33, MAX_ROWS, 2 * MAX_ROWS + 9])
+# 130: the tiled way's last 12-row tile of W holds 10 rows; 97: an odd row of W after the 1-row
+# way's pairs
 @pytest.mark.parametrize("shape", [(96, 64), (130, 576), (97, 64)])
 def test_quantized_matmul_equals_the_dequantized_product(qtype, rows, shape):
     matrix, dense = _quantized(qtype, *shape, seed=rows)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
     torch.testing.assert_close(quantized_matmul(x, matrix), x @ dense.T, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_the_tiled_way_gives_a_row_the_same_result_in_any_batch(qtype):
+    # From 8 rows on, each output is one FMA chain over the inputs in order: the same bits whether
+    # a row shares its product with 7 rows or 40, at any position.
+    matrix, _ = _quantized(qtype, 130, 576, seed=1)
+    x = torch.randn(48, 576, generator=torch.Generator().manual_seed(1))
+    full = quantized_matmul(x, matrix)
+    for start, rows in ((0, 8), (3, 8), (5, 17), (20, 28), (1, 40)):
+        assert torch.equal(quantized_matmul(x[start : start + rows], matrix), full[start : start + rows])
 
 
 def test_only_small_float32_batches_use_it():
