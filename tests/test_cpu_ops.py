@@ -91,6 +91,21 @@ def test_logsumexp_rows_matches_torch(vocab):
     torch.testing.assert_close(ops.logsumexp_rows(strided), torch.logsumexp(strided, dim=-1, keepdim=True), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [5, 49152, 1003])
+def test_logsumexp_and_argmax_rows_match_torch(vocab):
+    torch.manual_seed(vocab)
+    x = torch.randn(7, vocab) * 4
+    x[1, : vocab // 2] = float("-inf")  # masked tokens
+    x[2, [vocab // 3, vocab - 1]] = 100.0  # a tie: the first of the two wins, as in torch
+    x[3, vocab - 1] = 100.0  # the maximum in the ragged tail past the 8-wide blocks
+    x[4] = float("-inf")  # every token masked
+    x[5, vocab // 2] = float("nan")  # a broken row: torch's answer
+    log_norm, argmax = ops.logsumexp_and_argmax_rows(x)
+    torch.testing.assert_close(log_norm, torch.logsumexp(x, dim=-1, keepdim=True), rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert argmax.tolist() == x.argmax(dim=-1).tolist()
+    assert argmax[2] == vocab // 3 and argmax[3] == vocab - 1
+
+
 @pytest.mark.parametrize("vocab", [7, 4096, 1003])
 def test_sample_rows_inverts_the_cumulative_distribution(vocab):
     """At each uniform u, the kernel's token is the first whose cumulative probability exceeds

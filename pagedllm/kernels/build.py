@@ -114,7 +114,7 @@ def load() -> ctypes.CDLL:
     lib.fused_add_rms_norm_f32.argtypes = [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     lib.rotary_neox_f32.argtypes = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.silu_and_mul_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.logsumexp_rows_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.logsumexp_rows_f32.argtypes = [_P, _P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.sample_rows_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _P, _P, ctypes.c_int]
     for name in ("fused_add_rms_norm_f32", "rotary_neox_f32", "silu_and_mul_f32", "logsumexp_rows_f32", "sample_rows_f32"):
         getattr(lib, name).restype = None

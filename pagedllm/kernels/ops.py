@@ -60,9 +60,27 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     """x: [rows, n] -> log sum_j exp(x[:, j]): [rows, 1]."""
+    return _logsumexp(x, None)
+
+
+def logsumexp_and_argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [rows, n] -> (logsumexp_rows(x), x.argmax(dim=-1)) with each row read from memory once
+    (the greedy token and its normaliser). Rows holding NaN get torch's argmax."""
+    argmax = torch.empty(x.shape[0], dtype=torch.int64)
+    log_norm = _logsumexp(x, argmax)
+    missing = argmax < 0
+    if missing.any():
+        argmax[missing] = x[missing].argmax(dim=-1)
+    return log_norm, argmax
+
+
+def _logsumexp(x: torch.Tensor, argmax: torch.Tensor | None) -> torch.Tensor:
     x = _rows(x)
     out = torch.empty(x.shape[0], 1, dtype=torch.float32)
-    _lib().logsumexp_rows_f32(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), torch.get_num_threads())
+    _lib().logsumexp_rows_f32(
+        out.data_ptr(), argmax.data_ptr() if argmax is not None else None, x.data_ptr(), x.shape[0], x.shape[1],
+        x.stride(0), torch.get_num_threads(),
+    )
     return out
 
 

@@ -66,13 +66,17 @@ class Sampler:
                 sample_index.extend(range(item.num_samples))
         expanded = [items[i] for i in row_of]
         raw = logits[row_of] if len(row_of) != len(items) else logits
-        log_norm = fused_ops.logsumexp_rows(raw) if fused_ops.applies(raw) else torch.logsumexp(raw, dim=-1, keepdim=True)
+        if fused_ops.applies(raw):  # the greedy tokens of the raw logits come with their normaliser
+            log_norm, raw_argmax = fused_ops.logsumexp_and_argmax_rows(raw)
+        else:
+            log_norm, raw_argmax = torch.logsumexp(raw, dim=-1, keepdim=True), None
 
         # The token controls change `raw` in place until `restore` (no copy of the whole batch).
         controls = apply_token_controls(raw, expanded)
         processed = apply_min_tokens(raw, expanded)
         processed = apply_penalties(processed, expanded)
-        chosen = self._choose(processed, expanded, sample_index)
+        untouched = controls is None and processed is raw  # min_tokens and penalties copy when they apply
+        chosen = self._choose(processed, expanded, sample_index, raw_argmax if untouched else None)
 
         results: list[list[SampledToken]] = [[] for _ in items]
         beam_rows = [r for r, item in enumerate(expanded) if item.sampling_params.sampling_type is SamplingType.BEAM]
@@ -98,10 +102,14 @@ class Sampler:
             results[row_of[r]].append(SampledToken(chosen_ids[r], chosen_logprobs[r], top))
         return results
 
-    def _choose(self, logits: torch.Tensor, items: list[ScheduledSequence], sample_index: list[int]) -> torch.Tensor:
+    def _choose(
+        self, logits: torch.Tensor, items: list[ScheduledSequence], sample_index: list[int], argmax: torch.Tensor | None
+    ) -> torch.Tensor:
+        """argmax: logits.argmax(dim=-1) if already known."""
         random_rows = [r for r, item in enumerate(items) if item.sampling_params.sampling_type is SamplingType.RANDOM]
         if len(random_rows) < len(items):
-            chosen = logits.argmax(dim=-1)  # greedy (and beam) rows; random rows are overwritten
+            # greedy (and beam) rows; random rows are overwritten
+            chosen = argmax if argmax is not None else logits.argmax(dim=-1)
             rows = logits[random_rows]
         else:
             chosen = torch.empty(len(items), dtype=torch.int64, device=logits.device)

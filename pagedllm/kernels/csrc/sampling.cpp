@@ -1,5 +1,6 @@
 // Sampling over the vocabulary, one row of logits per sequence, rows spread over threads:
-//   logsumexp_rows: log sum_j exp(x_j) (the normaliser of the reported log-probabilities)
+//   logsumexp_rows: log sum_j exp(x_j) (the normaliser of the reported log-probabilities) and,
+//                   if asked, the greedy token: the first j where x_j is the row's maximum
 //   sample_rows: the token whose interval of the cumulative distribution softmax(x / T) holds
 //                u * total, for a uniform u drawn by the caller
 // Each replaces a chain of torch operators (divide, softmax, cumsum, search) that each stream
@@ -30,16 +31,41 @@ inline __m256 weights8(const float* x, __m256 max, __m256 inv_t) {
 
 inline float weight1(float x, float max, float inv_t) { return x == -INFINITY ? 0.0f : std::exp((x - max) * inv_t); }
 
+// The row's maximum; NaN if the row holds a NaN (as torch's max and logsumexp give).
 float row_max(const float* x, int64_t n) {
   float max = -INFINITY;
+  bool nan = false;
   int64_t j = 0;
 #ifdef SAMPLING_AVX2
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
-  for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + j));
+  __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    vmax = _mm256_max_ps(vmax, v);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
   max = hmax(vmax);
+  nan = _mm256_movemask_ps(vnan) != 0;
 #endif
-  for (; j < n; ++j) max = x[j] > max ? x[j] : max;
-  return max;
+  for (; j < n; ++j) {
+    max = x[j] > max ? x[j] : max;
+    nan = nan || x[j] != x[j];
+  }
+  return nan ? NAN : max;
+}
+
+// The first j with x[j] == max (torch.argmax's tie rule); -1 if there is none (max is NaN).
+int64_t first_index_of(const float* x, int64_t n, float max) {
+  int64_t j = 0;
+#ifdef SAMPLING_AVX2
+  const __m256 vmax = _mm256_set1_ps(max);
+  for (; j + 8 <= n; j += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), vmax, _CMP_EQ_OQ));
+    if (hits != 0) return j + __builtin_ctz(hits);
+  }
+#endif
+  for (; j < n; ++j)
+    if (x[j] == max) return j;
+  return -1;
 }
 
 // Sum of the weights, in blocks of 8 added in order: `draw` walks the same blocks in the same
@@ -99,13 +125,16 @@ int64_t draw(const float* x, int64_t n, float max, float inv_t, float target) {
 
 extern "C" {
 
-// x: [rows, row_stride] float32; out: [rows].
-void logsumexp_rows_f32(float* out, const float* x, int rows, int64_t cols, int64_t row_stride, int num_threads) {
+// x: [rows, row_stride] float32; out: [rows]; argmax: [rows] or null (not wanted). The row is
+// read from memory once: the later passes find it in the core's cache.
+void logsumexp_rows_f32(float* out, int64_t* argmax, const float* x, int rows, int64_t cols, int64_t row_stride,
+                        int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int r = 0; r < rows; ++r) {
     const float* row = x + r * row_stride;
     const float max = row_max(row, cols);
     out[r] = max == -INFINITY ? -INFINITY : max + std::log(row_total(row, cols, max, 1.0f));
+    if (argmax != nullptr) argmax[r] = first_index_of(row, cols, max);
   }
 }
 
