@@ -100,7 +100,7 @@ def test_hooks_are_installed_only_while_profiling(engine):
     assert not profiler.calls
 
 
-def test_latency_profile_prints_the_parts_and_the_bound(tiny_llama, tmp_path, capsys):
+def test_latency_profile_prints_the_parts_and_the_bound(tiny_llama, engine, tmp_path, capsys):
     out = tmp_path / "latency.json"
     args = ["bench", "latency", str(tiny_llama), "--max-model-len", "256", "--num-gpu-blocks", "128",
             "--batch-size", "2", "--input-len", "16", "--output-len", "4", "--num-iters", "1",
@@ -112,5 +112,10 @@ def test_latency_profile_prints_the_parts_and_the_bound(tiny_llama, tmp_path, ca
     total = sum(rows[part]["ms_per_step"] for part in PARTS)
     assert total == pytest.approx(profile["step_ms"], rel=0.05)
     assert profile["bound_ms"] > 0 and profile["copy_bandwidth_gbps"] > 0
+    # The bound's matrix rate is the faster of the run's two readings, and the bound adds up.
+    config = json.loads(out.read_text())["config"]
+    assert profile["matrix_gflops"] >= config["matmul_gflops"]
+    expected = 2 * engine.arch.num_parameters * 2 / (profile["matrix_gflops"] * 1e9) + profile["kv_bytes"] / (profile["copy_bandwidth_gbps"] * 1e9)
+    assert profile["bound_ms"] == pytest.approx(1e3 * expected, rel=1e-6)
     printed = capsys.readouterr().out
     assert "decode step profile" in printed and "physical bound" in printed and "attention" in printed

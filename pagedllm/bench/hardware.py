@@ -67,6 +67,34 @@ def matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: 
     return 2 * size**3 / best
 
 
+def quantized_matmul_flops(rows: int = 64, out_features: int = 3072, in_features: int = 576, repeats: int = 5) -> float | None:
+    """FLOP/s of the engine's quantized kernel (kernels/quant.py) on a random Q4_1 weight of a
+    decode projection's shape, at `rows` rows; None where the C++ kernels are unavailable. On a
+    CPU it can outrun torch's float product (the step's projections use it up to
+    quant.MAX_ROWS rows), so a bound taken from torch's rate alone could be beaten."""
+    from pagedllm.kernels import build
+    from pagedllm.kernels.quant import BLOCK, QUANT_TYPES, QuantizedMatrix, float_matmul
+
+    if not build.available():
+        return None
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (out_features, in_features // BLOCK, QUANT_TYPES["Q4_1"]), dtype=torch.uint8, generator=g)
+    blocks[..., 0:2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # scale
+    blocks[..., 2:4] = torch.tensor([-0.08], dtype=torch.float16).view(torch.uint8)  # minimum
+    weight = QuantizedMatrix("Q4_1", blocks.view(out_features, -1), in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    return 2 * rows * out_features * in_features / best_time(lambda: float_matmul(x, weight), repeats)
+
+
+def matrix_rate(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> float:
+    """The machine's measured matrix-product rate: matmul_flops, or in float32 on a CPU the
+    quantized kernel's where it is faster."""
+    flops = matmul_flops(dtype, device=device)
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        flops = max(flops, quantized_matmul_flops() or 0.0)
+    return flops
+
+
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Bytes per second moved by a large copy on `device`, reads and writes both counted (on a
     GPU, 4 GiB: well past its caches)."""
