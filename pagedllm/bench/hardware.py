@@ -67,7 +67,9 @@ def matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: 
     return 2 * size**3 / best
 
 
-def quantized_matmul_flops(rows: int = 64, out_features: int = 3072, in_features: int = 576, repeats: int = 5) -> float | None:
+def quantized_matmul_flops(
+    rows: int = 64, out_features: int = 3072, in_features: int = 576, repeats: int = 5
+) -> float | None:
     """FLOP/s of the engine's quantized kernel (kernels/quant.py) on a random Q4_1 weight of a
     decode projection's shape, at `rows` rows; None where the C++ kernels are unavailable. On a
     CPU it can outrun torch's float product (the step's projections use it up to
@@ -78,7 +80,8 @@ def quantized_matmul_flops(rows: int = 64, out_features: int = 3072, in_features
     if not build.available():
         return None
     g = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, 256, (out_features, in_features // BLOCK, QUANT_TYPES["Q4_1"]), dtype=torch.uint8, generator=g)
+    shape = (out_features, in_features // BLOCK, QUANT_TYPES["Q4_1"])
+    blocks = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
     blocks[..., 0:2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # scale
     blocks[..., 2:4] = torch.tensor([-0.08], dtype=torch.float16).view(torch.uint8)  # minimum
     weight = QuantizedMatrix("Q4_1", blocks.view(out_features, -1), in_features)

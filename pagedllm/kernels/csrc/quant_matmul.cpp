@@ -228,11 +228,11 @@ inline float* thread_buffer(int slot, int64_t floats) {
   return b.data;
 }
 
-// The tiled way: y = x W^T (the last tile of W part empty if kTileW does not divide out_features). Blocks of
-// kBlockRows rows of x are transposed into panels of 16 rows (the last of 8 when at most 8 remain),
-// shared by the threads; each thread expands kTileW rows of W at a time into its buffer and runs
-// every panel over them: 16-row panels in two 6-row tiles (12 accumulators, 2 panel loads and 6
-// broadcasts per 12 FMAs), 8-row panels in one 12-row tile.
+// The tiled way: y = x W^T. Blocks of kBlockRows rows of x are transposed into panels of 16 rows
+// (the last of 8 when at most 8 remain), shared by the threads; each thread expands kTileW rows of
+// W at a time into its buffer (the last tile zero-padded) and runs every panel over them: 16-row
+// panels in two 6-row tiles (12 accumulators, 2 panel loads and 6 broadcasts per 12 FMAs), 8-row
+// panels in one 12-row tile.
 template <bool kSigned, bool kMin>
 void tiled_matmul(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins,
                   int num_rows, int out_features, int in_features, int num_threads) {
