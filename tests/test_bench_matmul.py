@@ -23,7 +23,6 @@ def test_bench_matmul_writes_one_record_per_row_count(tmp_path, capsys):
         assert record["fastest"] in ("quant", "onednn", "linear")
     # Every layer's four projections and the LM head.
     assert payload["config"]["num_projections"] % 4 == 1
-    assert payload["config"]["max_rows"] > 0
     assert payload["config"]["int8_isa"].split()[0] in ("AVX2", "AVX-VNNI", "AVX512-VNNI", "portable")
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rows", "quant_ms"])

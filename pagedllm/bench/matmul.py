@@ -4,16 +4,17 @@ input row counts (sequences decoding together), through the three paths a layer 
 (`pagedllm.model.layers.linear`):
 
 - the quantized kernel (`kernels/quant.py`) reads the GGUF blocks (Q4_1: 0.75 bytes per weight,
-  against 4 for float32). With few rows a step is bound by reading the weights, so it wins; its
-  arithmetic is plain FMAs on expanded values, so as rows grow the float product overtakes it.
-  The row count where that happens is what `quant.MAX_ROWS` should be; the table marks it.
+  against 4 for float32). With few rows a step is bound by reading the weights, so it wins; with
+  many, its tiled way (expanded weights broadcast against transposed panels of x) runs at the float
+  products' rate or above. It serves every float32 product of a model that has the blocks; the
+  table marks a row count where another path overtakes it, should one.
 - the oneDNN product with the weight packed once at load time (`kernels/onednn.py`), the
-  float32 path beyond MAX_ROWS;
+  float32 path of models without quantized blocks;
 - plain `F.linear` (MKL sgemm), which re-packs the weight on every call and is slow on the
   skinny products of decoding: the reason float32 projections go through packed oneDNN.
 - `int8`: the quantized blocks times int8-quantized activations (`int8_activations`), on the
   CPU's integer dot products (VNNI, or AVX2's VPMADDUBSW; the table's header names which): not
-  float32's outputs, so it is not in the race for MAX_ROWS; its column shows what it would buy.
+  float32's outputs, so it is not in the race; its column shows what it would buy.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def step_weights(model) -> list[torch.nn.Parameter]:
 
 def path_fns(weights) -> dict:
     """Each path as fn(inputs by in_features) -> None running every projection once; the
-    quantized kernel is called directly, past MAX_ROWS too."""
+    quantized kernel is called directly."""
     from pagedllm.kernels import onednn
     from pagedllm.kernels.quant import float_matmul, int8_matmul
 
@@ -109,12 +110,12 @@ def run(args: argparse.Namespace) -> int:
     if "quant" not in fns:
         print("the model has no quantized blocks: no quantized kernel to compare")
     elif crossover is None:
-        print(f"the quantized kernel is fastest at every row count measured; quant.MAX_ROWS = {quant.MAX_ROWS}")
+        print("the quantized kernel is fastest at every row count measured (it serves every float32 product)")
     else:
-        print(f"the quantized kernel stops being fastest at {crossover} rows; quant.MAX_ROWS = {quant.MAX_ROWS} "
-              f"(used up to {quant.MAX_ROWS} rows)")
+        print(f"the quantized kernel stops being fastest at {crossover} rows (it serves every float32 product: "
+              "see quant.usable)")
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    config.update(max_rows=quant.MAX_ROWS, quant_overtaken_at=crossover, int8_isa=quant.int8_isa(),
+    config.update(quant_overtaken_at=crossover, int8_isa=quant.int8_isa(),
                   num_projections=len(weights), flops_per_row=flops_per_row)
     path = write_json(args.output_json, "matmul", config, rows)
     print(f"wrote {path}")

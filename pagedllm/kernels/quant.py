@@ -1,10 +1,12 @@
 """Matrix products with weights from their GGUF block quantization (Q4_1, Q8_0).
 
 A layer loaded from a GGUF file keeps, beside its float weight, the raw blocks of the file
-(`param.quantized`). Up to `MAX_ROWS` rows of input (sequences decoding together), reading the
-quantized values (0.75 bytes per Q4_1 weight, against 4 for float32) and expanding them on the fly
-beats the float product (csrc/quant_matmul.cpp); for more rows (prompts), oneDNN's float matmul
-wins. The blocks are unpacked once (`QuantizedMatrix.unpack`, at load time) into the layout the
+(`param.quantized`). Every float32 product on a CPU multiplies from them (csrc/quant_matmul.cpp):
+with a few rows of input (sequences decoding together) reading the quantized values (0.75 bytes
+per Q4_1 weight, against 4 for float32) and expanding them on the fly beats the float product,
+and with many (prompts) its tiled way runs at about the float products' rate or above (oneDNN's
+packed product falls to about 70-85 GFLOP/s from 1024 rows on the 2-core AVX2 machine, where
+this kernel holds 120-140; `pagedllm bench matmul`). The blocks are unpacked once (`QuantizedMatrix.unpack`, at load time) into the layout the
 kernels read: the values (Q4_1's nibbles as the file packs them; Q8_0's bytes) and float32
 scales and minimums.
 
@@ -31,10 +33,9 @@ logger = logging.getLogger("pagedllm")
 # GGML type -> bytes per block of 32 weights
 QUANT_TYPES = {"Q8_0": 34, "Q4_1": 20}
 BLOCK = 32
-# Up to this many input rows (sequences decoding together), the quantized kernel is used: about
-# the row count at which the float32 oneDNN product of every projection of a decode step
-# catches up with its tiled way on the default model (2-core AVX2 machine: the two are within
-# 5% from 64 to 128 rows; `pagedllm bench matmul` measures it). Before the tiled way, 15.
+# The most rows of a decode-sized step: products of up to this many rows may run on int8
+# activations, and steps of up to this many tokens run their layers in one C++ call
+# (model/fused_layers.py). The float kernel itself serves any row count.
 MAX_ROWS = 64
 
 
@@ -145,4 +146,4 @@ def int8_rows_that_pay() -> int:
 
 
 def usable(w: QuantizedMatrix | None, x: torch.Tensor) -> bool:
-    return w is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] <= MAX_ROWS
+    return w is not None and x.dtype == torch.float32 and x.device.type == "cpu"

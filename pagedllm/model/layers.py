@@ -56,7 +56,7 @@ def _keep_quantized(param: nn.Parameter, weight: LazyWeight, part: int = 0, num_
 
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b: from the quantized blocks for a few rows of x when the weight has them, else
+    """x W^T + b: from the quantized blocks when the weight has them (float32 on a CPU), else
     from the oneDNN-packed weight when it has one (`prepare_linear_weights`), else `F.linear`."""
     quantized = getattr(weight, "quantized", None)
     if usable(quantized, x):
