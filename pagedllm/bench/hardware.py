@@ -72,8 +72,8 @@ def quantized_matmul_flops(
 ) -> float | None:
     """FLOP/s of the engine's quantized kernel (kernels/quant.py) on a random Q4_1 weight of a
     decode projection's shape, at `rows` rows; None where the C++ kernels are unavailable. On a
-    CPU it can outrun torch's float product (the step's projections use it up to
-    quant.MAX_ROWS rows), so a bound taken from torch's rate alone could be beaten."""
+    CPU it can outrun torch's float product (the engine's float32 projections use it), so a
+    bound taken from torch's rate alone could be beaten."""
     from pagedllm.kernels import build
     from pagedllm.kernels.quant import BLOCK, QUANT_TYPES, QuantizedMatrix, float_matmul
 
