@@ -75,16 +75,12 @@ def quantized_matmul_flops(
     CPU it can outrun torch's float product (the engine's float32 projections use it), so a
     bound taken from torch's rate alone could be beaten."""
     from pagedllm.kernels import build
-    from pagedllm.kernels.quant import BLOCK, QUANT_TYPES, QuantizedMatrix, float_matmul
+    from pagedllm.kernels.quant import float_matmul, random_q4_1
 
     if not build.available():
         return None
     g = torch.Generator().manual_seed(0)
-    shape = (out_features, in_features // BLOCK, QUANT_TYPES["Q4_1"])
-    blocks = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
-    blocks[..., 0:2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # scale
-    blocks[..., 2:4] = torch.tensor([-0.08], dtype=torch.float16).view(torch.uint8)  # minimum
-    weight = QuantizedMatrix("Q4_1", blocks.view(out_features, -1), in_features)
+    weight = random_q4_1(out_features, in_features, g)
     x = torch.randn(rows, in_features, generator=g)
     return 2 * rows * out_features * in_features / best_time(lambda: float_matmul(x, weight), repeats)
 

@@ -121,6 +121,15 @@ def int8_isa() -> str:
     return INT8_ISA[load().quant_int8_isa()]
 
 
+def random_q4_1(out_features: int, in_features: int, generator: torch.Generator) -> QuantizedMatrix:
+    """Q4_1 blocks of random values (scale 0.01, minimum 0): a weight of the given shape for timing
+    the kernels."""
+    blocks = torch.randint(0, 256, (out_features, in_features // BLOCK * QUANT_TYPES["Q4_1"]), dtype=torch.uint8,
+                           generator=generator)
+    blocks.view(out_features, -1, QUANT_TYPES["Q4_1"])[..., 0:4] = torch.tensor([0.01, 0.0], dtype=torch.float16).view(torch.uint8)
+    return QuantizedMatrix("Q4_1", blocks, in_features)
+
+
 @functools.cache
 def int8_rows_that_pay() -> int:
     """The most rows up to which int8 activations beat the float kernel on a trial (Q4_1 blocks
@@ -128,9 +137,7 @@ def int8_rows_that_pay() -> int:
     largest trial row count that it wins along with every smaller one; 0 if it loses at 1."""
     out_features, in_features = _TRIAL_SHAPE
     gen = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, 256, (out_features, in_features // BLOCK * QUANT_TYPES["Q4_1"]), dtype=torch.uint8, generator=gen)
-    blocks.view(out_features, -1, QUANT_TYPES["Q4_1"])[..., 0:4] = torch.tensor([0.01, 0.0], dtype=torch.float16).view(torch.uint8)
-    w = QuantizedMatrix("Q4_1", blocks, in_features)
+    w = random_q4_1(out_features, in_features, gen)
     pays, timings = 0, []
     for rows in _TRIAL_ROWS:
         x = torch.randn(rows, in_features, generator=gen)

@@ -66,8 +66,11 @@ class Sampler:
                 sample_index.extend(range(item.num_samples))
         expanded = [items[i] for i in row_of]
         raw = logits[row_of] if len(row_of) != len(items) else logits
-        if fused_ops.applies(raw):  # the greedy tokens of the raw logits come with their normaliser
+        wants_argmax = any(item.sampling_params.sampling_type is not SamplingType.RANDOM for item in expanded)
+        if fused_ops.applies(raw) and wants_argmax:  # greedy tokens of the raw logits with their normaliser
             log_norm, raw_argmax = fused_ops.logsumexp_and_argmax_rows(raw)
+        elif fused_ops.applies(raw):
+            log_norm, raw_argmax = fused_ops.logsumexp_rows(raw), None
         else:
             log_norm, raw_argmax = torch.logsumexp(raw, dim=-1, keepdim=True), None
 

@@ -1,4 +1,4 @@
-// y = x W^T with W from a GGUF block quantization (Q4_1 or Q8_0), for a few rows of x.
+// y = x W^T with W from a GGUF block quantization (Q4_1 or Q8_0), for any number of rows of x.
 //
 // Decoding a handful of sequences is bound by reading the weights: a float32 copy of a 135M
 // parameter model is 540 MB per step. Per block of 32 weights, Q4_1 holds a scale d, a minimum
@@ -247,11 +247,12 @@ void tiled_matmul(float* y, const float* x, const uint8_t* values, const float* 
       const int rows = num_rows - m0 < kBlockRows ? num_rows - m0 : kBlockRows;
       const int num_panels = (rows + kPanel - 1) / kPanel;
       const auto panel_rows = [&](int p) { return rows - kPanel * p < kPanel ? rows - kPanel * p : kPanel; };
+      const auto panel_width = [&](int p) { return panel_rows(p) > 8 ? 16 : 8; };
 #pragma omp for schedule(static)
       for (int p = 0; p < num_panels; ++p)
         transpose_panel(panels + static_cast<int64_t>(kPanel) * p * in_features,
                         x + static_cast<int64_t>(m0 + kPanel * p) * in_features, in_features, panel_rows(p),
-                        panel_rows(p) > 8 ? 16 : 8);
+                        panel_width(p));
 #pragma omp for schedule(static)
       for (int t = 0; t < num_tiles; ++t) {
         const int64_t n0 = static_cast<int64_t>(t) * kTileW;
@@ -264,7 +265,7 @@ void tiled_matmul(float* y, const float* x, const uint8_t* values, const float* 
           std::memset(w + tile_rows * in_features, 0, sizeof(float) * (kTileW - tile_rows) * in_features);
         for (int p = 0; p < num_panels; ++p) {
           const float* panel = panels + static_cast<int64_t>(kPanel) * p * in_features;
-          const int here = panel_rows(p), width = here > 8 ? 16 : 8;
+          const int here = panel_rows(p), width = panel_width(p);
           if (width == 16) {
             broadcast_tile<kTileW / 2, 2>(c, w, in_features, panel);
             broadcast_tile<kTileW / 2, 2>(c + kTileW / 2 * 16, w + kTileW / 2 * in_features, in_features, panel);
