@@ -6,8 +6,10 @@ loop iteration, between two steps: the only moment the block manager may be read
 - the latest `KVSnapshot` (`core.kv_snapshot`), rebuilt only while a reader has asked for one
   in the last `WATCH_TIMEOUT_S` (a dashboard open), at most every `SNAPSHOT_INTERVAL_S`, and
   less often where a snapshot is expensive (a large pool): building it and encoding it for the
-  readers take at most `COST_BUDGET` of the time. With nobody watching, the engine pays a clock
-  read per iteration;
+  readers take at most `COST_BUDGET` of the step time. Once the engine holds no request, the next
+  snapshot comes `SNAPSHOT_INTERVAL_S` after the last whatever its cost (no step pays for it), so
+  a page never shows finished requests' blocks held. With nobody watching, the engine pays a
+  clock read per iteration;
 - one point of counters every `SERIES_INTERVAL_S` over the last `SERIES_LENGTH` points (requests
   running, waiting and swapped, KV usage, preemptions by kind, prefix-cache hit rate, tokens per
   second, time to first token and per output token), kept whether or not anybody watches;
@@ -70,6 +72,7 @@ class KVMonitor:
         self.cost = SnapshotCost()
         self._wanted_until = 0.0
         self._next_snapshot_at = 0.0
+        self._published_at = float("-inf")
         self._last_reader_seconds = 0.0
         self._state_key: tuple | None = None
         self._series: deque[dict] = deque(maxlen=self.SERIES_LENGTH)
@@ -114,7 +117,9 @@ class KVMonitor:
         self._last_step_seconds = step_seconds
         if self._last_point is None or now - self._last_point[0] >= self.SERIES_INTERVAL_S:
             self._add_point(now, stats)
-        if watched and now >= self._next_snapshot_at:
+        # An idle engine's snapshot costs no step time: the spacing by cost does not hold it back.
+        idle_due = len(self._engine.requests) == 0 and now - self._published_at >= self.SNAPSHOT_INTERVAL_S
+        if watched and (now >= self._next_snapshot_at or idle_due):
             self._publish(now)
 
     def _publish(self, now: float) -> None:
@@ -132,6 +137,7 @@ class KVMonitor:
             self.cost.snapshot_seconds += seconds
             self.cost.num_snapshots += 1
             self._state_key = key
+            self._published_at = now
             self.latest = snapshot
             self.version += 1
             spacing = (seconds + self._last_reader_seconds) / self.COST_BUDGET

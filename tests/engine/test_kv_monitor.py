@@ -110,6 +110,29 @@ def test_expensive_snapshots_are_spaced_to_stay_within_the_budget(clock):
     assert monitor.version == 3 and monitor.cost.num_snapshots == 3
 
 
+def test_once_the_requests_finish_the_page_sees_it_within_half_a_second_whatever_the_cost(clock):
+    engine = _Engine()
+    monitor = KVMonitor(engine)
+    monitor.want()
+    _record(monitor)
+    monitor.note_reader_cost(1.0)  # one slow encoding (a busy machine): snapshots spaced 100 s apart
+    engine.step()
+    clock.now += 0.6
+    _record(monitor)
+    assert monitor.version == 2
+    engine.step()
+    while engine.requests:  # r1 runs to its end; the spacing holds snapshots back meanwhile
+        clock.now += 0.6
+        monitor.want()
+        _record(monitor)
+        engine.step()
+    assert monitor.version == 2 and monitor.latest.requests
+    clock.now += 0.6
+    _record(monitor)  # the engine's first iteration with no request
+    assert monitor.version == 3 and monitor.latest.requests == []
+    assert engine.block_manager.num_free_blocks == 32
+
+
 def test_points_give_rates_and_mean_latencies_per_interval(clock):
     monitor = KVMonitor(_Engine())
     _record(monitor, num_generation_tokens=100, prefix_cache_queries=40, prefix_cache_hits=10)
