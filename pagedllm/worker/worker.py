@@ -21,6 +21,7 @@ from pagedllm.sampling import Sampler
 from pagedllm.transformers_utils import resolve_model
 from pagedllm.utils import cdiv
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
+from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cpu_threads import ThreadGovernor
 from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.host_pool import available_memory
@@ -85,6 +86,8 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(tp.rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            keep_freed_memory()  # a step's temporaries reuse the last step's pages (cpu_memory)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         cache_dtype = config.cache.kv_cache_dtype
         self.cache_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype, self.device)
