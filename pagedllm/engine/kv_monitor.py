@@ -142,8 +142,8 @@ class KVMonitor:
             self.version += 1
             spacing = (seconds + self._last_reader_seconds) / self.COST_BUDGET
             self._next_snapshot_at = now + max(self.SNAPSHOT_INTERVAL_S, spacing)
-        else:
-            self._next_snapshot_at = now + self.SNAPSHOT_INTERVAL_S
+        else:  # never sooner than an expensive snapshot's spacing asked (an idle check lands here)
+            self._next_snapshot_at = max(self._next_snapshot_at, now + self.SNAPSHOT_INTERVAL_S)
 
     def _add_point(self, now: float, stats: EngineStats) -> None:
         tokens_per_s = None

@@ -131,6 +131,15 @@ def test_once_the_requests_finish_the_page_sees_it_within_half_a_second_whatever
     _record(monitor)  # the engine's first iteration with no request
     assert monitor.version == 3 and monitor.latest.requests == []
     assert engine.block_manager.num_free_blocks == 32
+    clock.now += 0.6
+    _record(monitor)  # idle and unchanged: nothing new to publish
+    # A new request: while it runs, the expensive snapshots' spacing holds again.
+    engine.fake.add("r2", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    engine.step()
+    clock.now += 0.6
+    monitor.want()
+    _record(monitor)
+    assert monitor.version == 3
 
 
 def test_points_give_rates_and_mean_latencies_per_interval(clock):
