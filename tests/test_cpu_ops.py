@@ -134,3 +134,67 @@ def test_sample_rows_extremes_of_the_uniform_stay_on_allowed_tokens():
     low = ops.sample_rows(x, torch.ones(2), torch.zeros(2))
     high = ops.sample_rows(x, torch.ones(2), torch.full((2,), 1 - 2**-24))
     assert low.tolist() == [10, 49] and high.tolist() == [20, 49]
+
+
+# bfloat16: the kernels round where a bfloat16 model run by transformers rounds (after each torch
+# operator), so they are checked against transformers' own modules and formulas in bfloat16.
+# Allowed: a different last bit in a few values, where float32 sums in another order (the norm's
+# mean) or a polynomial exp (SiLU) land on the other side of a rounding boundary.
+
+
+def _assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor, max_fraction_off: float) -> None:
+    assert actual.dtype == expected.dtype == torch.bfloat16 and actual.shape == expected.shape
+    assert torch.isfinite(actual).all()
+    # Values below 1e-30 count as zero (SiLU far below -87, whose exp the kernel clamps).
+    tiny = (actual.float().abs() < 1e-30) & (expected.float().abs() < 1e-30)
+    bits_a, bits_e = actual.view(torch.int16).int(), expected.view(torch.int16).int()
+    off = (bits_a != bits_e) & ~tiny
+    assert (bits_a - bits_e)[~tiny].abs().max().item() <= 1, "a value differs by more than its last bit"
+    assert off.float().mean().item() <= max_fraction_off, f"{off.sum().item()} of {off.numel()} values differ"
+
+
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_bf16_rms_norm_matches_transformers(rows):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(rows)
+    hf = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16)
+    hf.weight.data.normal_()
+    x, residual = torch.randn(rows, 576).bfloat16(), (torch.randn(rows, 576) * 3).bfloat16()
+    with torch.no_grad():
+        _assert_bf16_close(ops.rms_norm(x, hf.weight.data, 1e-5), hf(x), 0.002)
+        total = residual + x  # transformers adds the residual in bfloat16
+        stream = residual.clone()
+        out = ops.rms_norm(x, hf.weight.data, 1e-5, stream)
+        assert torch.equal(stream, total)
+        _assert_bf16_close(out, hf(total), 0.002)
+
+
+def test_bf16_rotary_matches_transformers():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    head_dim, heads, kv_heads, tokens = 64, 9, 3, 33
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, torch.bfloat16)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).bfloat16()
+    positions = torch.randint(0, 4096, (tokens,))
+    q = qkv[:, : heads * head_dim].view(1, tokens, heads, head_dim).transpose(1, 2)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(1, tokens, kv_heads, head_dim).transpose(1, 2)
+    cos, sin = rotary.cos[positions].unsqueeze(0), rotary.sin[positions].unsqueeze(0)
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin)
+    values = qkv[:, (heads + kv_heads) * head_dim :].clone()
+
+    qk_width = (heads + kv_heads) * head_dim
+    rotary(positions, qkv[:, :qk_width])
+    assert torch.equal(qkv[:, : heads * head_dim], expected_q.transpose(1, 2).reshape(tokens, -1))
+    assert torch.equal(qkv[:, heads * head_dim : qk_width], expected_k.transpose(1, 2).reshape(tokens, -1))
+    assert torch.equal(qkv[:, qk_width:], values)
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 1536), (3, 13), (64, 1536)])
+def test_bf16_silu_and_mul_matches_torch(rows, dim):
+    torch.manual_seed(dim)
+    x = (torch.randn(rows, 2 * dim) * 4).bfloat16()
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0])  # saturated ends of the sigmoid
+    gate, up = x.chunk(2, dim=-1)
+    _assert_bf16_close(ops.silu_and_mul(x), F.silu(gate) * up, 0.002)

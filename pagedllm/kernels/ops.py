@@ -1,7 +1,8 @@
-"""Fused float32 CPU operators: of the decoder layer (csrc/cpu_ops.cpp: RMSNorm with the
-residual add, rotary embedding in place, SiLU-and-multiply) and of sampling (csrc/sampling.cpp:
-row log-sum-exp, drawing from softmax(logits / T)). Each replaces several torch operators;
-`applies` says when a tensor can take them (float32, CPU, the kernels built)."""
+"""Fused CPU operators: of the decoder layer, in float32 and bfloat16 (csrc/cpu_ops.cpp: RMSNorm
+with the residual add, rotary embedding in place, SiLU-and-multiply) and of sampling, in float32
+(csrc/sampling.cpp: row log-sum-exp, drawing from softmax(logits / T)). Each replaces several
+torch operators; `applies` says when a tensor can take the sampling ones, `applies_to_layer`
+the decoder layer's (the dtype, a CPU tensor, the kernels built)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,27 @@ def applies(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and _lib() is not None
 
 
+_LAYER_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def applies_to_layer(x: torch.Tensor) -> bool:
+    return x.dtype in _LAYER_SUFFIX and x.device.type == "cpu" and _lib() is not None
+
+
+def _kernel(name: str, x: torch.Tensor):
+    return getattr(_lib(), f"{name}_{_LAYER_SUFFIX[x.dtype]}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """weight * r / rms(r) with r = x, or r = residual + x written into `residual` (in place)."""
+    """weight * r / rms(r) with r = x, or r = residual + x written into `residual` (in place).
+    x, weight and residual share one dtype."""
     x = x.contiguous()
     out = torch.empty_like(x)
     rows, dim = x.shape
+    assert weight.dtype == x.dtype and weight.is_contiguous()
     if residual is not None:
-        assert residual.is_contiguous() and residual.shape == x.shape
-    _lib().fused_add_rms_norm_f32(
+        assert residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype
+    _kernel("fused_add_rms_norm", x)(
         out.data_ptr(), residual.data_ptr() if residual is not None else None, x.data_ptr(),
         weight.data_ptr(), rows, dim, eps, torch.get_num_threads(),
     )
@@ -36,10 +50,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rotary_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
-    """Rotate in place the heads at the front of each row of `qk` (rows may be strided)."""
+    """Rotate in place the heads at the front of each row of `qk` (rows may be strided); cos and
+    sin in qk's dtype."""
     assert qk.stride(1) == 1 and positions.dtype == torch.int64 and cos.is_contiguous() and sin.is_contiguous()
+    assert cos.dtype == sin.dtype == qk.dtype
     positions = positions.contiguous()
-    _lib().rotary_neox_f32(
+    _kernel("rotary_neox", qk)(
         qk.data_ptr(), qk.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         qk.shape[0], qk.shape[1] // head_dim, head_dim, torch.get_num_threads(),
     )
@@ -50,7 +66,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     rows, width = x.shape
     out = torch.empty(rows, width // 2, dtype=x.dtype)
-    _lib().silu_and_mul_f32(out.data_ptr(), x.data_ptr(), rows, width // 2, torch.get_num_threads())
+    _kernel("silu_and_mul", x)(out.data_ptr(), x.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
 

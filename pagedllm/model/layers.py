@@ -122,7 +122,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, given the residual stream, (norm(residual + x), residual + x), the sum
         written into `residual` in place on the fused CPU path."""
-        if fused_ops.applies(x) and x.dim() == 2:
+        if fused_ops.applies_to_layer(x) and x.dim() == 2 and self.weight.dtype == x.dtype:
             out = fused_ops.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is not None:

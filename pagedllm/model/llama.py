@@ -60,7 +60,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if fused_ops.applies(gate_up):
+        if fused_ops.applies_to_layer(gate_up):
             return self.down_proj(fused_ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -53,7 +53,7 @@ class RotaryEmbedding(nn.Module):
         positions: [num_tokens]; qk: [num_tokens, (num_heads + num_kv_heads) * head_dim], possibly
         a strided view into the fused q/k/v projection's output.
         """
-        if fused_ops.applies(qk) and self.cos.dtype == torch.float32:
+        if fused_ops.applies_to_layer(qk) and self.cos.dtype == qk.dtype:
             fused_ops.rotary_(qk, positions, self.cos, self.sin, self.head_dim)
             return
         num_tokens = qk.shape[0]

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "bf16.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include "simd.h"
 #define PAGED_AVX2 1
@@ -15,21 +17,7 @@
 
 namespace paged_attention_tiles {
 
-
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void from_float(float x, float* out) { *out = x; }
-inline void from_float(float x, uint16_t* out) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even
-  *out = static_cast<uint16_t>(bits >> 16);
-}
+using namespace pagedllm_bf16;
 
 // How many blocks ahead to prefetch: enough to hide memory latency for blocks of 16 tokens.
 #ifndef PREFETCH_AHEAD
@@ -64,10 +52,7 @@ inline void for_row_groups(int first_row, int rows, F&& f) {
 using namespace pagedllm_simd;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
+inline __m256 load8(const uint16_t* p) { return widen8(p); }
 // The four horizontal sums of a, b, c, d, in one vector.
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);

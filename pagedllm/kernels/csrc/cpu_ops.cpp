@@ -1,14 +1,18 @@
-// Fused element-wise steps of a float32 decoder layer on the CPU: each replaces several torch
-// operators (and their dispatch and temporaries), which at small batches cost more than the
-// arithmetic.
+// Fused element-wise steps of a decoder layer on the CPU, in float32 and bfloat16: each replaces
+// several torch operators (and their dispatch and temporaries), which at small batches cost more
+// than the arithmetic.
 //   fused_add_rms_norm: residual += x (optional), out = weight * residual / rms(residual)
 //   rotary_neox: rotate the query and key heads of each token in place (halves layout)
 //   silu_and_mul: out = silu(gate) * up for rows laid out [gate | up]
+// bfloat16 versions compute in float32 and round where a bfloat16 model run by transformers
+// rounds (after each torch operator of its code), so their outputs are the ones it computes.
 
 #include <cmath>
 #include <cstdint>
 
 #include <omp.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include "simd.h"
 #define OPS_AVX2 1
@@ -23,67 +27,93 @@ constexpr int64_t kParallelElements = 1 << 15;
 using namespace pagedllm_simd;
 #endif
 
-void fused_add_rms_norm(float* out, float* residual, const float* x, const float* weight, int num_rows, int dim,
-                        float eps, int num_threads) {
+using namespace pagedllm_bf16;
+
+// The value a tensor of T holds after an operation computed in float32.
+inline float stored(float x, const float*) { return x; }
+inline float stored(float x, const uint16_t*) { return round_bf16(x); }
+
+template <typename T>
+void fused_add_rms_norm(T* out, T* residual, const T* x, const T* weight, int num_rows, int dim, float eps,
+                        int num_threads) {
   const int threads = static_cast<int64_t>(num_rows) * dim >= kParallelElements ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int row = 0; row < num_rows; ++row) {
-    const float* src = x + static_cast<int64_t>(row) * dim;
-    float* dst = out + static_cast<int64_t>(row) * dim;
+    const T* src = x + static_cast<int64_t>(row) * dim;
+    T* dst = out + static_cast<int64_t>(row) * dim;
     if (residual != nullptr) {  // the sum becomes the residual stream, and is what is normalised
-      float* res = residual + static_cast<int64_t>(row) * dim;
-      for (int i = 0; i < dim; ++i) res[i] += src[i];
+      T* res = residual + static_cast<int64_t>(row) * dim;
+#pragma omp simd
+      for (int i = 0; i < dim; ++i) from_float(to_float(res[i]) + to_float(src[i]), res + i);
       src = res;
     }
     float sum_sq = 0.0f;
 #pragma omp simd reduction(+ : sum_sq)
-    for (int i = 0; i < dim; ++i) sum_sq += src[i] * src[i];
+    for (int i = 0; i < dim; ++i) sum_sq += to_float(src[i]) * to_float(src[i]);
     const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
+    // transformers: weight * (x * inv_rms).to(dtype), the normalised value rounded first
 #pragma omp simd
-    for (int i = 0; i < dim; ++i) dst[i] = weight[i] * (src[i] * inv_rms);
+    for (int i = 0; i < dim; ++i) from_float(to_float(weight[i]) * stored(to_float(src[i]) * inv_rms, dst), dst + i);
   }
 }
 
 // qk: [num_tokens] rows of row_stride floats, starting with num_heads heads of head_dim;
 // cos, sin: [max_position, head_dim] (the first half is used).
-void rotary_neox(float* qk, int64_t row_stride, const int64_t* positions, const float* cos_cache,
-                 const float* sin_cache, int num_tokens, int num_heads, int head_dim, int num_threads) {
+template <typename T>
+void rotary_neox(T* qk, int64_t row_stride, const int64_t* positions, const T* cos_cache, const T* sin_cache,
+                 int num_tokens, int num_heads, int head_dim, int num_threads) {
   const int half = head_dim / 2;
   const int threads = static_cast<int64_t>(num_tokens) * num_heads * head_dim >= kParallelElements ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int t = 0; t < num_tokens; ++t) {
-    const float* c = cos_cache + positions[t] * head_dim;
-    const float* s = sin_cache + positions[t] * head_dim;
+    const T* c = cos_cache + positions[t] * head_dim;
+    const T* s = sin_cache + positions[t] * head_dim;
     for (int h = 0; h < num_heads; ++h) {
-      float* x1 = qk + t * row_stride + static_cast<int64_t>(h) * head_dim;
-      float* x2 = x1 + half;
+      T* x1 = qk + t * row_stride + static_cast<int64_t>(h) * head_dim;
+      T* x2 = x1 + half;
+      // transformers: q * cos + rotate_half(q) * sin, each product rounded, then the sum
 #pragma omp simd
       for (int i = 0; i < half; ++i) {
-        const float a = x1[i], b = x2[i];
-        x1[i] = a * c[i] - b * s[i];
-        x2[i] = b * c[i] + a * s[i];
+        const float a = to_float(x1[i]), b = to_float(x2[i]), ci = to_float(c[i]), si = to_float(s[i]);
+        from_float(stored(a * ci, x1) - stored(b * si, x1), x1 + i);
+        from_float(stored(b * ci, x1) + stored(a * si, x1), x2 + i);
       }
     }
   }
 }
 
-void silu_and_mul(float* out, const float* x, int num_rows, int dim, int num_threads) {
+#ifdef OPS_AVX2
+// Eight values of T as floats, and back; `stored8` is the value a tensor of T holds.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return widen8(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow8(v)); }
+inline __m256 stored8(__m256 v, const float*) { return v; }
+inline __m256 stored8(__m256 v, const uint16_t*) { return narrowed8(v); }
+#endif
+
+// In bfloat16, silu(gate) is rounded before the product (transformers' act_fn(gate) * up).
+template <typename T>
+void silu_and_mul(T* out, const T* x, int num_rows, int dim, int num_threads) {
   const int threads = static_cast<int64_t>(num_rows) * dim >= kParallelElements ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int row = 0; row < num_rows; ++row) {
-    const float* gate = x + static_cast<int64_t>(row) * 2 * dim;
-    const float* up = gate + dim;
-    float* dst = out + static_cast<int64_t>(row) * dim;
+    const T* gate = x + static_cast<int64_t>(row) * 2 * dim;
+    const T* up = gate + dim;
+    T* dst = out + static_cast<int64_t>(row) * dim;
     int i = 0;
 #ifdef OPS_AVX2
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; i + 8 <= dim; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+      const __m256 g = load8(gate + i);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+      store8(dst + i, _mm256_mul_ps(stored8(silu, dst), load8(up + i)));
     }
 #endif
-    for (; i < dim; ++i) dst[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    for (; i < dim; ++i) {
+      const float g = to_float(gate[i]);
+      from_float(stored(g / (1.0f + std::exp(-g)), dst) * to_float(up[i]), dst + i);
+    }
   }
 }
 
@@ -97,12 +127,26 @@ void fused_add_rms_norm_f32(float* out, float* residual, const float* x, const f
   fused_add_rms_norm(out, residual, x, weight, num_rows, dim, eps, num_threads);
 }
 
+void fused_add_rms_norm_bf16(uint16_t* out, uint16_t* residual, const uint16_t* x, const uint16_t* weight,
+                             int num_rows, int dim, float eps, int num_threads) {
+  fused_add_rms_norm(out, residual, x, weight, num_rows, dim, eps, num_threads);
+}
+
 void rotary_neox_f32(float* qk, int64_t row_stride, const int64_t* positions, const float* cos_cache,
                      const float* sin_cache, int num_tokens, int num_heads, int head_dim, int num_threads) {
   rotary_neox(qk, row_stride, positions, cos_cache, sin_cache, num_tokens, num_heads, head_dim, num_threads);
 }
 
+void rotary_neox_bf16(uint16_t* qk, int64_t row_stride, const int64_t* positions, const uint16_t* cos_cache,
+                      const uint16_t* sin_cache, int num_tokens, int num_heads, int head_dim, int num_threads) {
+  rotary_neox(qk, row_stride, positions, cos_cache, sin_cache, num_tokens, num_heads, head_dim, num_threads);
+}
+
 void silu_and_mul_f32(float* out, const float* x, int num_rows, int dim, int num_threads) {
+  silu_and_mul(out, x, num_rows, dim, num_threads);
+}
+
+void silu_and_mul_bf16(uint16_t* out, const uint16_t* x, int num_rows, int dim, int num_threads) {
   silu_and_mul(out, x, num_rows, dim, num_threads);
 }
 

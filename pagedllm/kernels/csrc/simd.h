@@ -1,4 +1,5 @@
-// Small AVX2 helpers shared by the kernels: horizontal sums and maxima, a vector exp.
+// Small AVX2 helpers shared by the kernels: horizontal sums and maxima, a vector exp, bfloat16
+// conversions.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -42,6 +43,27 @@ inline void split_nibbles(const uint8_t* bytes, __m128i* lo, __m128i* hi) {
   const __m128i mask = _mm_set1_epi8(0x0F);
   *lo = _mm_and_si128(raw, mask);
   *hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+}
+
+// Eight bfloat16 values (uint16_t) as floats.
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// v rounded to bfloat16 (to nearest even), still as floats.
+inline __m256 narrowed8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// v rounded to bfloat16: eight uint16_t.
+inline __m128i narrow8(__m256 v) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(narrowed8(v)), 16);
+  const __m256i packed = _mm256_packus_epi32(high, _mm256_setzero_si256());  // per 128-bit lane
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
 inline float hmax(__m256 v) {
