@@ -177,3 +177,38 @@ def test_logging_stat_logger_writes_one_line_per_interval():
         "Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 200.0 tokens/s, Running: 3 reqs, "
         "Swapped: 0 reqs, Waiting: 0 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 0.0%"
     ]
+
+
+def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_llama, prompts, expected, monkeypatch):
+    """Loading on one thread and stepping on another gives the process two OpenMP pools, and
+    libgomp's workers then sleep between parallel regions (a served step took twice as long)."""
+    import threading
+
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    built_on, stepped_on = [], set()
+    build, step = LLMEngine.from_engine_args.__func__, LLMEngine.step
+
+    def recording_build(cls, args):
+        built_on.append(threading.get_ident())
+        return build(cls, args)
+
+    def recording_step(self):
+        stepped_on.add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(recording_build))
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), **ENGINE_KWARGS))
+    try:
+        out = asyncio.run(collect(engine, prompts[0], GREEDY, "thread-check"))
+        assert out[-1].outputs[0].token_ids == expected[0]
+    finally:
+        engine.shutdown()
+    assert len(built_on) == 1 and built_on[0] != threading.get_ident()
+    assert stepped_on == {built_on[0]}
+
+
+def test_an_engine_that_fails_to_build_raises_to_the_caller(tmp_path):
+    with pytest.raises(Exception, match="does-not-exist"):
+        AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tmp_path / "does-not-exist")))
