@@ -51,6 +51,15 @@ inline __m256 widen8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// v rounded to bfloat16 (to nearest even): eight uint16_t, in one instruction (vcvtneps2bf16).
+inline __m128i narrow8(__m256 v) { return reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v)); }
+
+// v rounded to bfloat16, still as floats.
+inline __m256 narrowed8(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow8(v)), 16));
+}
+#else
 // v rounded to bfloat16 (to nearest even), still as floats.
 inline __m256 narrowed8(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
@@ -65,6 +74,7 @@ inline __m128i narrow8(__m256 v) {
   const __m256i packed = _mm256_packus_epi32(high, _mm256_setzero_si256());  // per 128-bit lane
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
+#endif
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
