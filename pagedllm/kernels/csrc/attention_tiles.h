@@ -1,6 +1,6 @@
 // The per-tile inner loops of paged_attention.cpp: element conversion, prefetching, and the
-// score (q . k) and value-accumulation kernels for R query rows at a time, in AVX2 and portable
-// forms. Kept apart so that paged_attention.cpp reads as the plan and its passes.
+// score (q . k) and value-accumulation kernels for R query rows at a time, in AVX-512, AVX2 and
+// portable forms. Kept apart so that paged_attention.cpp reads as the plan and its passes.
 #pragma once
 
 #include <cmath>
@@ -13,11 +13,27 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include "simd.h"
 #define PAGED_AVX2 1
+#if defined(__AVX512F__)
+#define PAGED_AVX512 1  // 16-wide value accumulation
+#if defined(__AVX512BF16__)
+#define PAGED_AVX512_BF16 1  // bfloat16 scores by vdpbf16ps
+#endif
+#endif
 #endif
 
 namespace paged_attention_tiles {
 
 using namespace pagedllm_bf16;
+
+// Whether bfloat16 queries (Q) meet bfloat16 keys (T) in score_keys_bf16: the queries' own
+// values go in, so only the order of the float32 sums changes.
+template <typename Q, typename T>
+constexpr bool kBf16Scores =
+#ifdef PAGED_AVX512_BF16
+    std::is_same_v<Q, uint16_t> && std::is_same_v<T, uint16_t>;
+#else
+    false;
+#endif
 
 // How many blocks ahead to prefetch: enough to hide memory latency for blocks of 16 tokens.
 #ifndef PREFETCH_AHEAD
@@ -123,33 +139,115 @@ inline void score_keys(const float* q, const T* keys, int n, int head_dim, float
   }
 }
 
-// acc_r[d0 : d0 + 8W] += sum_j p_r[j] * values[j][d0 : d0 + 8W] for R rows: R x W accumulators.
-template <int R, int W, typename T>
+#ifdef PAGED_AVX512_BF16
+// The four horizontal sums of four 16-float vectors: each halved to 8, then hsum4 (a vector's
+// sum does not depend on the other three).
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  auto half = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  return hsum4(half(a), half(b), half(c), half(d));
+}
+
+// score_keys for bfloat16 queries and keys (head_dim a multiple of 32): vdpbf16ps multiplies 32
+// pairs of bfloat16 per instruction, exactly, into float32 sums, with no conversion of the keys.
+template <int R>
+inline void score_keys_bf16(const uint16_t* q, const uint16_t* keys, int n, int head_dim, float scale, float* scores,
+                            int64_t score_stride) {
+  const __m128 vscale = _mm_set1_ps(scale);
+  auto load = [](const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); };
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const uint16_t* k0 = keys + static_cast<int64_t>(j) * head_dim;
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; d += 32) {
+      __m512bh qd[R];
+      for (int r = 0; r < R; ++r) qd[r] = load(q + r * head_dim + d);
+      for (int c = 0; c < 4; ++c) {
+        const __m512bh k = load(k0 + c * head_dim + d);
+        for (int r = 0; r < R; ++r) a[r][c] = _mm512_dpbf16_ps(a[r][c], qd[r], k);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_ps(scores + r * score_stride + j, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), vscale));
+  }
+  for (; j < n; ++j) {  // as above, one key at a time
+    const uint16_t* k = keys + static_cast<int64_t>(j) * head_dim;
+    for (int r = 0; r < R; ++r) {
+      __m512 a = _mm512_setzero_ps();
+      for (int d = 0; d < head_dim; d += 32) a = _mm512_dpbf16_ps(a, load(q + r * head_dim + d), load(k + d));
+      scores[r * score_stride + j] = _mm_cvtss_f32(hsum4(a, a, a, a)) * scale;
+    }
+  }
+}
+#endif
+
+// The vector operations of accumulate_chunk, 8 floats to a vector (Lanes16 below: 16).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  template <typename T>
+  static V load(const T* p) { return load8(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+
+// acc_r[d0 : d0 + wW] += sum_j p_r[j] * values[j][d0 : d0 + wW] for R rows, w = L::kWidth floats
+// to a vector: R x W accumulators. Each dimension's sum takes the same steps whatever w (one FMA
+// per value, in order), so the 8- and 16-wide kernels agree bit for bit.
+template <typename L, int R, int W, typename T>
 inline void accumulate_chunk(const float* p, int64_t p_stride, const T* values, int n, int head_dim, int d0,
                              float* acc) {
-  __m256 a[R][W];
+  constexpr int w = L::kWidth;
+  typename L::V a[R][W];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) a[r][c] = _mm256_loadu_ps(acc + r * head_dim + d0 + 8 * c);
+    for (int c = 0; c < W; ++c) a[r][c] = L::load(acc + r * head_dim + d0 + w * c);
   for (int j = 0; j < n; ++j) {
-    __m256 pj[R];
-    for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r * p_stride + j]);
+    typename L::V pj[R];
+    for (int r = 0; r < R; ++r) pj[r] = L::set1(p[r * p_stride + j]);
     const T* v = values + static_cast<int64_t>(j) * head_dim + d0;
     for (int c = 0; c < W; ++c) {
-      const __m256 vc = load8(v + 8 * c);
-      for (int r = 0; r < R; ++r) a[r][c] = _mm256_fmadd_ps(pj[r], vc, a[r][c]);
+      const typename L::V vc = L::load(v + w * c);
+      for (int r = 0; r < R; ++r) a[r][c] = L::fmadd(pj[r], vc, a[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + r * head_dim + d0 + 8 * c, a[r][c]);
+    for (int c = 0; c < W; ++c) L::store(acc + r * head_dim + d0 + w * c, a[r][c]);
 }
 
+#ifdef PAGED_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// Lanes8 at 16 floats to a vector.
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  template <typename T>
+  static V load(const T* p) { return load16(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
 // acc_r += sum_j p_r[j] * values[j] for R rows (acc stride head_dim, p stride p_stride) and n
-// values of one tile: 32 dimensions at a time, then 8.
+// values of one tile: 64 dimensions at a time with AVX-512 (then 16), else 32, then 8.
 template <int R, typename T>
 inline void accumulate_values(const float* p, int64_t p_stride, const T* values, int n, int head_dim, float* acc) {
   int d0 = 0;
-  for (; d0 + 32 <= head_dim; d0 += 32) accumulate_chunk<R, 4>(p, p_stride, values, n, head_dim, d0, acc);
-  for (; d0 < head_dim; d0 += 8) accumulate_chunk<R, 1>(p, p_stride, values, n, head_dim, d0, acc);
+#ifdef PAGED_AVX512
+  for (; d0 + 64 <= head_dim; d0 += 64) accumulate_chunk<Lanes16, R, 4>(p, p_stride, values, n, head_dim, d0, acc);
+  for (; d0 + 16 <= head_dim; d0 += 16) accumulate_chunk<Lanes16, R, 1>(p, p_stride, values, n, head_dim, d0, acc);
+#endif
+  for (; d0 + 32 <= head_dim; d0 += 32) accumulate_chunk<Lanes8, R, 4>(p, p_stride, values, n, head_dim, d0, acc);
+  for (; d0 < head_dim; d0 += 8) accumulate_chunk<Lanes8, R, 1>(p, p_stride, values, n, head_dim, d0, acc);
 }
 #else
 // Portable twins of the AVX2 softmax helpers above, so the softmax pass reads the same either way.

@@ -14,7 +14,8 @@
 //
 // Plain C++ with no torch headers (it compiles in about a second); called through ctypes with
 // raw pointers. Element types: float32, and bfloat16 stored as uint16 (math in float32). With
-// AVX2 and head_dim a multiple of 8 the inner loops use intrinsics, else portable loops.
+// AVX2 and head_dim a multiple of 8 the inner loops use intrinsics (AVX-512 where the CPU has it:
+// attention_tiles.h), else portable loops.
 //
 // One kernel, read top to bottom: its plan, its passes and the merge (a little over 400 lines);
 // the per-tile inner loops are in attention_tiles.h, the cache writes in cache_write.cpp.
@@ -220,6 +221,7 @@ inline void store_normalised(const float* acc, float sum, Q* o, int head_dim) {
 // A thread's buffers, kept across its units so the unit loop does not allocate.
 struct Scratch {
   std::vector<float> q, scores, acc, row_sum, row_max;
+  std::vector<uint16_t> q_bf16;  // the rows as they came, for score_keys_bf16
 };
 
 // The kernels compute in float32 whatever Q is, and read each query row many times (once per
@@ -236,6 +238,10 @@ inline void load_queries(const Problem<Q, T>& pb, const UnitView& v, Scratch& s)
     const Q* src = pb.query + head_row(pb, v.first + t, v.first_head + h, g);
     float* dst = s.q.data() + static_cast<size_t>(r) * head_dim;
     for (int d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]);
+    if constexpr (kBf16Scores<Q, T>) {
+      s.q_bf16.resize(static_cast<size_t>(v.rows) * head_dim);
+      std::memcpy(s.q_bf16.data() + static_cast<size_t>(r) * head_dim, src, sizeof(Q) * head_dim);
+    }
   });
 }
 
@@ -265,6 +271,7 @@ constexpr int kToL1 = 3, kToL2 = 1;  // prefetch_tile localities
 // spilled the query rows inside the FMA loop (12% slower).
 template <typename Q, typename T>
 [[gnu::noinline]] void score_pass(const Problem<Q, T>& pb, const UnitView& v, Scratch& s) {
+  [[maybe_unused]] const bool use_bf16_scores = kBf16Scores<Q, T> && pb.vector && pb.head_dim % 32 == 0;
   for (int b = v.b0 + 1; b < v.b1 && b < v.b0 + kPrefetchAhead; ++b) prefetch_block<kToL1>(pb, v, pb.key_cache, b);
   for_block_tiles(
       pb, v, pb.key_cache,
@@ -274,8 +281,14 @@ template <typename Q, typename T>
       },
       [&](int r, auto rows_here, const T* keys, int offset, int n) {
         constexpr int R = decltype(rows_here)::value;
+        float* scores = s.scores.data() + static_cast<size_t>(r) * v.length + offset;
+#ifdef PAGED_AVX512_BF16
+        if constexpr (kBf16Scores<Q, T>)
+          if (use_bf16_scores)
+            return score_keys_bf16<R>(&s.q_bf16[r * pb.head_dim], keys, n, pb.head_dim, pb.scale, scores, v.length);
+#endif
         score_rows<R>(pb.vector, s.q.data() + static_cast<size_t>(r) * pb.head_dim, keys, n, pb.head_dim, pb.scale,
-                      s.scores.data() + static_cast<size_t>(r) * v.length + offset, v.length);
+                      scores, v.length);
       });
 }
 
