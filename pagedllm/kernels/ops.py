@@ -30,7 +30,12 @@ def applies_to_layer(x: torch.Tensor) -> bool:
 
 
 def _kernel(name: str, x: torch.Tensor):
-    return getattr(_lib(), f"{name}_{_LAYER_SUFFIX[x.dtype]}")
+    return _kernel_for(name, x.dtype)
+
+
+@functools.cache
+def _kernel_for(name: str, dtype: torch.dtype):
+    return getattr(_lib(), f"{name}_{_LAYER_SUFFIX[dtype]}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -67,8 +67,6 @@ inline void for_row_groups(int first_row, int rows, F&& f) {
 #ifdef PAGED_AVX2
 using namespace pagedllm_simd;
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return widen8(p); }
 // The four horizontal sums of a, b, c, d, in one vector.
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);

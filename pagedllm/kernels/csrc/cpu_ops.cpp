@@ -83,9 +83,7 @@ void rotary_neox(T* qk, int64_t row_stride, const int64_t* positions, const T* c
 }
 
 #ifdef OPS_AVX2
-// Eight values of T as floats, and back; `stored8` is the value a tensor of T holds.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return widen8(p); }
+// Eight floats back into T (load8 in simd.h reads them); `stored8` is the value a tensor of T holds.
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow8(v)); }
 inline __m256 stored8(__m256 v, const float*) { return v; }

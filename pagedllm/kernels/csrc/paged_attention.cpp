@@ -61,6 +61,7 @@ struct Problem {
   int64_t tile_elements;  // of one (block, KV head) tile
   bool adjacent_heads;    // a block's KV heads lie side by side: one prefetch covers them all
   bool vector;            // the AVX2 kernels apply (head_dim a multiple of 8)
+  bool bf16_scores;       // score_keys_bf16 applies (kBf16Scores, head_dim a multiple of 32)
   // > 0: every context is cut into partitions of exactly this many blocks from its start, the
   // same whatever else is in the batch (batch-invariant mode); 0: as many as keep threads busy.
   int fixed_partition_blocks;
@@ -225,23 +226,21 @@ struct Scratch {
 };
 
 // The kernels compute in float32 whatever Q is, and read each query row many times (once per
-// key tile): convert the unit's rows once, into (row) order.
+// key tile): convert the unit's rows once, into (row) order (score_keys_bf16: copy them as they are).
 template <typename Q, typename T>
 inline void load_queries(const Problem<Q, T>& pb, const UnitView& v, Scratch& s) {
-  const int head_dim = pb.head_dim;
-  s.q.resize(static_cast<size_t>(v.rows) * head_dim);
+  const size_t head_dim = pb.head_dim;
+  if (pb.bf16_scores) s.q_bf16.resize(v.rows * head_dim);
+  else s.q.resize(v.rows * head_dim);
   s.scores.resize(static_cast<size_t>(v.rows) * v.length);
-  s.acc.assign(static_cast<size_t>(v.rows) * head_dim, 0.0f);
+  s.acc.assign(v.rows * head_dim, 0.0f);
   s.row_sum.resize(v.rows);
   s.row_max.resize(v.rows);
   for_unit_rows(v.heads, v.count, pb.group, [&](int r, int h, int t, int g) {
     const Q* src = pb.query + head_row(pb, v.first + t, v.first_head + h, g);
-    float* dst = s.q.data() + static_cast<size_t>(r) * head_dim;
-    for (int d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]);
-    if constexpr (kBf16Scores<Q, T>) {
-      s.q_bf16.resize(static_cast<size_t>(v.rows) * head_dim);
-      std::memcpy(s.q_bf16.data() + static_cast<size_t>(r) * head_dim, src, sizeof(Q) * head_dim);
-    }
+    if constexpr (kBf16Scores<Q, T>)
+      if (pb.bf16_scores) return (void)std::memcpy(&s.q_bf16[r * head_dim], src, sizeof(Q) * head_dim);
+    for (size_t d = 0; d < head_dim; ++d) s.q[r * head_dim + d] = to_float(src[d]);
   });
 }
 
@@ -271,7 +270,6 @@ constexpr int kToL1 = 3, kToL2 = 1;  // prefetch_tile localities
 // spilled the query rows inside the FMA loop (12% slower).
 template <typename Q, typename T>
 [[gnu::noinline]] void score_pass(const Problem<Q, T>& pb, const UnitView& v, Scratch& s) {
-  [[maybe_unused]] const bool use_bf16_scores = kBf16Scores<Q, T> && pb.vector && pb.head_dim % 32 == 0;
   for (int b = v.b0 + 1; b < v.b1 && b < v.b0 + kPrefetchAhead; ++b) prefetch_block<kToL1>(pb, v, pb.key_cache, b);
   for_block_tiles(
       pb, v, pb.key_cache,
@@ -284,7 +282,7 @@ template <typename Q, typename T>
         float* scores = s.scores.data() + static_cast<size_t>(r) * v.length + offset;
 #ifdef PAGED_AVX512_BF16
         if constexpr (kBf16Scores<Q, T>)
-          if (use_bf16_scores)
+          if (pb.bf16_scores)
             return score_keys_bf16<R>(&s.q_bf16[r * pb.head_dim], keys, n, pb.head_dim, pb.scale, scores, v.length);
 #endif
         score_rows<R>(pb.vector, s.q.data() + static_cast<size_t>(r) * pb.head_dim, keys, n, pb.head_dim, pb.scale,
@@ -408,7 +406,7 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
                          block_table_stride, item_seq, item_first_token, item_num_tokens, num_items,
                          token_context, num_heads, num_kv_heads, head_dim, block_size, scale,
                          num_heads / num_kv_heads, tile_elements, head_stride == tile_elements, vector,
-                         fixed_partition_blocks};
+                         kBf16Scores<Q, T> && vector && head_dim % 32 == 0, fixed_partition_blocks};
   const Plan plan = plan_units(pb, num_threads);
   std::vector<float> partials(static_cast<size_t>(plan.partial_rows) * partial_width(head_dim));
 

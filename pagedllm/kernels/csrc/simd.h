@@ -51,6 +51,10 @@ inline __m256 widen8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
+// Eight floats, or eight bfloat16 values widened to floats.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return widen8(p); }
+
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 // v rounded to bfloat16 (to nearest even): eight uint16_t, in one instruction (vcvtneps2bf16).
 inline __m128i narrow8(__m256 v) { return reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v)); }
