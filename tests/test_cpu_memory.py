@@ -48,13 +48,13 @@ def _faults(mode: str) -> dict:
 def test_steps_of_varying_sizes_reuse_the_pages_earlier_steps_freed():
     kept = _faults("keep")
     assert kept["took"] is True
-    # The first round touches fresh pages; by the third, every temporary reuses pages the heap
-    # kept (a few stray faults from torch's threads aside). Without it, glibc maps many of these
+    # The first round touches fresh pages; the later ones reuse pages the heap kept (a few
+    # thousand stray faults from torch's threads' own arenas aside). Without it, glibc maps many of these
     # temporaries afresh and unmaps them on free, how many depending on the order of sizes its
     # adaptive threshold has seen (2k-30k faults per round on the 2-core Xeon, sometimes none):
     # the settings themselves are checked deterministically below.
     assert kept["faults"][0] > 2000, kept
-    assert kept["faults"][2] < 1000, kept
+    assert max(kept["faults"][1:]) < kept["faults"][0] / 4, kept
 
 
 # In a fresh process, malloc's first request of 20 MiB: by default above glibc's initial mmap
