@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU with gloo: same tokens as one worker, sharded KV pools, torchrun
-launch, a worker that dies mid-generation, a step that raises on the driver, and workers that die
-while the group starts."""
+launch, a worker that dies mid-generation, a step that raises on the driver, workers that die
+while the group starts, and a peer that stops answering."""
 
 from __future__ import annotations
 
@@ -150,3 +150,48 @@ def test_tensor_parallel_three_on_the_default_model(smollm_llm):
         assert shapes == [expected] * 3  # 3 KV heads over 3 ranks: one each
     finally:
         llm.llm_engine.shutdown()
+
+
+def _rank_that_stops_answering(init_method: str) -> None:
+    """Rank 1 of a bare group: echoes one control message, then stays alive without answering."""
+    import torch
+
+    from pagedllm.distributed.init import init_tensor_parallel
+
+    group = init_tensor_parallel(1, 2, init_method, torch.device("cpu"))
+    message = group.broadcast_object()
+    group.gather_objects(message + "!")
+    time.sleep(120)
+
+
+def test_the_driver_never_waits_forever_on_a_peer_that_stops_answering(monkeypatch):
+    """Each rank's control-group timeout is its own: a worker waits as long as the engine stays
+    idle, while the driver gives up on a peer that has stopped answering (a step then fails
+    instead of holding the engine forever; it hung once in this suite)."""
+    import datetime
+    import multiprocessing
+
+    import torch
+    import torch.distributed as dist
+
+    from pagedllm.distributed import init
+
+    monkeypatch.setattr(init, "DRIVER_CONTROL_TIMEOUT", datetime.timedelta(seconds=1))
+    init_method = f"tcp://127.0.0.1:{init.free_port()}"
+    peer = multiprocessing.get_context("spawn").Process(target=_rank_that_stops_answering, args=(init_method,))
+    peer.start()
+    try:
+        group = init.init_tensor_parallel(0, 2, init_method, torch.device("cpu"))
+        time.sleep(2.5)  # the worker waits longer than the driver's timeout, and is still there
+        group.broadcast_object("hello")
+        assert group.gather_objects("driver") == ["driver", "hello!"]
+        begin = time.monotonic()
+        with pytest.raises(RuntimeError):
+            group.gather_objects("again")  # the peer is alive but silent
+        assert time.monotonic() - begin < 30
+        assert peer.is_alive()
+    finally:
+        peer.kill()
+        peer.join(timeout=10)
+        if dist.is_initialized():
+            dist.destroy_process_group()

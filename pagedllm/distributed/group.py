@@ -18,7 +18,7 @@ class TensorParallelGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # ProcessGroup for tensors (gloo on CPU, nccl on GPU)
-    control_group: Any = None  # gloo ProcessGroup for the driver's control messages (no timeout to speak of)
+    control_group: Any = None  # gloo ProcessGroup for the driver's control messages (workers wait on it unbounded)
 
     @property
     def is_driver(self) -> bool:

@@ -18,6 +18,11 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=60)
 STEP_TIMEOUT = datetime.timedelta(minutes=5)
 # Workers wait on the control group between steps, however long the engine stays idle.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+# The driver never waits for long there: it sends each step's message and gathers the replies
+# of work that every rank runs alike. A peer that stops answering (killed at a moment when gloo
+# did not notice its closed connection: seen once, driver stuck in a broadcast) then fails the
+# step after this long instead of holding the engine forever. Each rank's timeout is its own.
+DRIVER_CONTROL_TIMEOUT = STEP_TIMEOUT
 
 
 def free_port() -> int:
@@ -32,7 +37,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=RENDEZVOUS_TIMEOUT
     )
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=DRIVER_CONTROL_TIMEOUT if rank == 0 else IDLE_TIMEOUT)
     backend = "nccl" if device.type == "cuda" else "gloo"
     tensors = dist.new_group(backend=backend, timeout=STEP_TIMEOUT)
     return TensorParallelGroup(rank=rank, size=world_size, group=tensors, control_group=control)
