@@ -6,7 +6,8 @@ over torch.distributed, and all ranks run the same step; the layers' all-reduces
 logits gather happen inside the model. Workers make no memory-management decisions: they hold
 the same block ids as the driver and only the KV cache of their own heads.
 
-A worker that dies breaks the next collective at once (gloo reports the closed connection);
+A worker that dies breaks the next collective at once (gloo reports the closed connection), or
+where gloo does not notice, the driver's wait times out (`DRIVER_CONTROL_TIMEOUT`, 5 minutes);
 the executor then raises `WorkerDiedError`, which the engine turns into failed requests. So does
 any other error in a step: once one rank has left a step partway (the driver's own forward
 raising, say), the others wait in a collective it will never join, and the group cannot run
