@@ -74,10 +74,16 @@ class AttentionBackend:
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Attention of each query token over its sequence's cached context (already including
         this step's keys and values). `key`/`value` are this step's fresh tensors, which a backend
-        may use directly where a sequence has no earlier context."""
+        may use directly where a sequence has no earlier context.
+
+        With `sliding_window` W, a query at position p sees only keys at p - W + 1 .. p; with
+        `logits_soft_cap` c, scores (after `scale`) become c * tanh(score / c) before the softmax
+        (Gemma 2)."""
         raise NotImplementedError
 
 

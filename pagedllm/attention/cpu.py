@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.reference import paged_attention_torch
 from pagedllm.kernels import build as cpu_kernels
 from pagedllm.utils import cdiv
 
@@ -120,7 +121,12 @@ class CPUAttentionBackend(AttentionBackend):
             metadata.backend_plan = _plan(metadata, self.batch_invariant)
         return metadata.backend_plan
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
+    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        if sliding_window is not None or logits_soft_cap is not None:
+            # Not in the C++ kernel yet: the plain torch computation over the same pools.
+            return paged_attention_torch(query, key_cache, value_cache, metadata, scale, sliding_window,
+                                         logits_soft_cap, heads_first=True)
         plan = self.plan(metadata)
         attention, _ = self._kernels(query.dtype, key_cache.dtype)
         query = query.contiguous()

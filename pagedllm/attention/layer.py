@@ -10,13 +10,24 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window  # tokens each query sees, itself included; None: all
+        self.logits_soft_cap = logits_soft_cap
         # This layer's pools; bound once by the worker's cache engine (`bind_kv_cache`).
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
@@ -29,5 +40,9 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         self.backend.write_kv(k, v, self.key_cache, self.value_cache, metadata)
-        out = self.backend.forward(q, k, v, self.key_cache, self.value_cache, metadata, self.scale)
+        if self.sliding_window is None and self.logits_soft_cap is None:
+            out = self.backend.forward(q, k, v, self.key_cache, self.value_cache, metadata, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, self.key_cache, self.value_cache, metadata, self.scale,
+                                       self.sliding_window, self.logits_soft_cap)
         return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -23,26 +23,46 @@ class ReferenceAttentionBackend(AttentionBackend):
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
-        num_heads = query.shape[1]
+    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        return paged_attention_torch(query, key_cache, value_cache, metadata, scale, sliding_window,
+                                     logits_soft_cap, heads_first=False)
+
+
+def paged_attention_torch(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
+                          sliding_window: int | None, logits_soft_cap: float | None, heads_first: bool) -> torch.Tensor:
+    """Attention of every query token over its sequence's paged context, in float32, one
+    sequence at a time. Pools are [num_blocks, block_size, kv_heads, head_dim], or with
+    `heads_first` [num_blocks, kv_heads, block_size, head_dim] (the fast backends' layout)."""
+    num_heads = query.shape[1]
+    if heads_first:
+        num_kv_heads, block_size, head_dim = key_cache.shape[1:]
+    else:
         block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        group = num_heads // num_kv_heads
-        out = torch.empty_like(query)
-        starts = metadata.query_start_loc.tolist()
-        for i, (q_len, ctx_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens_list)):
-            num_blocks = cdiv(ctx_len, block_size)
-            blocks = metadata.block_tables[i, :num_blocks].long()
-            # k, v: [ctx_len, num_kv_heads, head_dim], gathered from the block pool
-            k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float()
-            v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float()
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-            q = query[starts[i] : starts[i] + q_len].float()  # [q_len, num_heads, head_dim]
-            scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-            # Query j sits at position ctx_len - q_len + j and sees keys up to that position.
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device).unsqueeze(1)
-            visible = torch.arange(ctx_len, device=query.device).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
-            scores = scores.masked_fill(~visible, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out[starts[i] : starts[i] + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
-        return out
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = metadata.query_start_loc.tolist()
+    for i, (q_len, ctx_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens_list)):
+        num_blocks = cdiv(ctx_len, block_size)
+        blocks = metadata.block_tables[i, :num_blocks].long()
+        k, v = key_cache[blocks], value_cache[blocks]
+        if heads_first:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        # k, v: [ctx_len, num_kv_heads, head_dim], gathered from the block pool
+        k = k.reshape(-1, num_kv_heads, head_dim)[:ctx_len].float().repeat_interleave(group, dim=1)
+        v = v.reshape(-1, num_kv_heads, head_dim)[:ctx_len].float().repeat_interleave(group, dim=1)
+        q = query[starts[i] : starts[i] + q_len].float()  # [q_len, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        # Query j sits at position ctx_len - q_len + j and sees keys up to that position (and,
+        # with a window, none `sliding_window` or more positions back).
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(ctx_len, device=query.device).unsqueeze(0)
+        visible = k_pos <= q_pos  # [q_len, ctx_len]
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[starts[i] : starts[i] + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.reference import paged_attention_torch
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
@@ -200,7 +201,12 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
         self.kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
+    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        if sliding_window is not None or logits_soft_cap is not None:
+            # Not in the Triton kernels yet: the plain torch computation over the same pools.
+            return paged_attention_torch(query, key_cache, value_cache, metadata, scale, sliding_window,
+                                         logits_soft_cap, heads_first=True)
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = key_cache.shape[1]
         group = num_heads // num_kv_heads

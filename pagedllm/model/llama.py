@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedllm.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedllm.distributed import TensorParallelGroup
+from pagedllm.kv_spec import AttentionSpec
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.transformers_utils.arch import ModelArchConfig
 from pagedllm.model.layers import (
@@ -145,6 +146,12 @@ class LlamaForCausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def kv_cache_spec(self) -> list[AttentionSpec]:
+        """What each layer stores in the KV cache on this rank (one entry per layer)."""
+        return [
+            AttentionSpec(attn.num_kv_heads, attn.head_dim, attn.sliding_window) for attn in self.attention_layers
+        ]
 
     def bind_kv_cache(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> None:
         """Give each attention layer its own key and value block pools."""

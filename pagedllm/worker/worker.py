@@ -107,10 +107,12 @@ class Worker:
             make_batch_invariant(self.model)
         use_int8_activations(self.model, config.model.int8_activations)
         enable_fused_layers(self.model, self.backend)
-        arch = self.model.cfg
-        self.num_kv_heads = self.model.model.layers[0].self_attn.qkv_proj.num_kv_heads
-        self.head_dim = arch.head_dim
-        self.num_layers = arch.num_layers
+        self.kv_cache_spec = self.model.kv_cache_spec()
+        if len({(spec.num_kv_heads, spec.head_dim) for spec in self.kv_cache_spec}) != 1:
+            raise ValueError("pagedllm's KV cache pools need every layer to store the same KV heads and head size.")
+        self.num_kv_heads = self.kv_cache_spec[0].num_kv_heads
+        self.head_dim = self.kv_cache_spec[0].head_dim
+        self.num_layers = len(self.kv_cache_spec)
         self.block_bytes = bytes_per_block(
             self.num_layers, config.cache.block_size, self.num_kv_heads, self.head_dim, self.cache_dtype
         )
