@@ -259,3 +259,14 @@ def test_a_failed_step_still_tells_the_workers_which_requests_finished(tiny_llam
     while engine.has_unfinished_requests():
         engine.step()
     assert not any(key[0] == "seeded" for key in sampler._generators)
+
+
+def test_greedy_past_a_sliding_window_matches_transformers(tiny_models, prompts):
+    """A Mistral whose window (9 tokens) is shorter than most prompts and outputs: the engine's
+    context is no longer cut at the window, and every layer attends only within it."""
+    path = tiny_models("mistral", sliding_window=9)
+    hf_window = load_hf(path)
+    llm = LLM(str(path), max_model_len=256, num_gpu_blocks=128, max_num_batched_tokens=16, max_num_seqs=8)
+    assert llm.llm_engine.max_model_len == 256
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_window, p, 24, ignore_eos=True) for p in prompts]

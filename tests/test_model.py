@@ -142,6 +142,34 @@ def test_llama_variants_match_transformers(tiny_models, overrides):
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("mistral", {"sliding_window": 7}),  # every layer slides
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),  # layer 1 slides
+    ],
+    ids=["mistral", "qwen2-hybrid"],
+)
+def test_sliding_window_layers_match_transformers_past_the_window(tiny_models, arch, overrides):
+    """Prompts and decodes longer than the window: each windowed layer sees only its last
+    `sliding_window` positions, as transformers' masks do, through the paged cache."""
+    path = tiny_models(arch, **overrides)
+    hf = load_hf(path)
+    model = load_model(resolve_model(str(path)), 256, ReferenceAttentionBackend(), torch.float32, CPU)
+    windows = [spec.sliding_window for spec in model.kv_cache_spec()]
+    assert windows == ([7, 7] if arch == "mistral" else [None, 5])
+    prompt = random_prompts(1, [30], seed=5)[0]
+    paged = PagedSequences(model, block_size=4)
+    logits = paged.run([prompt[:13]])[0]
+    logits = torch.cat([logits, paged.run([prompt[13:]])[0]])  # a chunk past the window
+    torch.testing.assert_close(logits, _hf_logits(hf, prompt), atol=1e-4, rtol=0)
+    sequence = list(prompt)
+    for _ in range(4):
+        sequence.append(int(logits[-1].argmax()))
+        logits = paged.run([[sequence[-1]]])[0]
+        torch.testing.assert_close(logits[-1], _hf_logits(hf, sequence)[-1], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_dtypes_stay_close_to_float32(tiny_models, dtype):
     path = tiny_models("llama")

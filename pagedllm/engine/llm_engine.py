@@ -99,10 +99,6 @@ class LLMEngine:
 
     def _resolve_max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
-        if self.arch.sliding_window is not None and self.arch.sliding_window < limit:
-            # Attention over the full context would differ from the model's windowed attention
-            # beyond the window, so the context stops there.
-            limit = self.arch.sliding_window
         asked = self.config.model.max_model_len
         if asked is None:
             return limit

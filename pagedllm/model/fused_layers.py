@@ -92,6 +92,8 @@ class FusedDecoderLayers:
             return False
         if model.layers[0].self_attn.rotary.cos.dtype != torch.float32:
             return False
+        if any(layer.self_attn.attn.sliding_window is not None for layer in model.layers):
+            return False  # the C++ layer loop attends over whole contexts
         projections = [p for layer in model.layers for p in _projections(layer)]
         return all(getattr(p.weight, "quantized", None) is not None for p in projections)
 

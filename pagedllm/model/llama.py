@@ -32,7 +32,7 @@ from pagedllm.model.weights import LazyWeight
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp, dtype):
+    def __init__(self, cfg: ModelArchConfig, layer: int, rotary: RotaryEmbedding, backend: AttentionBackend, tp, dtype):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, tp, dtype
@@ -40,7 +40,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype)
         self.rotary = rotary
         self.attn = Attention(
-            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, backend
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, backend,
+            sliding_window=cfg.layer_sliding_window(layer),
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -68,10 +69,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary, backend, tp, dtype):
+    def __init__(self, cfg: ModelArchConfig, layer: int, rotary, backend, tp, dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, rotary, backend, tp, dtype)
+        self.self_attn = LlamaAttention(cfg, layer, rotary, backend, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
 
@@ -95,7 +96,7 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, backend, tp, dtype) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, layer, rotary, backend, tp, dtype) for layer in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # The layer loop as one C++ call where it applies (pagedllm.model.fused_layers; set by the

@@ -39,6 +39,10 @@ class ModelArchConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Per layer, transformers' names: "full_attention" or "sliding_attention" (the latter sees the
+    # last `sliding_window` positions). None: every layer full, or every layer sliding when the
+    # model has a window.
+    layer_types: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -51,11 +55,24 @@ class ModelArchConfig:
             raise ValueError(
                 f"Unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
             )
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types names {len(self.layer_types)} layers, but the model has {self.num_layers} "
+                "(num_hidden_layers)."
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads})."
             )
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of layer `layer` (tokens each query sees, itself included), or None."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @property
     def num_parameters(self) -> int:
@@ -108,8 +125,15 @@ class ModelArchConfig:
                 rope_scaling = None
         eos = cfg.get("eos_token_id")
         sliding_window = cfg.get("sliding_window")
-        if architecture == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-            sliding_window = None
+        layer_types = cfg.get("layer_types")
+        if architecture == "Qwen2ForCausalLM":
+            if not cfg.get("use_sliding_window", False):
+                sliding_window = None
+            elif layer_types is None:  # transformers' rule: the layers from max_window_layers on slide
+                first = cfg.get("max_window_layers", 28)
+                layer_types = [
+                    "sliding_attention" if i >= first else "full_attention" for i in range(cfg["num_hidden_layers"])
+                ]
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -126,6 +150,7 @@ class ModelArchConfig:
             attention_bias=architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling,
             sliding_window=sliding_window,
+            layer_types=list(layer_types) if layer_types is not None else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
