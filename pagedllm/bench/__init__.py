@@ -1,22 +1,24 @@
-"""`pagedllm bench ...`: benchmarks that print a table and write JSON."""
+"""`pagedllm bench ...`: benchmarks that print a table and write JSON, and `pagedllm bench table`,
+which renders that JSON as a markdown table for the manual."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+
+# The benchmarks, each a module of this package with a `register(subparsers)` of its own.
+BENCHMARKS = ("throughput", "sharing", "preemption", "kernel", "matmul", "latency", "dtype", "serve", "paper", "structured")
+
+
+def register_benchmark(sub: argparse._SubParsersAction, name: str) -> None:
+    importlib.import_module(f"pagedllm.bench.{name}").register(sub)
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.bench import dtype, kernel, latency, matmul, paper, preemption, serve, sharing, structured, throughput
+    from pagedllm.bench import table
 
     parser = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = parser.add_subparsers(dest="bench", required=True)
-    throughput.register(bench_sub)
-    sharing.register(bench_sub)
-    preemption.register(bench_sub)
-    kernel.register(bench_sub)
-    matmul.register(bench_sub)
-    latency.register(bench_sub)
-    dtype.register(bench_sub)
-    serve.register(bench_sub)
-    paper.register(bench_sub)
-    structured.register(bench_sub)
+    for name in BENCHMARKS:
+        register_benchmark(bench_sub, name)
+    table.register(bench_sub)

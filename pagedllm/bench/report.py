@@ -9,17 +9,18 @@ import time
 from pathlib import Path
 
 
+def format_cell(value) -> str:
+    """A table cell: floats to three decimals below 10, to one above (with thousands separators)."""
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
+    return str(value)
+
+
 def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     if not rows:
         return "(no rows)"
     columns = columns or list(rows[0])
-
-    def cell(value) -> str:
-        if isinstance(value, float):
-            return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
-        return str(value)
-
-    cells = [[cell(row.get(c, "")) for c in columns] for row in rows]
+    cells = [[format_cell(row.get(c, "")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
