@@ -94,3 +94,11 @@ def test_a_file_that_is_not_a_report_is_refused_naming_it(tmp_path):
     path.write_text(json.dumps({"runs": []}))
     with pytest.raises(ValueError, match="other.json: not a report of `pagedllm bench ...`"):
         table.render(path)
+
+
+def test_the_command_writes_sizes_switches_and_lists_as_typed():
+    args = build_parser().parse_args(["bench", "throughput", "--kv-cache-memory", "512MiB", "--no-enable-prefix-caching",
+                                      "--batch-invariant", "--backend", "pagedllm", "hf"])
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    assert table.command_of(config) == ("pagedllm bench throughput --batch-invariant --kv-cache-memory 512MiB "
+                                        "--no-enable-prefix-caching --backend pagedllm hf")

@@ -84,8 +84,8 @@ def command_of(config: dict) -> str | None:
         elif action.nargs == 0:
             words.append(action.option_strings[0])
         else:
-            values = value if isinstance(value, list) else [value]
-            words += [action.option_strings[0], *(_bytes(v) if action.type is parse_bytes else _quote(v) for v in values)]
+            show = _bytes if action.type is parse_bytes else _quote
+            words += [action.option_strings[0], *(show(v) for v in (value if isinstance(value, list) else [value]))]
     return " ".join(words)
 
 
