@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 14, in one run on one GPU machine with only this repository (no
+# The GPU check (docs/gpu.md), in one run on one GPU machine with only this repository (no
 # network; Python with CUDA torch, Triton, transformers and pytest already there). About 6-8
 # minutes on an H200. Prints one summary table at the end; logs and JSON go to $OUT (default
 # results/gpu_check).
@@ -51,7 +51,7 @@ want greedy && step greedy greedy.log $PY benchmarks/gpu_greedy.py --model "$MOD
 
 if [ -n "${QUICK:-}" ]; then
   # transformers' static batches (hf) take minutes on this trace: QUICK compares with its
-  # continuous batching (hf-cb), the peer of the issue's target.
+  # continuous batching (hf-cb), the peer docs/gpu.md quotes.
   CONTEXTS="256 1024 4096"; BATCHES="1 64 256"; PROMPTS=64; LATENCY_BATCHES="1 64"; HF="hf-cb"
 else
   CONTEXTS="256 512 1024 2048 4096"; BATCHES="1 8 32 64 128 256"; PROMPTS=200; LATENCY_BATCHES="1 16 64 256"; HF="hf hf-cb"

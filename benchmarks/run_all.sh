@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The measurements quoted in the issue notes, in one sequential run on an otherwise idle machine
+# The CPU benchmarks of docs/benchmarks.md, in one sequential run on an otherwise idle machine
 # (nothing else running: two cores shared with a test run make every figure meaningless).
-# Throughput uses --max-model-len 1024, which scales the ShareGPT-shaped lengths to the issue's
+# Throughput uses --max-model-len 1024, which scales the ShareGPT-shaped lengths to the manual's
 # workload (64 requests: ~5k prompt and ~12k output tokens); without it they are twice as long.
 cd "$(dirname "$0")/.."
 P=.venv/bin/pagedllm

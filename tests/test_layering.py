@@ -1,5 +1,5 @@
-"""Imports flow one way: each layer imports only the layers below it (shared/DESIGN.md, as the
-README's "How it works" draws it), and the front end of the engine never loads torch."""
+"""Imports flow one way: each layer imports only the layers below it (the layer table of
+docs/architecture.md), and the front end of the engine never loads torch."""
 
 from __future__ import annotations
 

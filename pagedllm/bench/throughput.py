@@ -253,7 +253,7 @@ def _add_ratios(rows: list[dict]) -> None:
 
 
 def _best_dtype_ratio(rows: list[dict]) -> str | None:
-    """pagedllm's best dtype against each peer's best dtype, as the issue's targets read."""
+    """pagedllm's best dtype against each peer's best dtype, as docs/performance-cpu.md compares them."""
     best: dict[str, dict] = {}
     for row in rows:
         if "output_tok_per_s" in row and row["output_tok_per_s"] > best.get(row["backend"], {}).get("output_tok_per_s", 0):

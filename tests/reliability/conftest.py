@@ -1,4 +1,4 @@
-"""The reliability suite (issue 17): each scenario drives a real server or engine hard, prints
+"""The reliability suite (docs/reliability.md): each scenario drives a real server or engine hard, prints
 one line of figures, and fails on any loss. `pytest tests/reliability` runs the short form (in
 `make test` too); `--soak` runs the long form (`make soak`): a 30-minute soak, ten minutes of
 fuzzing, four times the clients. `--soak-seconds N` sets the soak's length in either form.

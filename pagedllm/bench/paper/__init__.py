@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--real-search",
         action="store_true",
         help="real clock, figure 12: also search vLLM's, Orca (Oracle)'s and Orca (Max)'s sustained rates on ShareGPT "
-        "with real runs (the issue's target; about 45 minutes)",
+        "with real runs (the paper's ratios as a target; about 45 minutes)",
     )
     p.set_defaults(func=run)
 

@@ -1,7 +1,7 @@
 """Figure 12's target on the real clock: the rate each system sustains, searched with real runs.
 
-The issue's target for Figure 12 holds "simulated at the paper's scale and real on the CPU": the
-rate vLLM sustains at twice its unloaded normalized latency is >= 1.7x Orca (Oracle)'s and
+The target for Figure 12 (the paper's ratios, docs/paper.md) holds "simulated at the paper's scale and real on
+the CPU": the rate vLLM sustains at twice its unloaded normalized latency is >= 1.7x Orca (Oracle)'s and
 >= 2.7x Orca (Max)'s. Here the default model really serves the `cpu` profile's ShareGPT curves
 (the same requests, arrivals and trace durations as the simulated Figure 12). The bar is twice
 vLLM's real unloaded normalized latency (40 requests that never overlap; idle time costs
