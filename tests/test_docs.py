@@ -134,7 +134,7 @@ def _inline_commands(page: Path) -> list[str]:
     commands = []
     for span in re.findall(r"`([^`\n]+)`", _without_code_blocks(page)):
         words = _without_env(span.split())
-        if not words or words[0] not in ("pagedllm", "make", "bash") or (words[0] == "pagedllm" and " -" not in span):
+        if len(words) < 2 or words[0] not in ("pagedllm", "make", "bash") or (words[0] == "pagedllm" and " -" not in span):
             continue
         if not any(re.match(r"^(<.*|\[.*|.*\.\.\.|.*…|[A-Z]+|--help)$", w) for w in words):
             commands.append(span)
@@ -142,9 +142,11 @@ def _inline_commands(page: Path) -> list[str]:
 
 
 def _without_env(words: list[str]) -> list[str]:
+    """A command's words without the environment assignments before it, `.venv/bin/pagedllm` as
+    `pagedllm`."""
     while words and re.match(r"^[A-Z_]+=", words[0]):
         words = words[1:]
-    return words
+    return ["pagedllm", *words[1:]] if words[:1] == [".venv/bin/pagedllm"] else words
 
 
 def _command_problem(line: str) -> str | None:
@@ -180,7 +182,7 @@ SHELL_LINES = [
     pytest.param(line, id=f"{block.name}: {line[:60]}")
     for page in PAGES for block in _code_blocks(page) if block.lang in ("bash", "sh", "")
     for line in _shell_lines(block) if line.strip() and not line.lstrip().startswith(("#", "{", '"', "}"))
-    and re.match(r"^\s*([A-Z_]+=\S+\s+)*(pagedllm|make|bash|python|\.venv/bin/python|torchrun)\b", line)
+    and re.match(r"^\s*([A-Z_]+=\S+\s+)*(pagedllm|\.venv/bin/pagedllm|make|bash|python|\.venv/bin/python|torchrun)\b", line)
 ] + [pytest.param(command, id=f"{page.relative_to(ROOT)} inline: {command[:60]}")
      for page in PAGES for command in _inline_commands(page)]
 
