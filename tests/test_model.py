@@ -26,11 +26,11 @@ class PagedSequences:
         self.model = model
         self.block_size = block_size
         backend = model.attention_layers[0].backend
-        cfg = model.cfg
-        shape = backend.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        specs = model.kv_cache_spec()
+        shape = backend.kv_cache_shape(num_blocks, block_size, specs[0].num_kv_heads, specs[0].head_dim)
         dtype = model.lm_head.weight.dtype
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in specs]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in specs]
         model.bind_kv_cache(self.keys, self.values)
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables: list[list[int]] = []
