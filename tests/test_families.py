@@ -230,3 +230,21 @@ def test_each_family_says_which_tensor_parallel_sizes_split_it(tiny_models):
     assert odd.valid_tensor_parallel_sizes() == [1, 2]
     with pytest.raises(ValueError, match=r"moe_intermediate_size 50\); valid sizes: \[1, 2\]"):
         odd.check_tensor_parallel_size(4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+def test_bench_throughput_runs_on_the_family(tiny_models, tmp_path, capsys, family):
+    """`pagedllm bench throughput` on a dense Qwen3 and a Mixtral (benchmarks/family_models.py
+    builds larger ones): every request's tokens come out and the table is printed."""
+    import json
+
+    from pagedllm.bench.datasets import sample_requests
+    from pagedllm.cli import main
+
+    out = tmp_path / "bench.json"
+    code = main(["bench", "throughput", str(tiny_models(family)), "--num-prompts", "4", "--max-model-len", "128",
+                 "--output-json", str(out)])
+    assert code == 0
+    assert "output_tok_per_s" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["output_tokens"] == sum(r.output_len for r in sample_requests("sharegpt", 4, 128, 49152))

@@ -139,7 +139,7 @@ def test_llama_variants_match_transformers(tiny_models, overrides):
     ours = PagedSequences(model, block_size=16).run([prompt])[0]
     torch.testing.assert_close(ours, _hf_logits(hf, prompt), atol=1e-4, rtol=0)
     if overrides.get("tie_word_embeddings"):
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head.weight is model.embedding_weight
 
 
 @pytest.mark.parametrize(
@@ -176,7 +176,7 @@ def test_half_precision_dtypes_stay_close_to_float32(tiny_models, dtype):
     source = resolve_model(str(path))
     full = load_model(source, 256, ReferenceAttentionBackend(), torch.float32, CPU)
     half = load_model(source, 256, ReferenceAttentionBackend(), dtype, CPU)
-    assert half.model.layers[0].self_attn.qkv_proj.weight.dtype == dtype
+    assert half.layer_projections(0)["qkv_proj"].dtype == dtype
     prompt = random_prompts(1, [24], seed=5)[0]
     a = PagedSequences(full, 16).run([prompt])[0]
     b = PagedSequences(half, 16).run([prompt])[0].float()
