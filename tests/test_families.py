@@ -242,9 +242,22 @@ def test_bench_throughput_runs_on_the_family(tiny_models, tmp_path, capsys, fami
     from pagedllm.cli import main
 
     out = tmp_path / "bench.json"
-    code = main(["bench", "throughput", str(tiny_models(family)), "--num-prompts", "4", "--max-model-len", "128",
-                 "--output-json", str(out)])
+    code = main(["bench", "throughput", str(tiny_models(family)), "--dataset", "alpaca", "--num-prompts", "4",
+                 "--max-model-len", "128", "--output-json", str(out)])
     assert code == 0
     assert "output_tok_per_s" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["results"]
-    assert row["output_tokens"] == sum(r.output_len for r in sample_requests("sharegpt", 4, 128, 49152))
+    assert row["output_tokens"] == sum(r.output_len for r in sample_requests("alpaca", 4, 128, 49152))
+
+
+def test_models_that_wait_on_the_host_are_not_captured_as_cuda_graphs(tiny_models):
+    """A mixture of experts counts its experts' tokens on the host, and windowed or soft-capped
+    attention runs the torch path that walks sequences there: such decode steps run eagerly."""
+    assert _load(str(tiny_models("qwen3"))).supports_cuda_graphs
+    for family, overrides in (("qwen3_moe", {}), ("mixtral", {}), ("gemma2", {}), ("phi3", {"sliding_window": 7})):
+        assert not _load(str(tiny_models(family, **overrides))).supports_cuda_graphs, family
+
+
+def test_batch_invariant_mode_refuses_a_mixture_of_experts(tiny_models):
+    with pytest.raises(ValueError, match="not supported for mixture-of-experts"):
+        LLM(str(tiny_models("mixtral")), max_model_len=128, num_gpu_blocks=32, batch_invariant=True)

@@ -120,6 +120,15 @@ class DecoderForCausalLM(nn.Module):
         return weights + [self.lm_head.weight]
 
     @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a decode step can be captured as a CUDA graph (nothing in the forward pass
+        waits on the host). A mixture of experts reads its experts' token counts on the host;
+        windowed and soft-capped layers run the torch attention, which walks the sequences on the
+        host, until the Triton kernels take windows and soft-caps."""
+        plain = all(a.sliding_window is None and a.logits_soft_cap is None for a in self.attention_layers)
+        return self.cfg.moe is None and plain
+
+    @property
     def embedding_weight(self) -> nn.Parameter:
         return self.model.embed_tokens.weight
 

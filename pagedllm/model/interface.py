@@ -8,7 +8,7 @@ Who calls what:
 - the worker: `kv_cache_spec` (the KV cache manager groups layers by it), `bind_kv_cache`, then
   `forward` and `compute_logits` every step; `fused_decoder_plan` / `fused_layers` for the C++
   layer loop (`pagedllm.model.fused_layers`);
-- CUDA graphs: `attention_layers` (heads and head size of the decode plan);
+- CUDA graphs: `supports_cuda_graphs`, `attention_layers` (heads and head size of the decode plan);
 - `pagedllm bench matmul` and tests: `step_projection_weights`, `layer_projections`.
 """
 
@@ -64,6 +64,10 @@ class CausalLM(Protocol):
 
     def step_projection_weights(self) -> list[nn.Parameter]:
         """Every projection weight of a decode step, the LM head last."""
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a decode step's forward pass can be captured (no host synchronisation)."""
 
     def fused_decoder_plan(self) -> Any:
         """A `fused_layers.FusedDecoderPlan` where the layers are what the C++ loop computes, else None."""
