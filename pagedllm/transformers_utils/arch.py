@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.transformers_utils.sizes import count_parameters, sharded_widths
+
 if TYPE_CHECKING:
     from pagedllm.transformers_utils.source import ModelSource
 
@@ -39,8 +41,6 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # Activations of the MLPs (transformers' ACT2FN names).
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
-# Norms per decoder layer, where not the two of a pre-norm block (Gemma's sandwich norms).
-_NORMS_PER_LAYER = {"Gemma2ForCausalLM": 4, "Gemma3ForCausalLM": 4}
 
 
 @dataclass
@@ -181,53 +181,13 @@ class ModelArchConfig:
         """Parameters that take part in one token's forward pass (a tied LM head counted once):
         of a mixture of experts, the router and the `num_experts_per_tok` experts each token
         runs. `num_total_parameters` counts every stored one."""
-        return self._count_parameters(active_only=True)
+        return count_parameters(self, active_only=True)
 
     @property
     def num_total_parameters(self) -> int:
         """Every parameter the model stores (a tied LM head once), all experts included: what
         transformers' `num_parameters()` counts."""
-        return self._count_parameters(active_only=False)
-
-    def _count_parameters(self, active_only: bool) -> int:
-        if self.architecture == "OPTForCausalLM":
-            return self._count_opt_parameters()
-        h, hd = self.hidden_size, self.head_dim
-        attn = h * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
-        attn += hd * (self.num_heads + 2 * self.num_kv_heads) * self.attention_bias + h * self.attention_out_bias
-        attn += 2 * hd * self.qk_norm
-        norms = _NORMS_PER_LAYER.get(self.architecture, 2) * h
-        dense = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h) * self.mlp_bias
-        total = 0
-        for layer in range(self.num_layers):
-            if self.is_moe_layer(layer):
-                moe = self.moe
-                experts = moe.num_experts_per_tok if active_only else moe.num_experts
-                mlp = moe.num_experts * h + experts * 3 * h * moe.intermediate_size
-            else:
-                mlp = dense
-            total += attn + norms + mlp
-        embed = self.vocab_size * h
-        return total + embed + h + (0 if self.tie_word_embeddings else embed)
-
-    def _count_opt_parameters(self) -> int:
-        h, ffn = self.hidden_size, self.intermediate_size
-        width = self.word_embed_proj_dim or h
-        norm = 2 * h if self.layer_norm_elementwise_affine else 0
-        layer = 4 * h * h + 2 * h * ffn + (4 * h + ffn + h) * self.attention_bias + 2 * norm
-        embed = self.vocab_size * width + (self.max_position_embeddings + 2) * h
-        projections = 2 * width * h if width != h else 0
-        head = 0 if self.tie_word_embeddings else self.vocab_size * width
-        return self.num_layers * layer + embed + projections + head + (norm if self.final_layer_norm else 0)
-
-    def _sharded_widths(self) -> dict[str, int]:
-        """The MLP widths tensor parallelism splits, by the config field that names each."""
-        widths = {}
-        if self.moe is None or self.moe.dense_layers:
-            widths["intermediate_size"] = self.intermediate_size
-        if self.moe is not None:
-            widths["moe_intermediate_size"] = self.moe.intermediate_size
-        return widths
+        return count_parameters(self, active_only=False)
 
     def valid_tensor_parallel_sizes(self) -> list[int]:
         """Sizes that split the query heads and the MLPs (each expert's too) evenly, and split or
@@ -236,14 +196,14 @@ class ModelArchConfig:
             tp
             for tp in range(1, self.num_heads + 1)
             if self.num_heads % tp == 0
-            and all(width % tp == 0 for width in self._sharded_widths().values())
+            and all(width % tp == 0 for width in sharded_widths(self).values())
             and (self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0)
         ]
 
     def check_tensor_parallel_size(self, tp: int) -> None:
         valid = self.valid_tensor_parallel_sizes()
         if tp not in valid:
-            widths = ", ".join(f"{name} {width}" for name, width in self._sharded_widths().items())
+            widths = ", ".join(f"{name} {width}" for name, width in sharded_widths(self).items())
             raise ValueError(
                 f"tensor_parallel_size={tp} cannot split this model ({self.num_heads} attention heads, "
                 f"{self.num_kv_heads} KV heads, {widths}); valid sizes: {valid}."
