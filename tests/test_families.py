@@ -261,3 +261,11 @@ def test_models_that_wait_on_the_host_are_not_captured_as_cuda_graphs(tiny_model
 def test_batch_invariant_mode_refuses_a_mixture_of_experts(tiny_models):
     with pytest.raises(ValueError, match="not supported for mixture-of-experts"):
         LLM(str(tiny_models("mixtral")), max_model_len=128, num_gpu_blocks=32, batch_invariant=True)
+
+
+def test_older_mixtral_gguf_files_name_each_expert():
+    """Files converted before llama.cpp stacked the experts hold one tensor per expert."""
+    from pagedllm.model.mixtral import MixtralForCausalLM
+
+    assert MixtralForCausalLM.gguf_to_hf_name("blk.3.ffn_up.5.weight") == "model.layers.3.mlp.experts.5.up_proj.weight"
+    assert MixtralForCausalLM.gguf_to_hf_name("blk.3.ffn_gate_exps.weight") == "model.layers.3.mlp.experts.gate_proj.weight"
