@@ -128,8 +128,9 @@ def test_prefill_continuing_from_cached_context_matches(tiny_models):
         {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
         {"num_key_value_heads": 4},
         {"num_key_value_heads": 1},
+        {"attention_bias": True, "mlp_bias": True},  # biases on all four attention projections and the MLP's
     ],
-    ids=["tied", "llama3-rope", "linear-rope", "mha", "mqa"],
+    ids=["tied", "llama3-rope", "linear-rope", "mha", "mqa", "biases"],
 )
 def test_llama_variants_match_transformers(tiny_models, overrides):
     path = tiny_models("llama", **overrides)
