@@ -269,3 +269,22 @@ def test_older_mixtral_gguf_files_name_each_expert():
 
     assert MixtralForCausalLM.gguf_to_hf_name("blk.3.ffn_up.5.weight") == "model.layers.3.mlp.experts.5.up_proj.weight"
     assert MixtralForCausalLM.gguf_to_hf_name("blk.3.ffn_gate_exps.weight") == "model.layers.3.mlp.experts.gate_proj.weight"
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_experts_stacked_in_one_tensor_load_like_one_per_expert(tiny_models, tmp_path, family):
+    """transformers 5 holds each layer's experts stacked (`mlp.experts.gate_up_proj`
+    [E, 2 I, H], `down_proj` [E, H, I]); a checkpoint saved in that form loads as the
+    per-expert one does."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tiny_models(family)
+    hf = load_hf(path)
+    state = {name: t.contiguous() for name, t in hf.state_dict().items() if name != "lm_head.weight" or
+             not hf.config.tie_word_embeddings}
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    _assert_paged_matches(_load(str(tmp_path)), hf)

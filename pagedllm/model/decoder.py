@@ -3,11 +3,10 @@ their KV cache, the logits, and loading a checkpoint by name.
 
 A family subclasses `DecoderForCausalLM`, builds the decoder (`build_model`: `self.model`, with
 the `Attention` layers in layer order; the LM head is made here, tied where the config says),
-and states its checkpoint's names:
-`stacked_params` (checkpoint projections fused into one of our parameters), `checkpoint_targets`
-for anything else (fused checkpoints split, experts), and its GGUF tensor names
-(`gguf_layer_tensors`, `gguf_top_tensors`; `gguf_weight` for a tensor llama.cpp stores
-transformed).
+and states its checkpoint's names: `stacked_params` (checkpoint projections fused into one of
+our parameters), `checkpoint_targets` for anything else (fused checkpoints split, experts), and
+its GGUF tensor names (`gguf_layer_tensors`, `gguf_top_tensors`; `gguf_weight` for a tensor
+llama.cpp stores transformed).
 """
 
 from __future__ import annotations
