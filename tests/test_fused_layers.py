@@ -30,11 +30,11 @@ def _counting(fused, calls: list):
 
 @contextlib.contextmanager
 def _without(model):
-    fused, model.model.fused_layers = model.model.fused_layers, None
+    fused, model.fused_layers = model.fused_layers, None
     try:
         yield
     finally:
-        model.model.fused_layers = fused
+        model.fused_layers = fused
 
 
 def _run(llm, prompts, params):
@@ -43,11 +43,11 @@ def _run(llm, prompts, params):
 
 def test_fused_layers_equal_the_layer_loop_bitwise(smollm_llm):
     model = smollm_llm.llm_engine.executor.worker.model
-    assert model.model.fused_layers is not None  # float32, CPU, quantized blocks: supported
+    assert model.fused_layers is not None  # float32, CPU, quantized blocks: supported
     prompts = ["The capital of France is", "Water boils at", "def fibonacci(n):"]
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, logprobs=5)
     calls: list[int] = []
-    with _counting(model.model.fused_layers, calls):
+    with _counting(model.fused_layers, calls):
         fused = _run(smollm_llm, prompts, params)
         assert calls and max(calls) <= MAX_ROWS  # decode steps went through it
         assert 3 in calls  # the three sequences decoding together
@@ -63,7 +63,7 @@ def test_prompts_and_large_batches_take_the_loop(smollm_llm):
     model = smollm_llm.llm_engine.executor.worker.model
     calls: list[int] = []
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    with _counting(model.model.fused_layers, calls):
+    with _counting(model.fused_layers, calls):
         smollm_llm.generate([[200 + i for i in range(40)]], params, use_tqdm=False)
         # one prompt of 40 fresh tokens: the loop (torch's causal attention); its one decode: fused
         assert calls == [1]
@@ -79,7 +79,7 @@ def test_unsupported_models_have_no_fused_path(tiny_llama):
     for kwargs in ({"model": str(tiny_llama)}, {"batch_invariant": True}):
         llm = LLM(max_model_len=128, num_gpu_blocks=32, **kwargs)
         try:
-            assert llm.llm_engine.executor.worker.model.model.fused_layers is None
+            assert llm.llm_engine.executor.worker.model.fused_layers is None
         finally:
             llm.llm_engine.shutdown()
 
@@ -91,9 +91,9 @@ def test_the_step_profile_sees_the_fused_parts(smollm_llm):
         engine.add_request(f"profile-{i}", [400 + i + j for j in range(16)], params)
     engine.step()  # the prompts
     steps, parts, calls = profile_decode_steps(engine, 3)
-    fused = engine.executor.worker.model.model.fused_layers
+    fused = engine.executor.worker.model.fused_layers
     assert fused.part_ns is None  # handed back
-    layers = len(engine.executor.worker.model.model.layers)
+    layers = engine.executor.worker.model.cfg.num_layers
     assert calls["attention"] == calls["rotary"] == calls["kv_write"] == layers * len(steps)
     assert calls["projections"] == 4 * layers * len(steps)
     assert "fused_layers" not in calls and "fused_layers" not in parts

@@ -26,11 +26,11 @@ class PagedSequences:
         self.model = model
         self.block_size = block_size
         backend = model.attention_layers[0].backend
-        cfg = model.cfg
-        shape = backend.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        specs = model.kv_cache_spec()
+        shape = backend.kv_cache_shape(num_blocks, block_size, specs[0].num_kv_heads, specs[0].head_dim)
         dtype = model.lm_head.weight.dtype
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in specs]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in specs]
         model.bind_kv_cache(self.keys, self.values)
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables: list[list[int]] = []
@@ -128,8 +128,9 @@ def test_prefill_continuing_from_cached_context_matches(tiny_models):
         {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
         {"num_key_value_heads": 4},
         {"num_key_value_heads": 1},
+        {"attention_bias": True, "mlp_bias": True},  # biases on all four attention projections and the MLP's
     ],
-    ids=["tied", "llama3-rope", "linear-rope", "mha", "mqa"],
+    ids=["tied", "llama3-rope", "linear-rope", "mha", "mqa", "biases"],
 )
 def test_llama_variants_match_transformers(tiny_models, overrides):
     path = tiny_models("llama", **overrides)
@@ -139,7 +140,7 @@ def test_llama_variants_match_transformers(tiny_models, overrides):
     ours = PagedSequences(model, block_size=16).run([prompt])[0]
     torch.testing.assert_close(ours, _hf_logits(hf, prompt), atol=1e-4, rtol=0)
     if overrides.get("tie_word_embeddings"):
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head.weight is model.embedding_weight
 
 
 @pytest.mark.parametrize(
@@ -176,7 +177,7 @@ def test_half_precision_dtypes_stay_close_to_float32(tiny_models, dtype):
     source = resolve_model(str(path))
     full = load_model(source, 256, ReferenceAttentionBackend(), torch.float32, CPU)
     half = load_model(source, 256, ReferenceAttentionBackend(), dtype, CPU)
-    assert half.model.layers[0].self_attn.qkv_proj.weight.dtype == dtype
+    assert half.layer_projections(0)["qkv_proj"].dtype == dtype
     prompt = random_prompts(1, [24], seed=5)[0]
     a = PagedSequences(full, 16).run([prompt])[0]
     b = PagedSequences(half, 16).run([prompt])[0].float()

@@ -75,9 +75,7 @@ def test_packed_bfloat16_linear_equals_a_float32_product_within_bfloat16_roundin
 
 def test_loaded_models_pack_every_projection_and_linear_uses_it(tiny_llama, monkeypatch):
     model = load_model(resolve_model(str(tiny_llama)), 64, ReferenceAttentionBackend(), torch.float32, torch.device("cpu"))
-    layer = model.model.layers[0]
-    weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
-               layer.mlp.down_proj.weight, model.lm_head.weight]
+    weights = [*model.layer_projections(0).values(), model.lm_head.weight]
     assert all(w.packed is not None for w in weights)
     x = torch.randn(5, weights[0].shape[1])
     calls = []

@@ -95,7 +95,7 @@ def test_the_default_model_on_int8_activations_stays_close_to_float32(smollm_llm
     reference = [o.outputs[0].token_ids for o in smollm_llm.generate(prompts, params, use_tqdm=False)]
     llm = LLM(int8_activations="on", max_model_len=256, kv_cache_memory=64 << 20)
     try:
-        weight = llm.llm_engine.executor.worker.model.model.layers[0].mlp.down_proj.weight
+        weight = llm.llm_engine.executor.worker.model.layer_projections(0)["down_proj"]
         assert weight.quantized.int8_rows == MAX_ROWS
         calls = []
         original = quant._product

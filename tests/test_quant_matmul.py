@@ -52,15 +52,15 @@ def test_float32_cpu_products_of_any_row_count_use_it():
 
 def test_the_default_model_keeps_its_quantized_blocks(smollm_llm):
     model = smollm_llm.llm_engine.executor.worker.model
-    layer = model.model.layers[0]
-    assert layer.self_attn.qkv_proj.weight.quantized.qtype == "Q4_1"
-    assert layer.self_attn.qkv_proj.weight.quantized.out_features == 576 + 2 * 192
-    assert layer.mlp.gate_up_proj.weight.quantized.out_features == 2 * 1536
-    assert layer.mlp.down_proj.weight.quantized.in_features == 1536
+    layer = model.layer_projections(0)
+    assert layer["qkv_proj"].quantized.qtype == "Q4_1"
+    assert layer["qkv_proj"].quantized.out_features == 576 + 2 * 192
+    assert layer["gate_up_proj"].quantized.out_features == 2 * 1536
+    assert layer["down_proj"].quantized.in_features == 1536
     assert model.lm_head.weight.quantized.qtype == "Q8_0"  # the tied embedding table
     # Unpacked for the kernel at load time, not during the first request's step.
-    assert layer.mlp.down_proj.weight.quantized.is_unpacked and model.lm_head.weight.quantized.is_unpacked
+    assert layer["down_proj"].quantized.is_unpacked and model.lm_head.weight.quantized.is_unpacked
     # Quantized and float paths agree on every layer's projections (and q/k row order).
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
-    for param in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight, model.lm_head.weight):
+    for param in (layer["qkv_proj"], layer["gate_up_proj"], model.lm_head.weight):
         torch.testing.assert_close(quantized_matmul(x, param.quantized), x @ param.T, atol=5e-4, rtol=1e-4)

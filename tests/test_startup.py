@@ -344,7 +344,7 @@ def test_a_warm_model_keeps_one_copy_of_each_projection(cache, tiny_gguf):
     forget_this_process()
     model = load(tiny_gguf)
     packed = [p for p in model.parameters() if getattr(p, "packed", None) is not None]
-    projections = [p for p in packed if p is not model.model.embed_tokens.weight]
+    projections = [p for p in packed if p is not model.embedding_weight]
     total = sum(p.numel() * p.element_size() for p in projections) // mmap.PAGESIZE
     assert sum(present_pages(p) for p in projections) == 0
     greedy_run(model)

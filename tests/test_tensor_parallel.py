@@ -1,6 +1,6 @@
-"""Tensor parallelism on CPU with gloo: same tokens as one worker, sharded KV pools, torchrun
-launch, a worker that dies mid-generation, a step that raises on the driver, workers that die
-while the group starts, and a peer that stops answering."""
+"""Tensor parallelism on CPU with gloo: same tokens as one worker (every family's split too),
+sharded KV pools, torchrun launch, a worker that dies mid-generation, a step that raises on the
+driver, workers that die while the group starts, and a peer that stops answering."""
 
 from __future__ import annotations
 
@@ -47,6 +47,27 @@ def test_tensor_parallel_matches_one_worker(tiny_llama, tiny_reference, tp, kv_h
         expected = llm.llm_engine.executor.worker.backend.kv_cache_shape(64, 16, kv_heads_per_rank, 16)
         assert shapes == [expected] * tp  # the same blocks on every rank, each with its own heads only
         assert llm.llm_engine.get_stats().num_free_blocks == 64
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("qwen3_moe", {}),  # every expert's intermediate dimension split; q/k norms per head
+        ("phi3", {}),  # fused qkv_proj and gate_up_proj checkpoints split by heads and rows
+        ("gemma2", {}),  # soft-caps, sandwich norms, scaled tied embeddings
+        ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),  # biases, replicated projections
+    ],
+    ids=["qwen3-moe", "phi3", "gemma2", "opt-350m-shape"],
+)
+def test_families_split_over_two_workers_like_one(tiny_models, family, overrides):
+    path = tiny_models(family, **overrides)
+    prompts = random_prompts(4, [5, 17, 33, 12], seed=52)
+    reference = LLM(str(path), max_model_len=128, num_gpu_blocks=64).generate(prompts, PARAMS, use_tqdm=False)
+    llm = LLM(str(path), max_model_len=128, num_gpu_blocks=64, tensor_parallel_size=2)
+    try:
+        _compare(reference, llm.generate(prompts, PARAMS, use_tqdm=False))
     finally:
         llm.llm_engine.shutdown()
 

@@ -42,11 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def step_weights(model) -> list[torch.nn.Parameter]:
     """The projection weights of one decode step, in the order the model applies them."""
-    weights = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        weights += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
-    return weights + [model.lm_head.weight]
+    return model.step_projection_weights()
 
 
 def path_fns(weights) -> dict:

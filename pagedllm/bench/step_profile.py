@@ -101,7 +101,7 @@ class StepProfiler:
         """Wrap every part's entry point for the enclosed code; everything is restored after,
         even on error."""
         saved = []
-        fused = _in_process_worker(engine).model.model.fused_layers
+        fused = _in_process_worker(engine).model.fused_layers
         try:
             for owner, name, part, absorb in _hook_points(engine):
                 original = owner.__dict__[name]
@@ -114,7 +114,7 @@ class StepProfiler:
             for owner, name, original in reversed(saved):
                 setattr(owner, name, original)
             if fused is not None:
-                self._add_fused_parts(fused.PARTS, fused.part_ns, len(fused.model.layers))
+                self._add_fused_parts(fused.PARTS, fused.part_ns, len(fused.layers))
                 fused.part_ns = None
 
     def _add_fused_parts(self, names, part_ns, num_layers: int) -> None:
@@ -134,7 +134,7 @@ def _hook_points(engine) -> list[tuple[object, str, str, bool]]:
     globals are wrapped where callers look them up at call time (`linear` in layers.py)."""
     from pagedllm.attention import cpu as cpu_attention
     from pagedllm.attention.layer import Attention
-    from pagedllm.model import fused_layers, layers, llama, rotary
+    from pagedllm.model import fused_layers, layers, mlp, rotary
 
     worker = _in_process_worker(engine)
     backend_class = type(worker.backend)
@@ -149,7 +149,7 @@ def _hook_points(engine) -> list[tuple[object, str, str, bool]]:
         (layers, "linear", "projections", False),
         (rotary.RotaryEmbedding, "forward", "rotary", False),
         (Attention, "forward", "attention", False),
-        (llama.LlamaMLP, "forward", "mlp_activation", False),
+        (mlp.GatedMLP, "forward", "mlp_activation", False),
         (layers.ParallelLMHead, "forward", "lm_head", True),
         (type(worker.runner.sampler), "__call__", "sampling", False),
         (fused_layers.FusedDecoderLayers, "__call__", _FUSED, True),

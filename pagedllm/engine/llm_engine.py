@@ -60,7 +60,7 @@ class LLMEngine:
             tokenizer = pool.submit(get_tokenizer, source)
             self.core = EngineCore(config, self.max_model_len)
             self.tokenizer = tokenizer.result()
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.arch.end_of_turn_tokens)
         self.requests = RequestRegistry()
         self.constraints = RequestConstraints(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(

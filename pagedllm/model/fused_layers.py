@@ -13,11 +13,16 @@ adds each part's nanoseconds to `part_ns` (`PARTS`, in the order of its enum).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from pagedllm.attention import Attention
 
 from pagedllm.kernels import build
 from pagedllm.kernels.quant import MAX_ROWS
+from pagedllm.model.rotary import RotaryEmbedding
 
 _P = ctypes.c_void_p
 # The C++ parts, in the order of decoder_layers.cpp's enum, as the step profile names them
@@ -57,13 +62,42 @@ def _projection(linear) -> _Projection:
                        matrix.int8_rows, 0)
 
 
+@dataclass
+class FusedLayer:
+    """One decoder layer as the C++ call reads it: its two norms' weights, its four projections
+    (modules with `.weight.quantized` and an optional `.bias`) and its attention."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    qkv: nn.Module
+    o: nn.Module
+    gate_up: nn.Module
+    down: nn.Module
+    attn: Attention
+
+    @property
+    def projections(self) -> tuple[nn.Module, ...]:
+        return (self.qkv, self.o, self.gate_up, self.down)
+
+
+@dataclass
+class FusedDecoderPlan:
+    """What a model hands the fused path (`CausalLM.fused_decoder_plan`): its layers, the
+    rotary table they share (whole heads, row = position) and the norms' epsilon."""
+
+    layers: list[FusedLayer]
+    rotary: RotaryEmbedding
+    eps: float
+
+
 class FusedDecoderLayers:
-    """The layer loop of a `LlamaModel` as one call; see the module's docstring."""
+    """The layer loop of a Llama-shaped model as one call; see the module's docstring."""
 
     PARTS = PARTS
 
-    def __init__(self, model, backend) -> None:
-        self.model = model  # the LlamaModel
+    def __init__(self, plan: FusedDecoderPlan, backend) -> None:
+        self.plan = plan
+        self.layers = plan.layers
         self.backend = backend
         self.lib = build.load()
         if self.lib.decoder_layers_num_parts() != len(PARTS):  # part_ns is sized from PARTS
@@ -71,30 +105,24 @@ class FusedDecoderLayers:
         self._layers = None
         self._bound_to = None
         self.part_ns: ctypes.Array | None = None  # set while a step profile is taken
-        first = model.layers[0]
-        attn = first.self_attn
-        self.hidden_size = first.input_layernorm.weight.shape[0]
-        self.num_heads, self.num_kv_heads = attn.attn.num_heads, attn.attn.num_kv_heads
-        self.head_dim = attn.attn.head_dim
-        self.intermediate_size = first.mlp.down_proj.weight.shape[1]
-        self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
+        first = plan.layers[0]
+        self.hidden_size = first.input_norm.shape[0]
+        self.num_heads, self.num_kv_heads = first.attn.num_heads, first.attn.num_kv_heads
+        self.head_dim = first.attn.head_dim
+        self.intermediate_size = first.down.weight.shape[1]
+        self.eps, self.scale = plan.eps, first.attn.scale
 
     @staticmethod
-    def supported(model, backend) -> bool:
-        """Whether every layer of `model` (a LlamaModel, float32 on a CPU, one rank) can run
-        fused with `backend`: the C++ attention outside batch-invariant mode, quantized blocks
-        on every projection."""
+    def supported(plan: FusedDecoderPlan, backend) -> bool:
+        """Whether every layer of `plan` (float32 on a CPU) can run fused with `backend`: the C++
+        attention outside batch-invariant mode, quantized blocks on every projection."""
         from pagedllm.attention.cpu import CPUAttentionBackend
 
         if not isinstance(backend, CPUAttentionBackend) or backend.batch_invariant:
             return False
-        if model.layers[0].input_layernorm.weight.dtype != torch.float32 or model.layers[0].self_attn.o_proj.tp.size != 1:
+        if plan.layers[0].input_norm.dtype != torch.float32 or plan.rotary.cos.dtype != torch.float32:
             return False
-        if model.layers[0].self_attn.rotary.cos.dtype != torch.float32:
-            return False
-        if any(layer.self_attn.attn.sliding_window is not None for layer in model.layers):
-            return False  # the C++ layer loop attends over whole contexts
-        projections = [p for layer in model.layers for p in _projections(layer)]
+        projections = [p for layer in plan.layers for p in layer.projections]
         return all(getattr(p.weight, "quantized", None) is not None for p in projections)
 
     def applies(self, hidden: torch.Tensor, metadata) -> bool:
@@ -105,17 +133,16 @@ class FusedDecoderLayers:
 
     def _layer_array(self) -> ctypes.Array:
         """The layers' pointers, built again if the KV pools were bound anew."""
-        attns = [layer.self_attn.attn for layer in self.model.layers]
+        attns = [layer.attn for layer in self.layers]
         if attns[0].key_cache is None:
             raise RuntimeError("Attention layer has no KV cache bound; call model.bind_kv_cache() first.")
         bound = (attns[0].key_cache.data_ptr(), attns[-1].value_cache.data_ptr(), len(attns))
         if self._bound_to != bound:
             layers = []
-            for layer, attn in zip(self.model.layers, attns):
-                qkv, o, gate_up, down = (_projection(p) for p in _projections(layer))
-                layers.append(_Layer(layer.input_layernorm.weight.data_ptr(),
-                                     layer.post_attention_layernorm.weight.data_ptr(), qkv, o, gate_up, down,
-                                     attn.key_cache.data_ptr(), attn.value_cache.data_ptr()))
+            for layer, attn in zip(self.layers, attns):
+                qkv, o, gate_up, down = (_projection(p) for p in layer.projections)
+                layers.append(_Layer(layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(),
+                                     qkv, o, gate_up, down, attn.key_cache.data_ptr(), attn.value_cache.data_ptr()))
             self._layers = (_Layer * len(layers))(*layers)
             self._bound_to = bound
         return self._layers
@@ -125,8 +152,8 @@ class FusedDecoderLayers:
         the loop leaves them for the final norm."""
         layers = self._layer_array()
         plan = self.backend.plan(metadata)
-        attn = self.model.layers[0].self_attn
-        key_cache = attn.attn.key_cache
+        rotary = self.plan.rotary
+        key_cache = self.layers[0].attn.key_cache
         T, H, I = hidden.shape[0], self.hidden_size, self.intermediate_size
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         widths = (q_width + 2 * kv_width, q_width, q_width, kv_width, kv_width, H, 2 * I, I)
@@ -141,7 +168,7 @@ class FusedDecoderLayers:
         slots = metadata.slot_mapping
         step = _Step(
             T, H, self.num_heads, self.num_kv_heads, self.head_dim, key_cache.shape[2], I, torch.get_num_threads(),
-            self.eps, self.scale, positions.data_ptr(), attn.rotary.cos.data_ptr(), attn.rotary.sin.data_ptr(),
+            self.eps, self.scale, positions.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
             slots.data_ptr(), key_cache.stride(0), key_cache.stride(1), plan.block_tables.data_ptr(),
             plan.block_tables.shape[1], plan.item_seq.data_ptr(), plan.item_first_token.data_ptr(),
             plan.item_num_tokens.data_ptr(), plan.item_seq.shape[0], plan.token_context.data_ptr(), *pointers,
@@ -152,11 +179,9 @@ class FusedDecoderLayers:
 
 
 def enable_fused_layers(model, backend) -> bool:
-    """Give `model` (a LlamaForCausalLM) the fused path where it is supported; returns whether."""
-    inner = model.model
-    inner.fused_layers = FusedDecoderLayers(inner, backend) if FusedDecoderLayers.supported(inner, backend) else None
-    return inner.fused_layers is not None
-
-
-def _projections(layer) -> tuple:
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    """Give `model` (a `CausalLM`) the fused path where its layers take it (the model's
+    `fused_decoder_plan`) and `backend` and its weights support it; returns whether."""
+    plan = model.fused_decoder_plan()
+    supported = plan is not None and FusedDecoderLayers.supported(plan, backend)
+    model.fused_layers = FusedDecoderLayers(plan, backend) if supported else None
+    return supported

@@ -43,6 +43,11 @@ def _row_invariant(packed: torch.Tensor, in_features: int) -> bool:
 
 def make_batch_invariant(model: nn.Module) -> None:
     """Prepare a loaded model's projections for batch-invariant inference (float32, CPU)."""
+    if any(p.dim() == 3 for p in model.parameters()):
+        raise ValueError(
+            "batch_invariant=True is not supported for mixture-of-experts models: their expert products run on "
+            "each expert's tokens, so a row's reduction order follows the batch. Drop batch_invariant."
+        )
     params = {id(p): p for name, p in model.named_parameters() if name.endswith("weight") and p.dim() == 2}
     projections = [p for p in params.values() if hasattr(p, "packed")]
     missing = [p for p in projections if p.packed is None]

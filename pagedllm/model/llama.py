@@ -1,80 +1,67 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat batch of tokens and a paged KV cache.
+"""Llama-shaped decoders over a flat batch of tokens and a paged KV cache: Llama, Mistral and
+Qwen2 here, and the families built from the same layers (Qwen3 adds q/k norms, Phi-3 fused
+checkpoints and a partial rotary, Mixtral and Qwen3-MoE a mixture of experts).
 
-The forward pass takes the tokens of many sequences back to back (no padding), their
-positions, and explicit attention metadata; the KV cache pools are bound to the attention
-layers once, by the worker.
+A layer: RMSNorm, attention (fused q/k/v projection, optional per-head q/k RMSNorm, rotary,
+paged attention, output projection), residual add, RMSNorm, MLP, residual add; the residual add
+is fused into the next norm. The forward pass takes the tokens of many sequences back to back
+(no padding), their positions, and explicit attention metadata; the KV cache pools are bound to
+the attention layers once, by the worker.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedllm.attention import AttentionBackend, AttentionMetadata
 from pagedllm.distributed import TensorParallelGroup
-from pagedllm.kv_spec import AttentionSpec
-from pagedllm.kernels import ops as fused_ops
-from pagedllm.transformers_utils.arch import ModelArchConfig
-from pagedllm.model.layers import (
-    MergedColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RMSNorm,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    default_weight_loader,
-)
+from pagedllm.model.decoder import DecoderForCausalLM, build_attention
+from pagedllm.model.layers import QKVParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from pagedllm.model.mlp import GatedMLP
+from pagedllm.model.moe import SparseMoE, expert_checkpoint_targets
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.weights import LazyWeight
+from pagedllm.transformers_utils.arch import ModelArchConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer: int, rotary: RotaryEmbedding, backend: AttentionBackend, tp, dtype):
+    """Also Gemma's (with its own norm class for the q/k heads, and Gemma 2's soft-cap)."""
+
+    def __init__(self, cfg: ModelArchConfig, layer: int, rotary: RotaryEmbedding, backend: AttentionBackend, tp, dtype,
+                 head_norm: type = RMSNorm):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, tp, dtype
         )
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_out_bias, tp, dtype)
+        self.head_dim = cfg.head_dim
+        # Qwen3, Gemma 3: a norm over each query and key head, before the rotary.
+        self.q_norm = head_norm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = head_norm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(
-            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, backend,
-            sliding_window=cfg.layer_sliding_window(layer),
-        )
+        self.attn = build_attention(cfg, layer, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, backend,
+                                    logits_soft_cap=cfg.attn_logit_softcapping)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        if self.q_norm is not None:
+            for norm, start, size in ((self.q_norm, 0, q_size), (self.k_norm, q_size, kv_size)):
+                heads = qkv[:, start : start + size]
+                heads.copy_(norm(heads.reshape(-1, self.head_dim)).view(heads.shape))
         self.rotary(positions, qkv[:, : q_size + kv_size])  # queries and keys, in place
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, tp, dtype):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], False, tp, dtype
-        )
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if fused_ops.applies_to_layer(gate_up):
-            return self.down_proj(fused_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer: int, rotary, backend, tp, dtype):
+    def __init__(self, cfg: ModelArchConfig, layer: int, rotary, backend, tp, dtype, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(cfg, layer, rotary, backend, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, tp, dtype)
+        self.mlp = mlp
 
     def forward(self, positions, hidden, residual, metadata):
         """hidden: the previous layer's output, not yet added to `residual` (the residual
@@ -91,12 +78,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, max_position: int, backend, tp, dtype):
+    def __init__(self, cfg: ModelArchConfig, max_position: int, backend, tp, dtype, make_mlp):
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype,
+                                      cfg.partial_rotary_factor)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, layer, rotary, backend, tp, dtype) for layer in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, layer, self.rotary, backend, tp, dtype, make_mlp(layer))
+            for layer in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # The layer loop as one C++ call where it applies (pagedllm.model.fused_layers; set by the
@@ -108,6 +97,7 @@ class LlamaModel(nn.Module):
         if self.fused_layers is not None and self.fused_layers.applies(hidden, metadata):
             hidden, residual = self.fused_layers(positions, hidden, metadata)
         else:
+            positions = self.rotary.table_positions(positions, metadata)
             residual = None
             for layer in self.layers:
                 hidden, residual = layer(positions, hidden, residual, metadata)
@@ -115,88 +105,52 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-# Checkpoint projections that we fuse: (our parameter, checkpoint name, shard id).
-_STACKED_PARAMS = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Serves `LlamaForCausalLM`, `MistralForCausalLM` and `Qwen2ForCausalLM` checkpoints; the base
+    of the other Llama-shaped families, which override `make_mlp` and the checkpoint names."""
 
+    def build_model(self, max_position, backend, tp, dtype) -> LlamaModel:
+        return LlamaModel(self.cfg, max_position, backend, tp, dtype, lambda layer: self.make_mlp(layer, tp, dtype))
 
-class LlamaForCausalLM(nn.Module):
-    """Serves `LlamaForCausalLM`, `MistralForCausalLM` and `Qwen2ForCausalLM` checkpoints."""
+    def make_mlp(self, layer: int, tp: TensorParallelGroup, dtype: torch.dtype) -> nn.Module:
+        """Layer `layer`'s MLP: the mixture of experts where the model has one there."""
+        cfg = self.cfg
+        if cfg.is_moe_layer(layer):
+            return SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act, tp, dtype)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias, tp, dtype)
 
-    def __init__(
-        self,
-        cfg: ModelArchConfig,
-        max_position: int,
-        backend: AttentionBackend,
-        tp: TensorParallelGroup = TensorParallelGroup(),
-        dtype: torch.dtype = torch.float32,
-    ):
-        super().__init__()
-        self.cfg = cfg
-        self.tp = tp
-        self.model = LlamaModel(cfg, max_position, backend, tp, dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    def checkpoint_targets(self, name: str, weight: LazyWeight):
+        if self.cfg.moe is not None:
+            experts = expert_checkpoint_targets(name, weight)
+            if experts is not None:
+                yield from experts
+                return
+        yield from super().checkpoint_targets(name, weight)
 
-    @property
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+    def layer_projections(self, layer: int) -> dict[str, nn.Parameter]:
+        block = self.model.layers[layer]
+        weights = {"qkv_proj": block.self_attn.qkv_proj.weight, "o_proj": block.self_attn.o_proj.weight}
+        mlp = block.mlp
+        if isinstance(mlp, GatedMLP):
+            weights.update(gate_up_proj=mlp.gate_up_proj.weight, down_proj=mlp.down_proj.weight)
+        else:  # a mixture of experts: the router, and the experts' stacked weights
+            weights.update(router=mlp.gate.weight, experts_gate_up_proj=mlp.experts.gate_up_proj,
+                           experts_down_proj=mlp.experts.down_proj)
+        return weights
 
-    def kv_cache_spec(self) -> list[AttentionSpec]:
-        """What each layer stores in the KV cache on this rank (one entry per layer)."""
-        return [
-            AttentionSpec(attn.num_kv_heads, attn.head_dim, attn.sliding_window) for attn in self.attention_layers
+    def fused_decoder_plan(self):
+        """Llama-shaped layers, whole-head plain rotary, a dense SiLU MLP, no window, one rank:
+        what the C++ layer loop computes (quantized projections are checked by the caller)."""
+        from pagedllm.model.fused_layers import FusedDecoderPlan, FusedLayer
+
+        cfg = self.cfg
+        if self.tp.size != 1 or cfg.qk_norm or cfg.moe is not None or cfg.hidden_act != "silu":
+            return None
+        if not self.model.rotary.is_plain or any(a.sliding_window is not None for a in self.attention_layers):
+            return None  # the C++ loop turns whole heads by position and attends over whole contexts
+        layers = [
+            FusedLayer(block.input_layernorm.weight, block.post_attention_layernorm.weight, block.self_attn.qkv_proj,
+                       block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj, block.self_attn.attn)
+            for block in self.model.layers
         ]
-
-    def bind_kv_cache(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> None:
-        """Give each attention layer its own key and value block pools."""
-        for attn, k, v in zip(self.attention_layers, key_caches, value_caches, strict=True):
-            attn.key_cache, attn.value_cache = k, v
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden: [n, hidden_size] -> logits [n, vocab_size] on rank 0 (None on other ranks)."""
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> None:
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for name, weight in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            for fused, original, shard_id in _STACKED_PARAMS:
-                if f".{original}." in name:
-                    name = name.replace(original, fused)
-                    param = params[name]
-                    param.weight_loader(param, weight, shard_id)
-                    loaded.add(f"{name}:{shard_id}")
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {self.cfg.architecture}")
-                param = params[name]
-                getattr(param, "weight_loader", default_weight_loader)(param, weight)
-                loaded.add(name)
-        expected = set()
-        for name in params:
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            for fused, _, shard_id in _STACKED_PARAMS:
-                if f".{fused}." in name:
-                    expected.add(f"{name}:{shard_id}")
-            if not any(f".{fused}." in name for fused, _, _ in _STACKED_PARAMS):
-                expected.add(name)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
+        return FusedDecoderPlan(layers, self.model.rotary, cfg.rms_norm_eps)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import re
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -19,10 +18,11 @@ from pagedllm.attention import AttentionBackend
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model import weight_cache
 from pagedllm.model.layers import prepare_linear_weights
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.interface import CausalLM
+from pagedllm.model.registry import model_class
 from pagedllm.model.weights import GGUFWeight, LazyWeight, SafetensorsWeight, gguf_tensors
 from pagedllm.paths import model_cache_enabled
-from pagedllm.transformers_utils.arch import ModelArchConfig, gguf_metadata, load_arch_config
+from pagedllm.transformers_utils.arch import ROPE_FACTOR_TENSORS, ModelArchConfig, gguf_metadata, load_arch_config
 from pagedllm.transformers_utils.source import ModelSource
 
 logger = logging.getLogger("pagedllm")
@@ -40,41 +40,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 # --- GGUF -----------------------------------------------------------------------------------
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _gguf_to_hf_name(name: str) -> str:
-    base, _, suffix = name.rpartition(".")
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match and match.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.{suffix}"
-    if base in _GGUF_TOP_NAMES:
-        return f"{_GGUF_TOP_NAMES[base]}.{suffix}"
-    raise ValueError(f"GGUF tensor {name!r} is not supported by pagedllm's Llama-family loader.")
-
-
-def _gguf_weights(path: Path, arch: ModelArchConfig) -> Iterator[tuple[str, LazyWeight]]:
+def _gguf_weights(path: Path, model_cls: type, arch: ModelArchConfig) -> Iterator[tuple[str, LazyWeight]]:
+    """The file's tensors under the family's Hugging Face names (`gguf_to_hf_name`), as the
+    checkpoint holds them (`gguf_weight`)."""
     metadata = gguf_metadata(path)  # read once per process, and cached across runs
-    names = {name for name, *_ in metadata["tensors"]}
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{path.name} uses per-frequency rope factors (rope_freqs), which pagedllm does not support.")
-    # llama.cpp permutes q/k rows of llama-architecture checkpoints; Qwen2's are stored as-is.
+    # llama.cpp permutes the q/k rows of its llama architecture (Llama, Mistral, Mixtral) only.
     permuted = metadata["fields"].get("general.architecture") == "llama"
     for tensor in gguf_tensors(path, metadata["tensors"], metadata["byte_order"]):
-        hf_name = _gguf_to_hf_name(tensor.name)
+        if tensor.name in ROPE_FACTOR_TENSORS:  # already read into the architecture
+            continue
+        hf_name = model_cls.gguf_to_hf_name(tensor.name)
         rotary = permuted and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
-        yield hf_name, GGUFWeight(tensor, rotary_head_dim=arch.head_dim if rotary else None)
+        yield hf_name, model_cls.gguf_weight(hf_name, GGUFWeight(tensor, rotary_head_dim=arch.head_dim if rotary else None))
 
 
 # --- Hugging Face folder ----------------------------------------------------------------------
@@ -91,11 +68,11 @@ def _hf_weights(folder: Path, stack: ExitStack) -> Iterator[tuple[str, LazyWeigh
             yield name, SafetensorsWeight(handle, name)
 
 
-def _load_from_source(model: LlamaForCausalLM, source: ModelSource) -> None:
+def _load_from_source(model: CausalLM, source: ModelSource) -> None:
     """Fill `model` from the checkpoint itself: each layer reads (and dequantizes) its slice."""
     with ExitStack() as stack:
         if source.kind == "gguf":
-            weights = _gguf_weights(source.path, model.cfg)
+            weights = _gguf_weights(source.path, type(model), model.cfg)
         else:
             weights = _hf_weights(source.path, stack)
         model.load_weights(weights)
@@ -117,12 +94,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallelGroup = TensorParallelGroup(),
-) -> LlamaForCausalLM:
-    """Build the model for `source` and load this rank's share of its weights. A GGUF file's are
-    mapped from the weight cache when it has an entry for this file and these settings, else
-    read from the file and saved there (see `pagedllm.model.weight_cache`)."""
+) -> CausalLM:
+    """Build the model for `source` (the class its architecture names in `registry.MODELS`) and
+    load this rank's share of its weights. A GGUF file's are mapped from the weight cache when it
+    has an entry for this file and these settings, else read from the file and saved there (see
+    `pagedllm.model.weight_cache`)."""
     start = time.perf_counter()
-    model = LlamaForCausalLM(load_arch_config(source), max_position, backend, tp, dtype)
+    arch = load_arch_config(source)
+    model = model_class(arch.architecture)(arch, max_position, backend, tp, dtype)
     use_cache = source.kind == "gguf" and model_cache_enabled()
     entry = weight_cache.entry_path(source, dtype, device, tp) if use_cache else None
     checksum = weight_cache.load(model, entry) if entry is not None else None

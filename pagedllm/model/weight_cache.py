@@ -73,15 +73,15 @@ def _code_digest() -> str:
     """A hash of the code that decides what is saved (reading, dequantizing, fusing, unpacking):
     an entry written by other code is a different entry, never a stale one."""
     import pagedllm.kernels.quant
-    import pagedllm.model.layers
-    import pagedllm.model.llama
-    import pagedllm.model.loader
-    import pagedllm.model.weights
+    import pagedllm.transformers_utils.gguf_config
 
-    modules = (pagedllm.kernels.quant, pagedllm.model.layers, pagedllm.model.llama, pagedllm.model.loader)
+    # Every model family's code (which parameters exist, how GGUF tensors map onto them), the
+    # quantized layout, and how a GGUF file's metadata becomes the architecture.
+    files = sorted(Path(__file__).parent.glob("*.py"))
+    files += [Path(pagedllm.kernels.quant.__file__), Path(pagedllm.transformers_utils.gguf_config.__file__)]
     digest = hashlib.sha256()
-    for module in (*modules, pagedllm.model.weights, sys.modules[__name__]):
-        digest.update(Path(module.__file__).read_bytes())
+    for file in files:
+        digest.update(file.read_bytes())
     return digest.hexdigest()[:16]
 
 

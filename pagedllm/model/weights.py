@@ -160,7 +160,13 @@ class GGUFWeight:
 
         rows = self.ranges[0]
         raw = self.tensor.data
-        if len(self.ranges) == 1:
+        if len(self.ranges) == 3:  # stacked experts: dequantized to float (no quantized kernel for them)
+            experts, rows, cols = self.ranges
+            part = raw[experts.start : experts.stop, rows.start : rows.stop]
+            if self.tensor.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                part = gguf.quants.dequantize(part, self.tensor.tensor_type)
+            data = part[..., cols.start : cols.stop]
+        elif len(self.ranges) == 1:
             data = raw[rows.start : rows.stop]
             if self.tensor.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                 data = gguf.quants.dequantize(data, self.tensor.tensor_type)
@@ -180,3 +186,19 @@ class GGUFWeight:
         if data.dtype != np.float32 or np.may_share_memory(data, raw) or not data.flags.writeable:
             data = np.array(data, dtype=np.float32)  # a writable copy, off the memory map
         return torch.from_numpy(data)  # dequantized: already a fresh array of its own
+
+
+class ShiftedWeight:
+    """Another lazy weight plus a constant: a tensor stored transformed (llama.cpp stores
+    Gemma's norm weights as 1 + w) read back as the checkpoint holds it."""
+
+    def __init__(self, weight: LazyWeight, shift: float) -> None:
+        self.weight = weight
+        self.shift = shift
+        self.shape = weight.shape
+
+    def narrow(self, dim: int, start: int, length: int) -> "ShiftedWeight":
+        return ShiftedWeight(self.weight.narrow(dim, start, length), self.shift)
+
+    def load(self) -> torch.Tensor:
+        return self.weight.load() + self.shift

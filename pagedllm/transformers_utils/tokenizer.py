@@ -78,9 +78,14 @@ def _from_gguf(source: ModelSource):
     return tokenizer_class.from_pretrained(str(source.folder), gguf_file=source.path.name)
 
 
-def eos_token_ids(tokenizer, model_eos_ids: list[int]) -> list[int]:
-    """The ids that end generation: the model's own, else the tokenizer's EOS."""
+def eos_token_ids(tokenizer, model_eos_ids: list[int], end_of_turn_tokens: list[str] = ()) -> list[int]:
+    """The ids that end generation: the model's own (config.json's and generation_config.json's
+    `eos_token_id`, or a GGUF file's EOS/EOT ids), else the tokenizer's EOS; and the ids of
+    `end_of_turn_tokens` (a GGUF family's end-of-turn texts) that the vocabulary has."""
     ids = list(model_eos_ids)
     if not ids and tokenizer.eos_token_id is not None:
         ids = [tokenizer.eos_token_id]
+    if end_of_turn_tokens:
+        vocab = tokenizer.get_vocab()
+        ids += [vocab[text] for text in end_of_turn_tokens if text in vocab and vocab[text] not in ids]
     return ids

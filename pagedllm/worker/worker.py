@@ -200,6 +200,10 @@ class Worker:
         if self.tp.size > 1:
             logger.info("CUDA graphs are off with tensor parallelism: decode steps run eagerly.")
             return None
+        if not self.model.supports_cuda_graphs:
+            logger.info("CUDA graphs are off for this model (experts, or windowed or soft-capped attention): decode "
+                        "steps run eagerly.")
+            return None
         graphs = DecodeGraphs(self.model, self.backend, self.config.cache.block_size, self.max_model_len,
                               self.config.scheduler.max_num_seqs, self.device)
         graphs.capture()

@@ -1,0 +1,154 @@
+"""GGUF metadata -> `ModelArchConfig`, one reader per `general.architecture`, with the keys and
+conventions llama.cpp's `convert_hf_to_gguf.py` writes and its loader reads (`<arch>.<key>`).
+
+Where a GGUF file carries no value that config.json would (Gemma's query scale, its sliding
+pattern, Gemma 3's local rotary base), the value llama.cpp itself assumes is used, so a file runs
+here as it runs there. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.transformers_utils.arch import ModelArchConfig, MoEConfig
+
+# GGUF `general.architecture` -> the Hugging Face architecture it is loaded as (llama files with
+# experts are Mixtral's, as llama.cpp writes them).
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+# Token texts that end a turn, per family (llama.cpp finds its end-of-generation tokens by text
+# the same way; GGUF files carry no generation_config.json).
+_END_OF_TURN = {
+    "llama": ["<|eot_id|>", "<|eom_id|>", "<|im_end|>"],
+    "mistral": [],
+    "qwen2": ["<|im_end|>", "<|endoftext|>"],
+    "qwen3": ["<|im_end|>", "<|endoftext|>"],
+    "qwen3moe": ["<|im_end|>", "<|endoftext|>"],
+    "gemma2": ["<end_of_turn>"],
+    "gemma3": ["<end_of_turn>"],
+    "phi3": ["<|end|>", "<|endoftext|>"],
+}
+# llama.cpp's Gemma layer patterns: layer i slides unless (i + 1) is a multiple of this.
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+# Gemma's 27B models scale queries by (hidden / heads) ** -0.5, the others by head_dim ** -0.5
+# (llama.cpp tells them apart by their layer count; GGUF has no query_pre_attn_scalar).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def arch_config_from_gguf(fields: dict[str, Any], tensor_names: set[str], rope_factors: dict[str, list[float]]) -> ModelArchConfig:
+    arch = fields.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r}. Supported: {', '.join(GGUF_ARCHITECTURES)} "
+            f"(loaded as {', '.join(dict.fromkeys(GGUF_ARCHITECTURES.values()))}; Mixtral files are llama)."
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("this GGUF file uses per-frequency rope factors (rope_freqs: Llama 3.1's scaling), "
+                         "which pagedllm does not read from GGUF; use the Hugging Face folder.")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{key}")
+        return default if value is None else value
+
+    hidden = get("embedding_length")
+    num_heads = get("attention.head_count")
+    if isinstance(num_heads, list) or isinstance(get("attention.head_count_kv"), list):
+        raise ValueError("this GGUF file has a different number of heads per layer, which pagedllm does not support.")
+    num_layers = get("block_count")
+    head_dim = get("attention.key_length") or hidden // num_heads
+    tokens = fields.get("tokenizer.ggml.tokens", 0)  # the vocabulary, or its length
+    eos = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token = fields.get(f"tokenizer.ggml.{key}")
+        if token is not None and token not in eos:
+            eos.append(token)
+    cfg: dict[str, Any] = dict(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=get("vocab_size") or (tokens if isinstance(tokens, int) else len(tokens)),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=get("attention.head_count_kv") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(get),
+        max_position_embeddings=get("context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=arch == "qwen2",
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos,
+        end_of_turn_tokens=list(_END_OF_TURN[arch]),
+    )
+    if arch == "llama" and get("expert_count", 0) > 0:
+        cfg.update(architecture="MixtralForCausalLM", moe=_moe(get, num_layers, tensor_names, norm=True, float32=True))
+    elif arch in ("qwen3", "qwen3moe"):
+        cfg["qk_norm"] = True
+        if arch == "qwen3moe":  # llama.cpp's Qwen3-MoE always renormalises the chosen experts' weights
+            cfg["moe"] = _moe(get, num_layers, tensor_names, norm=True, float32=False)
+    elif arch in _GEMMA_PATTERN:
+        cfg.update(_gemma(arch, get, hidden, num_heads, head_dim, num_layers))
+    elif arch == "phi3":
+        cfg.update(_phi3(get, head_dim, rope_factors))
+    return ModelArchConfig(**cfg)
+
+
+def _rope_scaling(get) -> dict[str, Any] | None:
+    kind = get("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+                "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+    raise ValueError(f"Unsupported GGUF rope scaling type {kind!r} (rope.scaling.type); supported: none, linear, yarn.")
+
+
+def _moe(get, num_layers: int, tensor_names: set[str], norm: bool, float32: bool) -> MoEConfig:
+    # A layer without a router is dense (the file says which, tensor by tensor).
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    return MoEConfig(get("expert_count"), get("expert_used_count"),
+                     get("expert_feed_forward_length") or get("feed_forward_length"), norm, dense, float32)
+
+
+def _gemma(arch: str, get, hidden: int, num_heads: int, head_dim: int, num_layers: int) -> dict[str, Any]:
+    pattern = get("attention.sliding_window_pattern", _GEMMA_PATTERN[arch])
+    window = get("attention.sliding_window")
+    cfg: dict[str, Any] = dict(
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim),
+        final_logit_softcapping=get("final_logit_softcapping"),
+        sliding_window=window or None,
+        layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)],
+    )
+    if arch == "gemma2":
+        cfg["attn_logit_softcapping"] = get("attn_logit_softcapping")
+    else:  # llama.cpp's Gemma 3 sliding layers turn at base 10000, unscaled
+        cfg.update(qk_norm=True, local_rope_theta=float(get("rope.freq_base_swa", 10000.0)), local_rope_scaling=None)
+    return cfg
+
+
+def _phi3(get, head_dim: int, rope_factors: dict[str, list[float]]) -> dict[str, Any]:
+    rotary_dims = get("rope.dimension_count", head_dim)
+    cfg: dict[str, Any] = dict(partial_rotary_factor=rotary_dims / head_dim, sliding_window=get("attention.sliding_window") or None)
+    if "rope_factors_long.weight" in rope_factors:
+        original = get("rope.scaling.original_context_length", get("context_length"))
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": rope_factors["rope_factors_long.weight"],
+            "short_factor": rope_factors["rope_factors_short.weight"],
+            "original_max_position_embeddings": original,
+            "factor": get("context_length") / original,
+            "attention_factor": get("rope.scaling.attn_factor"),
+        }
+    return cfg
