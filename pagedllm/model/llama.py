@@ -154,10 +154,14 @@ class LlamaForCausalLM(nn.Module):
             AttentionSpec(attn.num_kv_heads, attn.head_dim, attn.sliding_window) for attn in self.attention_layers
         ]
 
-    def bind_kv_cache(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> None:
-        """Give each attention layer its own key and value block pools."""
-        for attn, k, v in zip(self.attention_layers, key_caches, value_caches, strict=True):
-            attn.key_cache, attn.value_cache = k, v
+    def bind_kv_cache(
+        self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], kv_cache_groups: list[int] | None = None
+    ) -> None:
+        """Give each attention layer its key and value block pools, and the KV cache group whose
+        block tables address them (`kv_spec.kv_cache_groups`; all 0 by default)."""
+        groups = kv_cache_groups or [0] * len(key_caches)
+        for attn, k, v, group in zip(self.attention_layers, key_caches, value_caches, groups, strict=True):
+            attn.key_cache, attn.value_cache, attn.kv_cache_group = k, v, group
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
