@@ -25,8 +25,8 @@ Invariants (`check_invariants` verifies them):
 - a device or CPU block's reference count equals the number of block table entries holding it;
 - the free queue holds exactly the blocks with no reference (free + referenced = total);
 - a sequence's tables, one per group, all have the same length; a full-attention group's
-  table holds no None, a windowed group's None entries are a leading run, and its last entry
-  is a block;
+  table holds no None, and a windowed group's None entries are a leading run, exactly the
+  blocks before the window of the sequence's next token;
 - a block table is append-only while its sequence runs, except for the one copy-on-write swap
   of a shared, partly filled last block, and for windowed tables, whose leading entries turn
   None as the window passes (and never come back);
@@ -66,11 +66,14 @@ class PendingCacheOps(NamedTuple):
 class _Tables:
     """A sequence's device block tables, one per KV cache group."""
 
-    __slots__ = ("groups", "num_published")
+    __slots__ = ("groups", "num_published", "num_trimmed_for")
 
-    def __init__(self, groups: list[Table], num_published: int = 0) -> None:
+    def __init__(self, groups: list[Table], num_published: int = 0, num_trimmed_for: int = 0) -> None:
         self.groups = groups
         self.num_published = num_published  # leading full blocks already offered to the prefix cache
+        # The sequence's computed tokens when its windowed tables were last trimmed (adoption,
+        # commit): what `check_invariants` holds their freed entries against.
+        self.num_trimmed_for = num_trimmed_for
 
 
 def _distinct(tables: Iterable[Table]) -> list[KVBlock]:
@@ -229,7 +232,8 @@ class BlockManager:
                 continue
             filled = seq.num_computed_tokens - (len(tables.groups[0]) - 1) * bs
             for table in tables.groups:
-                tails[table[-1].block_id] = bs - min(max(filled, 0), bs)
+                if table[-1] is not None:  # (a window of one token may have freed even the last block)
+                    tails[table[-1].block_id] = bs - min(max(filled, 0), bs)
         used = (self.pool.num_blocks - self.pool.num_free_blocks) * bs
         internal = sum(tails.values())
         return KVBreakdown(
@@ -340,8 +344,8 @@ class BlockManager:
         prefix = self._as_prefix(cached_prefix)
         for block in prefix.blocks():
             self.pool.share(block)
-        self._tables[seq.seq_id] = _Tables([list(table) for table in prefix.tables], num_published=prefix.num_blocks)
         num_cached = prefix.num_blocks * self.block_size
+        self._tables[seq.seq_id] = _Tables([list(table) for table in prefix.tables], prefix.num_blocks, num_cached)
         if seq.num_computed_tokens == 0 and seq.num_output_tokens == 0:
             self.prefix_queries += seq.num_prompt_tokens
             self.prefix_hits += num_cached
@@ -380,6 +384,7 @@ class BlockManager:
         tables = self._tables[seq.seq_id]
         if self.enable_prefix_caching:
             self._publish(seq, tables)
+        tables.num_trimmed_for = seq.num_computed_tokens
         for group, window in self._windowed:
             table = tables.groups[group]
             first = first_block_in_window(window, seq.num_computed_tokens, self.block_size)
@@ -413,7 +418,7 @@ class BlockManager:
                     (old.block_id, new.block_id) for old, new in zip(table, copies) if old is not None
                 )
                 groups.append(copies)
-        self._tables[child.seq_id] = _Tables(groups, tables.num_published)
+        self._tables[child.seq_id] = _Tables(groups, tables.num_published, tables.num_trimmed_for)
         if parent.seq_id in self._hashes:
             self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
 
@@ -490,7 +495,8 @@ class BlockManager:
         mapping: dict[int, KVBlock] = {}
         for seq in seqs:
             cpu_tables = self._cpu_tables.pop(seq.seq_id)
-            self._tables[seq.seq_id] = _Tables(self._move(cpu_tables, mapping, self.pool, self._pending.swap_in))
+            blocks = self._move(cpu_tables, mapping, self.pool, self._pending.swap_in)
+            self._tables[seq.seq_id] = _Tables(blocks, num_trimmed_for=seq.num_computed_tokens)
             for table in cpu_tables:
                 self.cpu_pool.free(b for b in reversed(table) if b is not None)
         return len(mapping)
@@ -515,6 +521,14 @@ class BlockManager:
             for seq_id, tables in by_seq.items():
                 self._check_shape(name, seq_id, tables)
             check_pool(name, pool, [table for tables in by_seq.values() for table in tables])
+        for seq_id, tables in self._tables.items():
+            for window, table in zip(self.group_windows, tables.groups):
+                first = first_block_in_window(window, tables.num_trimmed_for, self.block_size)
+                if table.count(None) != min(first, len(table)):
+                    raise AssertionError(
+                        f"sequence {seq_id}'s table of a window of {window} frees {table.count(None)} blocks, but "
+                        f"{first} have left the window of its {tables.num_trimmed_for} computed tokens"
+                    )
 
     def _check_shape(self, name: str, seq_id: int, tables: list[Table]) -> None:
         if len(tables) != self.num_groups or len({len(table) for table in tables}) > 1:
@@ -525,7 +539,7 @@ class BlockManager:
             freed = table.count(None)
             if window is None and freed:
                 raise AssertionError(f"sequence {seq_id}'s {name} table of a full-attention group has freed entries")
-            if any(block is None for block in table[freed:]) or (table and table[-1] is None):
+            if any(block is None for block in table[freed:]):
                 raise AssertionError(
                     f"sequence {seq_id}'s {name} table of a window of {window} frees entries other than a leading run"
                 )
