@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.core.windows import first_block_in_window, max_blocks_spanned
+from pagedllm.kv_spec import first_block_in_window, max_blocks_spanned
 from pagedllm.utils import cdiv
 from tests.helpers import hf_greedy, load_hf, random_prompts
 from tests.test_sharing import hf_beams

@@ -9,7 +9,7 @@ A model's layers form KV cache groups (`kv_spec.kv_cache_groups`: layers of one 
 the window None for full attention), and a sequence holds one block table per group, all
 covering the same positions, all drawing on the one pool (a block id means the same memory in
 every group). A model whose layers all attend alike has one group. In a sliding-window group,
-the blocks wholly before the window of the sequence's next token (`core.windows`) go back to
+the blocks wholly before the window of the sequence's next token (`kv_spec`) go back to
 the pool as soon as its tokens are computed (`commit`): their entries become None. So a model
 whose layers all slide holds a bounded number of blocks per sequence, and one with some global
 layers keeps those layers' blocks and frees the windowed layers' ones.
@@ -45,7 +45,7 @@ from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.kv_breakdown import KVBreakdown
 from pagedllm.core.prefix_cache import CachedPrefix, find_hit, group_key, hash_block
 from pagedllm.core.sequence import Sequence
-from pagedllm.core.windows import first_block_in_window, max_blocks_of_sequence
+from pagedllm.kv_spec import first_block_in_window, max_blocks_of_sequence
 from pagedllm.utils import cdiv
 
 __all__ = ["BlockManager", "BlockMove", "CachedPrefix", "PendingCacheOps", "hash_block"]
@@ -195,7 +195,7 @@ class BlockManager:
 
     def max_blocks_of_sequence(self, num_tokens: int, max_chunk: int | None = None) -> int:
         """The most device blocks one sequence holds, all groups, while its first `num_tokens`
-        tokens are computed in steps of at most `max_chunk` tokens (`core.windows`)."""
+        tokens are computed in steps of at most `max_chunk` tokens (`kv_spec`)."""
         return max_blocks_of_sequence(self.group_windows, num_tokens, self.block_size, max_chunk)
 
     def max_blocks_held(

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import KVBlock
-from pagedllm.core.windows import blocks_for_window_hit, first_block_in_window
+from pagedllm.kv_spec import blocks_for_window_hit, first_block_in_window
 
 
 def hash_block(parent_hash: bytes | None, token_ids: Iterable[int]) -> bytes:

@@ -16,7 +16,7 @@ from pagedllm.core import BlockManager, Scheduler, Sequence, create_scheduler
 from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.executor import Executor, create_executor
-from pagedllm.core.windows import max_blocks_of_sequence
+from pagedllm.kv_spec import max_blocks_of_sequence
 
 logger = logging.getLogger("pagedllm")
 

@@ -41,7 +41,9 @@ _ATTENTION_ARGS = [
     _P, _P, _P, ctypes.c_int,  # item_seq, item_first_token, item_num_tokens, num_items
     _P,  # token_context
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # num_heads, num_kv_heads, head_dim, block_size
-    ctypes.c_float, ctypes.c_int, ctypes.c_int,  # scale, fixed_partition_blocks, num_threads
+    ctypes.c_float, ctypes.c_int,  # scale, fixed_partition_blocks
+    ctypes.c_int, ctypes.c_float,  # sliding_window, logits_soft_cap (0: none)
+    ctypes.c_int,  # num_threads
 ]
 _WRITE_ARGS = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.core import BlockManager, Sequence
-from pagedllm.core.windows import first_block_in_window
+from pagedllm.kv_spec import first_block_in_window
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

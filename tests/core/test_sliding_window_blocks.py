@@ -4,7 +4,7 @@ what a prefix-cache hit needs of a windowed group, and the bound admission uses.
 from __future__ import annotations
 
 from pagedllm.core import BlockManager, Sequence
-from pagedllm.core.windows import max_blocks_of_sequence, max_blocks_spanned
+from pagedllm.kv_spec import max_blocks_of_sequence, max_blocks_spanned
 
 BS, WINDOW = 2, 5  # a query sees itself and the 4 positions before it: two blocks back
 
