@@ -87,6 +87,30 @@ def test_decode_steps_through_static_buffers_equal_the_reference_backend(device,
         assert _generate(eager, prompts) == expected
 
 
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [("mistral", {"sliding_window": 9}), ("qwen2", {"use_sliding_window": True, "sliding_window": 9, "max_window_layers": 1})],
+    ids=["mistral", "qwen2-hybrid"],
+)
+def test_windowed_models_decode_through_static_buffers(device, tiny_models, arch, overrides):
+    """Every layer sliding (one KV cache group) and a hybrid (a full and a windowed group, each
+    with its own static slots, block tables and flash-decoding split), past the window: the same
+    greedy tokens as the reference backend."""
+    path = tiny_models(arch, **overrides)
+    prompts = random_prompts(3, [5, 19, 33], seed=92)
+    common = dict(device=device.type, dtype="float32", max_model_len=64, num_gpu_blocks=40, block_size=8,
+                  max_num_seqs=4)
+    expected = _generate(LLM(str(path), attention_backend="reference", **common), prompts)
+    llm = LLM(str(path), attention_backend="triton", **common)
+    worker = llm.llm_engine.executor.worker
+    if device.type == "cpu":
+        worker.runner.graphs = DecodeGraphs(worker.model, worker.backend, 8, 64, 4, device, capture=False)
+    graphs = worker.runner.graphs
+    assert graphs.group_windows == ([9] if arch == "mistral" else [None, 9])
+    assert _generate(llm, prompts) == expected
+    assert graphs.replays >= 11 and llm.llm_engine.block_manager.num_window_frees > 0
+
+
 @pytest.mark.gpu
 def test_swap_preemption_on_the_side_stream_keeps_greedy_tokens(tiny_llama):
     if not torch.cuda.is_available() or INTERPRETED:

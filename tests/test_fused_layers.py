@@ -103,3 +103,30 @@ def test_the_step_profile_sees_the_fused_parts(smollm_llm):
     assert parts["other"] >= 0 and sum(parts.values()) == pytest.approx(sum(steps))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_windowed_layers_fused_equal_the_layer_loop_bitwise():
+    """The default model with a 24-token window set on every layer (its KV cache manager still
+    keeps every block: only attention changes): decode steps past the window through the C++
+    layer loop, each layer reading only its window, give exactly the Python loop's tokens and
+    log-probabilities, and not those of full attention."""
+    from pagedllm.entrypoints.llm import LLM
+
+    llm = LLM(kv_cache_memory=64 << 20, max_model_len=256)
+    model = llm.llm_engine.executor.worker.model
+    prompts = [[500 + 7 * i + j for j in range(30 + 5 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, logprobs=3)
+    full = _run(llm, prompts, params)
+    for layer in model.model.layers:
+        layer.self_attn.attn.sliding_window = 24
+    model.model.fused_layers._bound_to = None  # the layers' windows are read when their pointers are
+    calls: list[int] = []
+    with _counting(model.model.fused_layers, calls):
+        fused = _run(llm, prompts, params)
+        assert 3 in calls
+        with _without(model):
+            count = len(calls)
+            loop = _run(llm, prompts, params)
+            assert len(calls) == count
+    assert fused == loop and fused != full
+    llm.llm_engine.shutdown()

@@ -26,20 +26,15 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
-        return paged_attention_torch(query, key_cache, value_cache, metadata, scale, sliding_window,
-                                     logits_soft_cap, heads_first=False)
+        return paged_attention_torch(query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap)
 
 
 def paged_attention_torch(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
-                          sliding_window: int | None, logits_soft_cap: float | None, heads_first: bool) -> torch.Tensor:
+                          sliding_window: int | None, logits_soft_cap: float | None) -> torch.Tensor:
     """Attention of every query token over its sequence's paged context, in float32, one
-    sequence at a time. Pools are [num_blocks, block_size, kv_heads, head_dim], or with
-    `heads_first` [num_blocks, kv_heads, block_size, head_dim] (the fast backends' layout)."""
+    sequence at a time. Pools are [num_blocks, block_size, kv_heads, head_dim]."""
     num_heads = query.shape[1]
-    if heads_first:
-        num_kv_heads, block_size, head_dim = key_cache.shape[1:]
-    else:
-        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     starts = metadata.query_start_loc.tolist()
@@ -49,8 +44,6 @@ def paged_attention_torch(query, key_cache, value_cache, metadata: AttentionMeta
         first = first_block_in_window(sliding_window, ctx_len - q_len, block_size)
         blocks = metadata.block_tables[i, first : cdiv(ctx_len, block_size)].long()
         k, v = key_cache[blocks], value_cache[blocks]
-        if heads_first:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
         # k, v: [keys from the first block on, num_kv_heads, head_dim], gathered from the block pool
         num_keys = ctx_len - first * block_size
         k = k.reshape(-1, num_kv_heads, head_dim)[:num_keys].float().repeat_interleave(group, dim=1)

@@ -15,20 +15,8 @@ from pagedllm.core.model_output import ModelRunnerOutput, SequenceStepOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.sampling import Sampler, prompt_logprobs
 from pagedllm.utils import cdiv
+from pagedllm.worker.block_tables import block_table_array
 from pagedllm.worker.cuda_graphs import DecodeGraphs
-
-
-def block_table_array(tables: list[list[int | None]]) -> np.ndarray:
-    """[len(tables), longest] int32 block tables. Freed entries (None: before a sliding window,
-    always a leading run) and the padding past a short table hold block 0, which no kernel reads."""
-    array = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
-    for i, table in enumerate(tables):
-        if table and table[0] is None:
-            freed = table.count(None)
-            array[i, freed : len(table)] = table[freed:]
-        else:
-            array[i, : len(table)] = table
-    return array
 
 
 def build_attention_metadata(
