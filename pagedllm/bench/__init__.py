@@ -6,7 +6,7 @@ import argparse
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.bench import dtype, kernel, latency, matmul, paper, preemption, serve, sharing, structured, throughput
+    from pagedllm.bench import dtype, kernel, latency, matmul, paper, preemption, serve, sharing, structured, throughput, windows
 
     parser = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = parser.add_subparsers(dest="bench", required=True)
@@ -20,3 +20,4 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     serve.register(bench_sub)
     paper.register(bench_sub)
     structured.register(bench_sub)
+    windows.register(bench_sub)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence as Seq
-from operator import attrgetter
 from typing import NamedTuple
 
 from pagedllm.core.block_invariants import check_pool
@@ -85,15 +84,12 @@ def _distinct(tables: Iterable[Table]) -> list[KVBlock]:
     return list(seen.values())
 
 
-_block_id = attrgetter("block_id")
-
-
 def _ids(table: Table) -> list[int | None]:
     """The table's block ids (None where freed: always a leading run, so it is cut off first)."""
     if table and table[0] is None:
         freed = table.count(None)
-        return [None] * freed + list(map(_block_id, table[freed:]))
-    return list(map(_block_id, table))
+        return [None] * freed + [b.block_id for b in table[freed:]]
+    return [b.block_id for b in table]
 
 
 class BlockManager:
@@ -159,7 +155,8 @@ class BlockManager:
 
     def block_tables(self, seq_id: int) -> list[list[int | None]]:
         """The sequence's block tables, one per KV cache group."""
-        return [_ids(table) for table in self._tables[seq_id].groups]
+        groups = self._tables[seq_id].groups
+        return [_ids(groups[0])] if len(groups) == 1 else [_ids(table) for table in groups]
 
     def cpu_block_ids(self, seq_id: int, group: int = 0) -> list[int | None]:
         return _ids(self._cpu_tables[seq_id][group])
@@ -323,9 +320,11 @@ class BlockManager:
                 # A cache hit on an unreferenced block takes it out of the free queue (once).
                 revived.update(b for b in prefix.blocks() if b.ref_count == 0)
                 continue
+            groups = tables.groups
             total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-            needed += self.num_groups * max(0, total - len(tables.groups[0]))
-            for table in tables.groups:
+            if total > len(groups[0]):
+                needed += len(groups) * (total - len(groups[0]))
+            for table in groups:
                 shared = self._shared_block_to_write(table, seq.num_computed_tokens)
                 if shared is not None:
                     writers[shared] += 1

@@ -26,7 +26,7 @@ void silu_and_mul_f32(float* out, const float* x, int num_rows, int dim, int num
 void write_kv_f32_f32(const void* key, const void* value, void* key_cache, void* value_cache, int64_t block_stride,
                       int64_t head_stride, const int64_t* slot_mapping, int num_tokens, int num_kv_heads,
                       int head_dim, int block_size);
-void paged_attention_f32_f32(void* out, const void* query, const void* key_cache, const void* value_cache,
+void paged_attention_f32_f32_windowed(void* out, const void* query, const void* key_cache, const void* value_cache,
                              int64_t block_stride, int64_t head_stride, const int32_t* block_tables,
                              int64_t block_table_stride, const int32_t* item_seq, const int32_t* item_first_token,
                              const int32_t* item_num_tokens, int num_items, const int32_t* token_context,
@@ -150,7 +150,7 @@ void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, floa
     write_kv_f32_f32(s->key, s->value, layer.key_cache, layer.value_cache, s->block_stride, s->head_stride,
                      s->slot_mappings[layer.kv_group], T, s->num_kv_heads, s->head_dim, s->block_size);
     timer.lap(kKvWrite);
-    paged_attention_f32_f32(s->attn, s->query, layer.key_cache, layer.value_cache, s->block_stride, s->head_stride,
+    paged_attention_f32_f32_windowed(s->attn, s->query, layer.key_cache, layer.value_cache, s->block_stride, s->head_stride,
                             s->block_tables[layer.kv_group], s->block_table_strides[layer.kv_group], s->item_seq,
                             s->item_first_token,
                             s->item_num_tokens, static_cast<int>(s->num_items), s->token_context, s->num_heads,

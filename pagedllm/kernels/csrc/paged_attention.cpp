@@ -87,7 +87,6 @@ struct Unit {
 struct Plan {
   std::vector<Unit> units;
   std::vector<int> item_partitions;
-  std::vector<int> item_first_block;  // the first block the item reads (0 without a window)
   int heads_per_unit;
   int64_t partial_rows;  // rows of partial results, over all split items
 };
@@ -109,6 +108,20 @@ inline int first_visible_key(const Problem<Q, T>& pb, int context) {
   return pb.sliding_window > 0 && context > pb.sliding_window ? context - pb.sliding_window : 0;
 }
 
+// The first block the item reads: its first token sees the earliest keys.
+template <typename Q, typename T>
+inline int item_first_block(const Problem<Q, T>& pb, int item) {
+  return first_visible_key(pb, pb.token_context[pb.item_first_token[item]]) / pb.block_size;
+}
+
+// Where the item's first partition starts: at its first block, or with fixed partitions at a
+// multiple of their size from block 0 (wherever a window starts, so that a token sees each key
+// in the same partition whatever item it comes in).
+template <typename Q, typename T>
+inline int partition_start(const Problem<Q, T>& pb, int first_block, int per_part) {
+  return pb.fixed_partition_blocks > 0 ? first_block - first_block % per_part : first_block;
+}
+
 // An item takes all KV heads (a block's heads lie side by side: one contiguous read) and, when
 // there are too few items to keep every thread busy, its context is split into partitions whose
 // partial softmax results are merged afterwards (as flash-decoding does). Only when even that
@@ -122,15 +135,11 @@ Plan plan_units(const Problem<Q, T>& pb, int num_threads) {
   Plan plan;
   std::vector<int> item_end_block(num_items), item_partition_blocks(num_items);
   std::vector<int>& item_partitions = plan.item_partitions;
-  std::vector<int>& item_first_block = plan.item_first_block;
   item_partitions.resize(num_items);
-  item_first_block.resize(num_items);
   int64_t num_units = 0;
   for (int item = 0; item < num_items; ++item) {
-    // The item's first token sees the earliest keys, its last the latest.
-    const int first = first_visible_key(pb, pb.token_context[pb.item_first_token[item]]) / block_size;
+    const int first = item_first_block(pb, item);
     const int end = (item_context(pb, item) + block_size - 1) / block_size;
-    item_first_block[item] = first;
     item_end_block[item] = end;
     int per_part = pb.fixed_partition_blocks;
     if (per_part <= 0) {
@@ -138,13 +147,9 @@ Plan plan_units(const Problem<Q, T>& pb, int num_threads) {
       parts = parts < 1 ? 1 : parts > partitions_wanted ? partitions_wanted : parts;
       // Whole blocks per partition; rounding up may leave fewer partitions than asked for.
       per_part = (end - first + parts - 1) / parts;
-    } else {
-      // Fixed partitions lie at multiples of their size from block 0, wherever a window starts,
-      // so a token sees each key in the same partition whatever item it comes in.
-      item_first_block[item] = first - first % per_part;
     }
     item_partition_blocks[item] = per_part;
-    item_partitions[item] = (end - item_first_block[item] + per_part - 1) / per_part;
+    item_partitions[item] = (end - partition_start(pb, first, per_part) + per_part - 1) / per_part;
     num_units += item_partitions[item];
   }
   const int heads_per_unit = num_units >= 2 * num_threads ? num_kv_heads : 1;
@@ -155,9 +160,9 @@ Plan plan_units(const Problem<Q, T>& pb, int num_threads) {
     const int parts = item_partitions[item], end = item_end_block[item], per_part = item_partition_blocks[item];
     const int rows = pb.item_num_tokens[item] * pb.group * heads_per_unit;
     // The first fixed partition may start before the window: its unit reads from the window on.
-    const int first = first_visible_key(pb, pb.token_context[pb.item_first_token[item]]) / pb.block_size;
+    const int first = item_first_block(pb, item);
     for (int first_head = 0; first_head < num_kv_heads; first_head += heads_per_unit)
-      for (int b = item_first_block[item]; b < end; b += per_part) {  // every token sees itself: end > first
+      for (int b = partition_start(pb, first, per_part); b < end; b += per_part) {  // every token sees itself
         plan.units.push_back({item, first_head, std::max(b, first), std::min(b + per_part, end), parts > 1 ? partial_rows : -1});
         if (parts > 1) partial_rows += rows;
       }
@@ -456,21 +461,26 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
 extern "C" {
 
 // Entry points, named by (compute type)_(cache type): f32_f32, bf16_bf16, and f32_bf16 for a
-// float32 model with a bfloat16 KV cache.
-#define PAGED_ATTENTION_ENTRY(NAME, Q, T)                                                           \
-  void NAME(void* out, const void* query, const void* key_cache, const void* value_cache,          \
-            int64_t block_stride, int64_t head_stride, const int32_t* block_tables,                \
-            int64_t block_table_stride, const int32_t* item_seq, const int32_t* item_first_token,  \
-            const int32_t* item_num_tokens, int num_items, const int32_t* token_context,           \
-            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,            \
-            int fixed_partition_blocks, int sliding_window, float logits_soft_cap,                 \
-            int num_threads) {                                                                     \
-    attention<Q, T>(static_cast<Q*>(out), static_cast<const Q*>(query),                            \
-                    static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),          \
-                    block_stride, head_stride, block_tables, block_table_stride, item_seq,         \
-                    item_first_token, item_num_tokens, num_items, token_context, num_heads,        \
-                    num_kv_heads, head_dim, block_size, scale, fixed_partition_blocks,             \
-                    sliding_window, logits_soft_cap, num_threads);                                 \
+// float32 model with a bfloat16 KV cache; the _windowed ones take a sliding window and a logit
+// soft-cap too (0: none), so that layers without either keep the shorter call.
+#define PAGED_ATTENTION_ARGS                                                                       \
+  void *out, const void *query, const void *key_cache, const void *value_cache,                   \
+      int64_t block_stride, int64_t head_stride, const int32_t *block_tables,                     \
+      int64_t block_table_stride, const int32_t *item_seq, const int32_t *item_first_token,       \
+      const int32_t *item_num_tokens, int num_items, const int32_t *token_context, int num_heads, \
+      int num_kv_heads, int head_dim, int block_size, float scale, int fixed_partition_blocks
+#define PAGED_ATTENTION_CALL(Q, T, WINDOW, CAP)                                                    \
+  attention<Q, T>(static_cast<Q*>(out), static_cast<const Q*>(query),                              \
+                  static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),            \
+                  block_stride, head_stride, block_tables, block_table_stride, item_seq,           \
+                  item_first_token, item_num_tokens, num_items, token_context, num_heads,          \
+                  num_kv_heads, head_dim, block_size, scale, fixed_partition_blocks, WINDOW, CAP,  \
+                  num_threads)
+#define PAGED_ATTENTION_ENTRY(NAME, Q, T)                                                          \
+  void NAME(PAGED_ATTENTION_ARGS, int num_threads) { PAGED_ATTENTION_CALL(Q, T, 0, 0.0f); }        \
+  void NAME##_windowed(PAGED_ATTENTION_ARGS, int sliding_window, float logits_soft_cap,            \
+                       int num_threads) {                                                          \
+    PAGED_ATTENTION_CALL(Q, T, sliding_window, logits_soft_cap);                                   \
   }
 
 PAGED_ATTENTION_ENTRY(paged_attention_f32_f32, float, float)
