@@ -97,17 +97,28 @@ def keep_every_block(engine) -> None:
 
 
 def _long_generation(engine, prompt: list[int], output_len: int) -> dict:
-    """One sequence generating `output_len` tokens: the most blocks it held at once."""
+    """One sequence generating `output_len` tokens: the most blocks it held at once (counted
+    when each step's blocks are allocated, before the step gives back what left the window)."""
     from pagedllm.sampling_params import SamplingParams
 
     engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     seq = engine.requests.groups["long"].seqs[0]
-    bm, peak, start, tokens = engine.block_manager, 0, time.perf_counter(), []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = out.outputs[0].token_ids
-        if bm.has_blocks(seq.seq_id):
-            peak = max(peak, bm.num_blocks_held(seq.seq_id))
+    peak, schedule = 0, engine.core.schedule
+
+    def schedule_and_count():
+        nonlocal peak
+        out = schedule()
+        if engine.block_manager.has_blocks(seq.seq_id):
+            peak = max(peak, engine.block_manager.num_blocks_held(seq.seq_id))
+        return out
+
+    engine.core.schedule, start, tokens = schedule_and_count, time.perf_counter(), []
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = out.outputs[0].token_ids
+    finally:
+        engine.core.schedule = schedule
     return {"peak_blocks": peak, "seconds": time.perf_counter() - start, "tokens": tokens}
 
 
@@ -131,7 +142,11 @@ def _concurrent(model: str, args, num_blocks: int, num_seqs: int, vocab: int) ->
 
 def measure(model: str, label: str, args) -> dict:
     """The table row of one model."""
-    engine = _engine(model, args)
+    from pagedllm.transformers_utils import load_arch_config, resolve_model
+
+    # Room for the sequence keeping every block in every group (at most one group per layer).
+    layers = load_arch_config(resolve_model(model)).num_layers
+    engine = _engine(model, args, num_blocks=layers * -(-(args.prompt_len + args.output_len) // args.block_size))
     core = engine.core
     windows = core.group_windows
     rng = random.Random(0)
