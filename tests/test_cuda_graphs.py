@@ -65,26 +65,50 @@ def _generate(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_decode_steps_through_static_buffers_equal_the_reference_backend(device, tiny_llama):
-    prompts = random_prompts(3, [5, 19, 33], seed=91)
-    common = dict(device=device.type, dtype="float32", max_model_len=64, num_gpu_blocks=40, block_size=8,
-                  max_num_seqs=4)
-    expected = _generate(LLM(str(tiny_llama), attention_backend="reference", **common), prompts)
+COMMON = dict(dtype="float32", max_model_len=64, num_gpu_blocks=40, block_size=8, max_num_seqs=4)
 
-    llm = LLM(str(tiny_llama), attention_backend="triton", **common)
+
+def _through_static_buffers(device, path, prompts):
+    """(the reference backend's greedy tokens, the Triton engine's, its decode graphs or their
+    CPU stand-in, the engine)."""
+    common = dict(device=device.type, **COMMON)
+    expected = _generate(LLM(str(path), attention_backend="reference", **common), prompts)
+    llm = LLM(str(path), attention_backend="triton", **common)
     worker = llm.llm_engine.executor.worker
     if device.type == "cpu":  # no capture on a CPU: the same buffers, run eagerly
         assert worker.runner.graphs is None
         worker.runner.graphs = DecodeGraphs(worker.model, worker.backend, 8, 64, 4, device, capture=False)
     graphs = worker.runner.graphs
+    return expected, _generate(llm, prompts), graphs, llm
+
+
+def test_decode_steps_through_static_buffers_equal_the_reference_backend(device, tiny_llama):
+    prompts = random_prompts(3, [5, 19, 33], seed=91)
+    expected, got, graphs, _ = _through_static_buffers(device, tiny_llama, prompts)
     assert graphs.sizes == (1, 2, 4)
-    assert _generate(llm, prompts) == expected
+    assert got == expected
     assert graphs.replays >= 11  # every decode step: 11 for the longest output
 
     if device.type == "cuda":
-        eager = LLM(str(tiny_llama), attention_backend="triton", enforce_eager=True, **common)
+        eager = LLM(str(tiny_llama), attention_backend="triton", enforce_eager=True, device="cuda", **COMMON)
         assert eager.llm_engine.executor.worker.runner.graphs is None
         assert _generate(eager, prompts) == expected
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [("mistral", {"sliding_window": 9}), ("qwen2", {"use_sliding_window": True, "sliding_window": 9, "max_window_layers": 1})],
+    ids=["mistral", "qwen2-hybrid"],
+)
+def test_windowed_models_decode_through_static_buffers(device, tiny_models, arch, overrides):
+    """Every layer sliding (one KV cache group) and a hybrid (a full and a windowed group, each
+    with its own static slots, block tables and flash-decoding split), past the window: the same
+    greedy tokens as the reference backend."""
+    prompts = random_prompts(3, [5, 19, 33], seed=92)
+    expected, got, graphs, llm = _through_static_buffers(device, tiny_models(arch, **overrides), prompts)
+    assert graphs.group_windows == ([9] if arch == "mistral" else [None, 9])
+    assert got == expected
+    assert graphs.replays >= 11 and llm.llm_engine.block_manager.num_window_frees > 0
 
 
 @pytest.mark.gpu

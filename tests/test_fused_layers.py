@@ -103,3 +103,91 @@ def test_the_step_profile_sees_the_fused_parts(smollm_llm):
     assert parts["other"] >= 0 and sum(parts.values()) == pytest.approx(sum(steps))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_windowed_layers_fused_equal_the_layer_loop_bitwise():
+    """The default model with a 24-token window set on every layer (its KV cache manager still
+    keeps every block: only attention changes): decode steps past the window through the C++
+    layer loop, each layer reading only its window, give exactly the Python loop's tokens and
+    log-probabilities, and not those of full attention."""
+    from pagedllm.entrypoints.llm import LLM
+
+    llm = LLM(kv_cache_memory=64 << 20, max_model_len=256)
+    model = llm.llm_engine.executor.worker.model
+    prompts = [[500 + 7 * i + j for j in range(30 + 5 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, logprobs=3)
+    full = _run(llm, prompts, params)
+    for layer in model.model.layers:
+        layer.self_attn.attn.sliding_window = 24
+    model.model.fused_layers._bound_to = None  # the layers' windows are read when their pointers are
+    calls: list[int] = []
+    with _counting(model.model.fused_layers, calls):
+        fused = _run(llm, prompts, params)
+        assert 3 in calls
+        with _without(model):
+            count = len(calls)
+            loop = _run(llm, prompts, params)
+            assert len(calls) == count
+    assert fused == loop and fused != full
+    llm.llm_engine.shutdown()
+
+
+def test_fused_layers_address_each_kv_cache_groups_own_blocks():
+    """The default model laid out as a hybrid by hand: layers 0-14 a full-attention group, layers
+    15-29 a windowed group (window 24) sharing their tensors (layer i and layer 15 + i use the
+    same pools) with block tables and slots of their own. A prompt chunk and decode steps through
+    the C++ layer loop write and read exactly what the Python loop does, bit for bit."""
+    import torch
+
+    from pagedllm.core.scheduler_output import ScheduledSequence
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.worker.cache_engine import CacheEngine
+    from pagedllm.worker.model_runner import build_attention_metadata
+
+    llm = LLM(kv_cache_memory=16 << 20, max_model_len=256)
+    worker = llm.llm_engine.executor.worker
+    model, layers = worker.model, worker.model.model.layers
+    half = len(layers) // 2
+    cache = CacheEngine(worker.backend, half, worker.num_kv_heads, worker.head_dim, 16, 64, 0, torch.float32,
+                        torch.device("cpu"))
+    model.bind_kv_cache([cache.key_caches[i % half] for i in range(2 * half)],
+                        [cache.value_caches[i % half] for i in range(2 * half)], [i // half for i in range(2 * half)])
+    for layer in layers[half:]:
+        layer.self_attn.attn.sliding_window = 24
+    fused = model.model.fused_layers
+    fused._bound_to = None
+    prompts = [[600 + 3 * i + j for j in range(40 + 9 * i)] for i in range(3)]
+    tables = [(list(range(8 * i, 8 * i + 8)), list(range(32 + 8 * i, 40 + 8 * i))) for i in range(3)]
+
+    def run(lengths_done, tokens):
+        """One step (each sequence's next tokens) with the fused path, then the loop, from the
+        same cache; the loop's cache is kept."""
+        items = [ScheduledSequence(seq_id=i, request_id=str(i), token_ids=t, start_position=done, block_table=tables[i][0],
+                                   sampling_params=None, other_block_tables=[tables[i][1]])
+                 for i, (done, t) in enumerate(zip(lengths_done, tokens))]
+        saved = [t.clone() for t in cache.key_caches + cache.value_caches]
+        outs = []
+        for use_fused in (True, False):
+            for tensor, before in zip(cache.key_caches + cache.value_caches, saved):
+                tensor.copy_(before)
+            input_ids, positions, metadata = build_attention_metadata(items, 16, torch.device("cpu"))
+            with torch.inference_mode():
+                model.model.fused_layers = fused if use_fused else None
+                outs.append(model(input_ids, positions, metadata))
+        model.model.fused_layers = fused
+        return outs
+
+    calls: list[int] = []
+    with _counting(fused, calls):
+        fresh, loop = run([0, 0, 0], [p[:1] for p in prompts])  # one token each: decodes of a 1-token context
+        assert torch.equal(fresh, loop)
+        done = [1, 1, 1]
+        chunk = [p[1:] for p in prompts]  # chunks over a cached context: past the window, through the kernel
+        run(done, chunk)
+        done = [len(p) for p in prompts]
+        for step in range(5):
+            a, b = run(done, [[700 + step + i] for i in range(3)])
+            assert torch.equal(a, b)
+            done = [d + 1 for d in done]
+    assert len(calls) >= 6  # the decode steps (and the first) went through the fused call
+    llm.llm_engine.shutdown()

@@ -8,7 +8,7 @@ block pools (`write_kv`) and computes attention by reading the pools through blo
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,11 @@ class AttentionMetadata:
 
     The batch is flat: sequence i owns query tokens `query_start_loc[i]:query_start_loc[i+1]`,
     which sit at the last `query_lens[i]` positions of its `seq_lens[i]` context tokens.
+
+    `slot_mapping` and `block_tables` are those of KV cache group 0 (`kv_spec.kv_cache_groups`);
+    a model whose layers form several groups has the others' in `other_groups`, and each layer
+    reads its own group's (`for_group`). In a sliding-window group, entries before a sequence's
+    window hold a placeholder block id (0): kernels never read them.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
@@ -35,6 +40,12 @@ class AttentionMetadata:
     num_decodes: int = 0
     # Whatever a backend derives from this metadata once per step and reuses in every layer.
     backend_plan: Any = None
+    # The same step as seen by KV cache groups 1, 2, ...: their own slots and block tables.
+    other_groups: list["AttentionMetadata"] = field(default_factory=list)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata of KV cache group `group`."""
+        return self if group == 0 else self.other_groups[group - 1]
 
     @property
     def num_seqs(self) -> int:

@@ -28,6 +28,8 @@ class Attention(nn.Module):
         self.backend = backend
         self.sliding_window = sliding_window  # tokens each query sees, itself included; None: all
         self.logits_soft_cap = logits_soft_cap
+        # The KV cache group whose block tables address this layer's pools (`kv_spec`).
+        self.kv_cache_group = 0
         # This layer's pools; bound once by the worker's cache engine (`bind_kv_cache`).
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
@@ -35,6 +37,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         if self.key_cache is None or self.value_cache is None:
             raise RuntimeError("Attention layer has no KV cache bound; call model.bind_kv_cache() first.")
+        if self.kv_cache_group:  # a hybrid model's other groups have block tables of their own
+            metadata = metadata.for_group(self.kv_cache_group)
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.kv_spec import first_block_in_window
 from pagedllm.utils import cdiv
 
 
@@ -25,32 +26,28 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
-        return paged_attention_torch(query, key_cache, value_cache, metadata, scale, sliding_window,
-                                     logits_soft_cap, heads_first=False)
+        return paged_attention_torch(query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap)
 
 
 def paged_attention_torch(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
-                          sliding_window: int | None, logits_soft_cap: float | None, heads_first: bool) -> torch.Tensor:
+                          sliding_window: int | None, logits_soft_cap: float | None) -> torch.Tensor:
     """Attention of every query token over its sequence's paged context, in float32, one
-    sequence at a time. Pools are [num_blocks, block_size, kv_heads, head_dim], or with
-    `heads_first` [num_blocks, kv_heads, block_size, head_dim] (the fast backends' layout)."""
+    sequence at a time. Pools are [num_blocks, block_size, kv_heads, head_dim]."""
     num_heads = query.shape[1]
-    if heads_first:
-        num_kv_heads, block_size, head_dim = key_cache.shape[1:]
-    else:
-        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     starts = metadata.query_start_loc.tolist()
     for i, (q_len, ctx_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens_list)):
-        num_blocks = cdiv(ctx_len, block_size)
-        blocks = metadata.block_tables[i, :num_blocks].long()
+        # The blocks from the one holding the first query's first visible key: those before it
+        # may have left a sliding window and been reused (their table entries are placeholders).
+        first = first_block_in_window(sliding_window, ctx_len - q_len, block_size)
+        blocks = metadata.block_tables[i, first : cdiv(ctx_len, block_size)].long()
         k, v = key_cache[blocks], value_cache[blocks]
-        if heads_first:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-        # k, v: [ctx_len, num_kv_heads, head_dim], gathered from the block pool
-        k = k.reshape(-1, num_kv_heads, head_dim)[:ctx_len].float().repeat_interleave(group, dim=1)
-        v = v.reshape(-1, num_kv_heads, head_dim)[:ctx_len].float().repeat_interleave(group, dim=1)
+        # k, v: [keys from the first block on, num_kv_heads, head_dim], gathered from the block pool
+        num_keys = ctx_len - first * block_size
+        k = k.reshape(-1, num_kv_heads, head_dim)[:num_keys].float().repeat_interleave(group, dim=1)
+        v = v.reshape(-1, num_kv_heads, head_dim)[:num_keys].float().repeat_interleave(group, dim=1)
         q = query[starts[i] : starts[i] + q_len].float()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         if logits_soft_cap is not None:
@@ -58,7 +55,7 @@ def paged_attention_torch(query, key_cache, value_cache, metadata: AttentionMeta
         # Query j sits at position ctx_len - q_len + j and sees keys up to that position (and,
         # with a window, none `sliding_window` or more positions back).
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device).unsqueeze(1)
-        k_pos = torch.arange(ctx_len, device=query.device).unsqueeze(0)
+        k_pos = torch.arange(first * block_size, ctx_len, device=query.device).unsqueeze(0)
         visible = k_pos <= q_pos  # [q_len, ctx_len]
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
-from pagedllm.attention.reference import paged_attention_torch
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
@@ -108,10 +107,18 @@ class _Plan:
     tile_n: int
     num_partitions: int
     block_tables: torch.Tensor  # int32, rows contiguous
+    sliding_window: int | None = None  # of the layers it is for (the split is sized to it)
+
+
+def visible_context(max_seq_len: int, sliding_window: int | None, tokens_per_item: int) -> int:
+    """The most keys one item reads: its context, or its tokens' windows."""
+    if sliding_window is None:
+        return max_seq_len
+    return min(max_seq_len, sliding_window - 1 + tokens_per_item)
 
 
 def _plan(metadata: AttentionMetadata, group: int, head_dim: int, num_kv_heads: int, device: torch.device,
-          num_partitions: int | None) -> _Plan:
+          num_partitions: int | None, sliding_window: int | None = None) -> _Plan:
     query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
     seq_lens = np.asarray(metadata.seq_lens_list, dtype=np.int64)
     decode_only = bool((query_lens == 1).all())
@@ -134,7 +141,8 @@ def _plan(metadata: AttentionMetadata, group: int, head_dim: int, num_kv_heads: 
         axis=1,
     ).astype(np.int32)
     if num_partitions is None:
-        num_partitions = choose_num_partitions(len(items), num_kv_heads, metadata.max_seq_len, _target_programs(device))
+        visible = visible_context(metadata.max_seq_len, sliding_window, tokens_per_item)
+        num_partitions = choose_num_partitions(len(items), num_kv_heads, visible, _target_programs(device))
     block_tables = metadata.block_tables
     if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
         block_tables = block_tables.to(torch.int32).contiguous()
@@ -144,6 +152,7 @@ def _plan(metadata: AttentionMetadata, group: int, head_dim: int, num_kv_heads: 
         tile_n=_tile_n(head_dim),
         num_partitions=num_partitions,
         block_tables=block_tables.to(device),
+        sliding_window=sliding_window,
     )
 
 
@@ -187,36 +196,35 @@ class TritonAttentionBackend(AttentionBackend):
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
     def static_decode_plan(self, items: torch.Tensor, block_tables: torch.Tensor, group: int, head_dim: int,
-                           num_kv_heads: int, max_seq_len: int) -> _Plan:
+                           num_kv_heads: int, max_seq_len: int, sliding_window: int | None = None) -> _Plan:
         """The plan of a decode step over fixed buffers (a CUDA graph's): `items` ([size, 4] int32,
-        filled by `decode_items` before each replay) and `block_tables` ([size, max blocks] int32).
-        The flash-decoding split is fixed too, chosen for contexts of `max_seq_len`: partitions
-        past a shorter context see no key and weigh nothing in the merge."""
+        filled by `decode_items` before each replay) and `block_tables` ([size, max blocks] int32),
+        for layers of `sliding_window`. The flash-decoding split is fixed too, chosen for contexts
+        of `max_seq_len` (or the window): partitions past a shorter context see no key and weigh
+        nothing in the merge."""
+        visible = visible_context(max_seq_len, sliding_window, 1)
         num_partitions = self.num_partitions or choose_num_partitions(
-            items.shape[0], num_kv_heads, max_seq_len, _target_programs(items.device)
+            items.shape[0], num_kv_heads, visible, _target_programs(items.device)
         )
         return _Plan(items=items, block_m=_block_m(True, group), tile_n=_tile_n(head_dim),
-                     num_partitions=num_partitions, block_tables=block_tables)
+                     num_partitions=num_partitions, block_tables=block_tables, sliding_window=sliding_window)
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
         self.kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
-        if sliding_window is not None or logits_soft_cap is not None:
-            # Not in the Triton kernels yet: the plain torch computation over the same pools.
-            return paged_attention_torch(query, key_cache, value_cache, metadata, scale, sliding_window,
-                                         logits_soft_cap, heads_first=True)
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = key_cache.shape[1]
         group = num_heads // num_kv_heads
         plan = metadata.backend_plan
-        if plan is None:
-            plan = _plan(metadata, group, head_dim, num_kv_heads, query.device, self.num_partitions)
+        # Built by the first layer of the step (of its KV cache group, whose layers share the window).
+        if plan is None or plan.sliding_window != sliding_window:
+            plan = _plan(metadata, group, head_dim, num_kv_heads, query.device, self.num_partitions, sliding_window)
             metadata.backend_plan = plan
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         self.kernels.paged_attention(
             out, query, key_cache, value_cache, plan.block_tables, plan.items, scale,
-            plan.block_m, plan.tile_n, plan.num_partitions,
+            plan.block_m, plan.tile_n, plan.num_partitions, sliding_window, logits_soft_cap,
         )
         return out

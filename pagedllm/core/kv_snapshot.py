@@ -10,7 +10,9 @@ implied by their absence, so an idle pool of 100,000 blocks costs nothing to des
   reference count (from the pool itself), the tokens it stores, whether the prefix cache
   indexes it, and the requests whose sequences hold it (more than one: a prefix-cache hit).
 - Each request in the scheduler's queues has its sequences' block tables, logical to physical,
-  with the tokens each block holds, and the device blocks it shares with other requests.
+  with the tokens each block holds, and the device blocks it shares with other requests. A
+  model whose layers form several KV cache groups has one table per group; a sliding-window
+  group's entries for blocks that left the window are None (the block went back to the pool).
 - Copy-on-write events since the previous snapshot (the block manager keeps the recent ones).
 - `aggregate_cells` folds a pool into at most `max_cells` cells of consecutive blocks, so a page
   draws a large pool at the same cost as a small one.
@@ -80,8 +82,13 @@ class SequenceView:
     seq_id: int
     status: str  # "running", "waiting", "swapped" (a sequence status's value)
     pool: str | None  # "device", "cpu" (swapped out) or None (no blocks: waiting)
-    block_ids: list[int]  # its block table: logical block i -> physical block block_ids[i]
-    num_tokens: list[int]  # token states in each of those blocks
+    # Its block table (KV cache group 0): logical block i -> physical block block_ids[i], None
+    # where a sliding window passed and the block went back to the pool.
+    block_ids: list[int | None]
+    num_tokens: list[int]  # token states in each of those blocks (0 where freed)
+    # The tables of KV cache groups 1, 2, ... (hybrid models), aligned with block_ids: the same
+    # logical blocks hold the same tokens there, wherever the entry is not None.
+    other_block_ids: list[list[int | None]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -135,9 +142,10 @@ class _PoolBuilder:
         self.tables = tables
         self.view = PoolView(num_blocks, num_free, block_size)
 
-    def add(self, request_id: str, tables: list[list[int]], fills: list[list[int]]) -> None:
+    def add(self, request_id: str, tables: list[list[int | None]], fills: list[list[int]]) -> None:
         view = self.view
         mine = set().union(*tables)
+        mine.discard(None)
         others = view.owner.keys() & mine
         for block_id in others:  # prefix-cache hits: blocks another request holds too
             if view.owner[block_id] != request_id:
@@ -147,7 +155,7 @@ class _PoolBuilder:
         view.owner.update(dict.fromkeys(mine - others, request_id))
         for table, tokens in zip(tables, fills):
             for block_id, num_tokens in zip(reversed(table), reversed(tokens)):
-                if num_tokens == view.block_size:
+                if num_tokens == view.block_size or block_id is None:
                     break
                 view.partial[block_id] = num_tokens
 
@@ -185,12 +193,19 @@ def build_kv_snapshot(block_manager, groups: Iterable[SequenceGroup], cow_seen: 
         seqs = []
         for seq in group.unfinished_seqs():
             pool = "device" if seq.seq_id in device_tables else "cpu" if seq.seq_id in cpu_tables else None
-            table = builders[pool].tables[seq.seq_id] if pool else []
-            seqs.append(SequenceView(seq.seq_id, seq.status.value, pool, table, _fills(seq.num_computed_tokens, len(table), bs)))
+            if pool == "device":
+                tables = block_manager.block_tables(seq.seq_id)
+            else:
+                tables = block_manager.cpu_block_tables(seq.seq_id) if pool else [[]]
+            fills = _fills(seq.num_computed_tokens, len(tables[0]), bs)
+            fills = [0 if block is None else n for block, n in zip(tables[0], fills)]
+            seqs.append(SequenceView(seq.seq_id, seq.status.value, pool, tables[0], fills, tables[1:]))
         for name, builder in builders.items():
             on_pool = [s for s in seqs if s.pool == name]
             if on_pool:
-                builder.add(group.request_id, [s.block_ids for s in on_pool], [s.num_tokens for s in on_pool])
+                tables = [t for s in on_pool for t in (s.block_ids, *s.other_block_ids)]
+                fills = [s.num_tokens for s in on_pool for _ in range(1 + len(s.other_block_ids))]
+                builder.add(group.request_id, tables, fills)
         requests.append(RequestView(group.request_id, seqs[0].status if seqs else "finished", seqs))
 
     device = builders["device"].finish()

@@ -18,12 +18,17 @@ def create_scheduler(
     num_cpu_blocks: int,
     max_model_len: int,
     enable_prefix_caching: bool = True,
+    group_windows: tuple[int | None, ...] = (None,),
 ) -> Scheduler:
-    """A scheduler with its block manager (`scheduler.block_manager`) for `config.kv_policy`."""
+    """A scheduler with its block manager (`scheduler.block_manager`) for `config.kv_policy`;
+    `group_windows` holds the sliding window of each KV cache group (None: full attention)."""
     policy = KVPolicy(config.kv_policy)
     if policy is KVPolicy.PAGED:
         block_manager = BlockManager(
-            block_size, num_device_blocks, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching, watermark=config.watermark
+            block_size, num_device_blocks, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
+            watermark=config.watermark, group_windows=group_windows,
         )
         return Scheduler(config, block_manager)
-    return ReservationScheduler(config, ReservationBlockManager(policy, block_size, num_device_blocks, max_model_len))
+    return ReservationScheduler(
+        config, ReservationBlockManager(policy, block_size, num_device_blocks, max_model_len, len(group_windows))
+    )

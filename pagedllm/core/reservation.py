@@ -20,7 +20,10 @@ reservations return to the allocator. Nothing is ever preempted: a request is ad
 all of its reservations fit.
 
 The block table of a sequence is the leading part of its run, `start, start + 1, ...`, so the
-workers run the same paged kernels over it. This manager offers the subset of `BlockManager`'s
+workers run the same paged kernels over it. A model whose layers form several KV cache groups
+(full and sliding-window layers) reserves as for full attention in each: a run holds one
+equal span per group, and group g's table is the leading part of span g. Windows free nothing
+here (the run is reserved whole either way). This manager offers the subset of `BlockManager`'s
 interface that the scheduler, output processor and engine use.
 """
 
@@ -89,11 +92,14 @@ def num_reserved_seqs(group: SequenceGroup) -> int:
 
 
 class ReservationBlockManager:
-    def __init__(self, policy: KVPolicy, block_size: int, num_device_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self, policy: KVPolicy, block_size: int, num_device_blocks: int, max_model_len: int, num_groups: int = 1
+    ) -> None:
         if policy is KVPolicy.PAGED:
             raise ValueError("the paged policy uses BlockManager")
         self.policy = policy
         self.block_size = block_size
+        self.num_groups = num_groups  # KV cache groups: one span of each run per group
         self.max_model_len = max_model_len
         self.buddy = BuddyAllocator(num_device_blocks)
         self._reservations: dict[int, Reservation] = {}  # seq id -> its reservation
@@ -133,21 +139,37 @@ class ReservationBlockManager:
     def run_order(self, prompt_len: int, output_len: int) -> int:
         """The buddy order of one sequence's reservation."""
         tokens = reserved_tokens(self.policy, prompt_len, output_len, self.max_model_len)
-        return order_for(self.blocks_for_tokens(tokens))
+        return order_for(self.num_groups * self.blocks_for_tokens(tokens))
 
-    def max_blocks_held(self, prompt_len: int, num_seqs: int, max_len: int, share_prompt: bool) -> int:
+    def max_blocks_held(
+        self, prompt_len: int, num_seqs: int, max_len: int, share_prompt: bool, max_chunk: int | None = None
+    ) -> int:
         """Blocks `num_seqs` sequences of a request reserve when they may grow to `max_len`."""
         return num_seqs << self.run_order(prompt_len, max_len - prompt_len)
+
+    def max_blocks_of_sequence(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        return self.num_groups * self.blocks_for_tokens(num_tokens)
+
+    def _span(self, res: Reservation) -> int:
+        """Blocks of each group's part of a run."""
+        return res.num_blocks // self.num_groups
 
     def has_blocks(self, seq_id: int) -> bool:
         return seq_id in self._reservations
 
-    def block_ids(self, seq_id: int) -> list[int]:
+    def block_ids(self, seq_id: int, group: int = 0) -> list[int]:
         res = self._reservations[seq_id]
-        return list(range(res.start, res.start + res.num_used_blocks))
+        first = res.start + group * self._span(res)
+        return list(range(first, first + res.num_used_blocks))
+
+    def block_tables(self, seq_id: int) -> list[list[int]]:
+        return [self.block_ids(seq_id, group) for group in range(self.num_groups)]
+
+    def num_blocks_held(self, seq_id: int) -> int:
+        return self.num_groups * self._reservations[seq_id].num_used_blocks
 
     def live_tables(self) -> dict[int, list[int]]:
-        return {seq_id: self.block_ids(seq_id) for seq_id in self._reservations}
+        return {seq_id: [b for table in self.block_tables(seq_id) for b in table] for seq_id in self._reservations}
 
     # --- admission -------------------------------------------------------------------------
 
@@ -189,9 +211,9 @@ class ReservationBlockManager:
         """Extend the sequence's block table, inside its reservation, by `num_new_tokens`."""
         res = self._reservations[seq.seq_id]
         needed = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-        if needed > res.num_blocks:
+        if needed > self._span(res):
             raise RuntimeError(
-                f"sequence {seq.seq_id} outgrew its reservation of {res.num_blocks} blocks "
+                f"sequence {seq.seq_id} outgrew its reservation of {self._span(res)} blocks "
                 f"({seq.num_computed_tokens + num_new_tokens} tokens); its request's max_tokens was exceeded"
             )
         res.num_used_blocks = max(res.num_used_blocks, needed)
@@ -210,8 +232,10 @@ class ReservationBlockManager:
         source = self._reservations[parent.seq_id]
         res = self._requests[request_id].spares.pop()
         res.num_tokens, res.num_used_blocks = source.num_tokens, source.num_used_blocks
-        self._copies.extend((source.start + i, res.start + i) for i in range(source.num_used_blocks))
-        self.num_blocks_copied += source.num_used_blocks
+        for group in range(self.num_groups):
+            src, dst = source.start + group * self._span(source), res.start + group * self._span(res)
+            self._copies.extend((src + i, dst + i) for i in range(source.num_used_blocks))
+        self.num_blocks_copied += self.num_groups * source.num_used_blocks
         self._hold(request_id, child.seq_id, res)
 
     def free(self, seq: Sequence, keep_hashes: bool = False) -> None:
@@ -251,12 +275,12 @@ class ReservationBlockManager:
         parts = KVBreakdown()
         for request in self._requests.values():
             for res in request.all:
-                capacity = res.num_blocks * bs
-                final = min(res.final_tokens, capacity)
+                groups = self.num_groups
+                final = min(res.final_tokens, self._span(res) * bs)  # in each group's span
                 filled = min(res.num_tokens, final)
-                parts.token_states += filled
-                parts.reservation += final - filled
-                parts.internal_fragmentation += capacity - final
+                parts.token_states += groups * filled
+                parts.reservation += groups * (final - filled)
+                parts.internal_fragmentation += res.num_blocks * bs - groups * final
         parts.external_fragmentation_free = self.buddy.num_blocks * bs - (
             parts.token_states + parts.reservation + parts.internal_fragmentation
         )
@@ -276,7 +300,7 @@ class ReservationBlockManager:
                 order = allocated.pop(res.start, None)
                 if order is None or res.num_blocks != 1 << order:
                     raise AssertionError(f"request {request_id} holds a run at {res.start} the allocator does not")
-                if res.num_used_blocks > res.num_blocks:
+                if res.num_used_blocks > self._span(res):
                     raise AssertionError(f"the table at {res.start} covers more blocks than its run")
         if allocated:
             raise AssertionError(f"runs at {sorted(allocated)} are allocated but no request holds them")

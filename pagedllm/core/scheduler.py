@@ -256,6 +256,7 @@ class Scheduler:
                 num_samples = params.best_of
             else:
                 num_samples = 1
+            tables = self.block_manager.block_tables(seq.seq_id)
             targets = None
             if params.prompt_logprobs is not None and seq.num_output_tokens == 0:
                 targets = seq.token_ids[start + 1 : min(end + 1, seq.num_prompt_tokens)]
@@ -265,7 +266,8 @@ class Scheduler:
                     request_id=group.request_id,
                     token_ids=seq.token_ids[start:end],
                     start_position=start,
-                    block_table=self.block_manager.block_ids(seq.seq_id),
+                    block_table=tables[0],
+                    other_block_tables=tables[1:],
                     sampling_params=params,
                     num_samples=num_samples,
                     sample_index=seq.sample_index,
@@ -314,7 +316,7 @@ class Scheduler:
         if len(seqs) > 1:
             return PreemptionMode.SWAP
         tokens = sum(seq.num_computed_tokens for seq in seqs)
-        blocks = sum(self.block_manager.blocks_for_tokens(seq.num_computed_tokens) for seq in seqs)
+        blocks = sum(self.block_manager.num_blocks_held(seq.seq_id) for seq in seqs)
         swap_cost = blocks * self.config.swap_cost_per_block
         return PreemptionMode.SWAP if swap_cost < tokens * self.config.recompute_cost_per_token else PreemptionMode.RECOMPUTE
 
@@ -324,8 +326,11 @@ class Scheduler:
         queue.insert(bisect.bisect_right(keys, group.arrival_time), group)
 
     def _can_ever_fit(self, group: SequenceGroup) -> bool:
+        """Whether the group, alone on the device, could compute the tokens it has (a windowed
+        group needs only its window's blocks at once, however long the sequence)."""
         bm = self.block_manager
-        needed = sum(bm.blocks_for_tokens(seq.num_tokens) for seq in group.unfinished_seqs())
+        budget = self.config.max_num_batched_tokens
+        needed = sum(bm.max_blocks_of_sequence(seq.num_tokens, budget) for seq in group.unfinished_seqs())
         return needed <= bm.num_total_blocks - bm.watermark_blocks
 
     def _fail(self, group: SequenceGroup, reason: str) -> None:

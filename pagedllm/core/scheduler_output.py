@@ -18,7 +18,10 @@ class ScheduledSequence:
     request_id: str
     token_ids: list[int]  # the tokens computed this step, at positions start_position, start_position + 1, ...
     start_position: int  # tokens of this sequence already in the KV cache
-    block_table: list[int]  # physical block ids covering every position up to the last new token
+    # Physical block ids covering every position up to the last new token, in KV cache group 0
+    # (`kv_spec.kv_cache_groups`). In a sliding-window group the entries of blocks that left the
+    # window are None (back in the pool); kernels read only the entries inside each query's window.
+    block_table: list[int | None]
     sampling_params: SamplingParams
     # How many tokens to draw from this step's last position: 0 for a prompt chunk that does not
     # reach the end, best_of when a parallel-sampling prompt completes, else 1.
@@ -36,6 +39,14 @@ class ScheduledSequence:
     # ceil(vocab / 32) words where bit (t % 32) of word t // 32 is set when token t is allowed.
     # Filled in by the engine after scheduling; opaque here (a torch tensor).
     token_bitmask: object | None = None
+    # The block tables of KV cache groups 1, 2, ... (a model whose layers form several groups,
+    # such as full and sliding-window layers), as `block_table`; empty for a one-group model.
+    other_block_tables: list[list[int | None]] = field(default_factory=list)
+
+    @property
+    def block_tables(self) -> list[list[int | None]]:
+        """Every group's block table, group 0 first."""
+        return [self.block_table, *self.other_block_tables]
 
     @property
     def num_tokens(self) -> int:

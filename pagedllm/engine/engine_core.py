@@ -16,7 +16,7 @@ from pagedllm.core import BlockManager, Scheduler, Sequence, create_scheduler
 from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.executor import Executor, create_executor
-from pagedllm.utils import cdiv
+from pagedllm.kv_spec import max_blocks_of_sequence
 
 logger = logging.getLogger("pagedllm")
 
@@ -26,6 +26,8 @@ class EngineCore:
         self.config = config
         self.max_model_len = max_model_len
         self.executor: Executor = create_executor(config, max_model_len)
+        # One block table per group of layers; a sliding-window group frees what left its window.
+        self.group_windows = tuple(group.sliding_window for group in self.executor.kv_cache_groups)
         num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
         self._check_cache_fits(num_device_blocks)
         self.executor.init_cache(num_device_blocks, num_cpu_blocks)
@@ -47,6 +49,7 @@ class EngineCore:
             num_cpu_blocks,
             max_model_len,
             enable_prefix_caching=config.cache.enable_prefix_caching,
+            group_windows=self.group_windows,
         )
         self.block_manager: BlockManager = self.scheduler.block_manager
         worker = getattr(self.executor, "worker", None)  # the driver's worker, in this process
@@ -55,10 +58,12 @@ class EngineCore:
 
     def _check_cache_fits(self, num_device_blocks: int) -> None:
         block_size = self.config.cache.block_size
-        needed = cdiv(self.max_model_len, block_size)
+        needed = max_blocks_of_sequence(
+            self.group_windows, self.max_model_len, block_size, self.config.scheduler.max_num_batched_tokens
+        )
         if num_device_blocks < needed:
             raise ValueError(
-                f"The KV cache holds {num_device_blocks} blocks ({num_device_blocks * block_size} tokens), "
+                f"The KV cache holds {num_device_blocks} blocks ({num_device_blocks * block_size} token slots), "
                 f"fewer than one sequence of max_model_len={self.max_model_len} needs ({needed} blocks). "
                 f"Raise kv_cache_memory to at least {needed * self.executor.block_bytes} bytes "
                 f"(or num_gpu_blocks to {needed}), or lower max_model_len."

@@ -54,7 +54,8 @@ def snapshot_json(snapshot: KVSnapshot, max_cells: int = DEFAULT_MAX_CELLS, with
                 "status": r.status,
                 "shares_with": r.shares_with,
                 "seqs": [
-                    {"seq_id": s.seq_id, "status": s.status, "pool": s.pool, "block_ids": s.block_ids, "num_tokens": s.num_tokens}
+                    {"seq_id": s.seq_id, "status": s.status, "pool": s.pool, "block_ids": s.block_ids, "num_tokens": s.num_tokens,
+                     "other_block_ids": s.other_block_ids}
                     for s in r.seqs
                 ],
             }

@@ -192,9 +192,10 @@ class LLMEngine:
         bm = self.block_manager
         num_seqs = 1 if params.sampling_type is SamplingType.GREEDY else params.best_of
         share = self.config.cache.enable_block_sharing
+        chunk = self.config.scheduler.max_num_batched_tokens  # a windowed group holds its window plus a step
 
         def blocks(max_tokens: int) -> int:
-            return bm.max_blocks_held(prompt_len, num_seqs, prompt_len + max_tokens, share)
+            return bm.max_blocks_held(prompt_len, num_seqs, prompt_len + max_tokens, share, max_chunk=chunk)
 
         usable = bm.usable_blocks
         wanted = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len

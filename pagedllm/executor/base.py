@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from pagedllm.config import EngineConfig
 from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.kv_spec import KVCacheGroup
 
 
 class WorkerDiedError(RuntimeError):
@@ -14,7 +15,10 @@ class WorkerDiedError(RuntimeError):
 
 
 class Executor(ABC):
-    block_bytes: int  # bytes of one KV block on one worker, all layers, keys and values
+    block_bytes: int  # bytes of one KV block on one worker, all its tensors, keys and values
+    # The model's layers grouped by sliding window, one block table each (`kv_spec`): plain data
+    # the engine's KV cache manager is built from.
+    kv_cache_groups: list[KVCacheGroup]
 
     @abstractmethod
     def determine_num_blocks(self) -> tuple[int, int]:

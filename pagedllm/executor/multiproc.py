@@ -112,6 +112,7 @@ class MultiprocExecutor(Executor):
         self.group = self._join_group(tp_size, init_method, resolve_device(config.model.device))
         self.worker = Worker(config, max_model_len, self.group)
         self.block_bytes = self.worker.block_bytes
+        self.kv_cache_groups = self.worker.kv_cache_groups
         logger.info("Tensor parallelism: %d ranks, driver is rank 0", tp_size)
         self._finalizer = weakref.finalize(
             self, MultiprocExecutor._stop, self.group, self._processes, previous_threads, self._health

@@ -13,6 +13,7 @@ class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         self.worker = Worker(config, max_model_len)
         self.block_bytes = self.worker.block_bytes
+        self.kv_cache_groups = self.worker.kv_cache_groups
 
     def determine_num_blocks(self) -> tuple[int, int]:
         return self.worker.determine_num_blocks()

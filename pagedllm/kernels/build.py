@@ -43,6 +43,9 @@ _ATTENTION_ARGS = [
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # num_heads, num_kv_heads, head_dim, block_size
     ctypes.c_float, ctypes.c_int, ctypes.c_int,  # scale, fixed_partition_blocks, num_threads
 ]
+# The _windowed entry points: the same, with a sliding window and a logit soft-cap (0: none)
+# before num_threads.
+_WINDOWED_ATTENTION_ARGS = _ATTENTION_ARGS[:-1] + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
 _WRITE_ARGS = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
 
@@ -100,6 +103,8 @@ def load() -> ctypes.CDLL:
     for types in ("f32_f32", "bf16_bf16", "f32_bf16"):
         getattr(lib, f"paged_attention_{types}").argtypes = _ATTENTION_ARGS
         getattr(lib, f"paged_attention_{types}").restype = None
+        getattr(lib, f"paged_attention_{types}_windowed").argtypes = _WINDOWED_ATTENTION_ARGS
+        getattr(lib, f"paged_attention_{types}_windowed").restype = None
         getattr(lib, f"write_kv_{types}").argtypes = _WRITE_ARGS
         getattr(lib, f"write_kv_{types}").restype = None
     lib.quant_matmul_f32.argtypes = [_P, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]

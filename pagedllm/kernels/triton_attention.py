@@ -30,6 +30,12 @@ group, never repeated per query head (grouped-query attention):
   float32 inputs multiply exactly ("ieee"), not in TF32; with 16-bit values the probabilities
   are multiplied as two 16-bit parts (`_dot_probabilities`), so a 16-bit output is the float32
   result rounded once.
+- Sliding windows (SLIDING_WINDOW W > 0, a compile-time constant: 0 compiles the loop as
+  without one): query token j also sees no key W or more positions back, so the item's tiles
+  start at the one holding its first token's first visible key, and keys before that position
+  are never loaded (their blocks may have left the window and gone back to the pool).
+- Logit soft-capping (SOFT_CAP c > 0, Gemma 2): scores (after the scale) become
+  c * tanh(score / c) before the softmax.
 - Flash-decoding: when few programs would run (few sequences times KV heads against the
   device's parallelism), each item's visible context is split into NUM_PARTITIONS equal runs of
   tiles, one program each. A partition writes its unnormalized accumulator with its m and l;
@@ -169,6 +175,8 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # query rows of a program: (token, head of the group) pairs
     TILE_N: tl.constexpr,  # key positions per iteration
     NUM_PARTITIONS: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr = 0,  # keys each token sees, itself included; 0: its whole context
+    SOFT_CAP: tl.constexpr = 0.0,  # scores soft-capped at this; 0: not
 ):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -194,15 +202,21 @@ def _paged_attention_kernel(
         other=0.0,
     )
 
-    # The item's last token sees the most keys; this program's partition is a run of tiles of them.
+    # The item's last token sees the latest keys, its first the earliest (from its window's
+    # start); this program's partition is a run of the tiles between.
     context_end = first_position + num_tokens
+    if SLIDING_WINDOW > 0:
+        window_start = tl.maximum(first_position - SLIDING_WINDOW + 1, 0)
+    else:
+        window_start = 0
+    first_tile = window_start // TILE_N
     num_tiles = (context_end + TILE_N - 1) // TILE_N
     if NUM_PARTITIONS == 1:
-        tile_start = 0
+        tile_start = first_tile
         tile_end = num_tiles
     else:
-        tiles_per_partition = (num_tiles + NUM_PARTITIONS - 1) // NUM_PARTITIONS
-        tile_start = partition * tiles_per_partition
+        tiles_per_partition = (num_tiles - first_tile + NUM_PARTITIONS - 1) // NUM_PARTITIONS
+        tile_start = first_tile + partition * tiles_per_partition
         tile_end = tl.minimum(tile_start + tiles_per_partition, num_tiles)
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -213,6 +227,8 @@ def _paged_attention_kernel(
     for tile in range(tile_start, tile_end):
         positions = tile * TILE_N + tl.arange(0, TILE_N)
         position_valid = positions < context_end
+        if SLIDING_WINDOW > 0:
+            position_valid = position_valid & (positions >= window_start)
         blocks = tl.load(block_table + positions // BLOCK_SIZE, mask=position_valid, other=0).to(tl.int64)
         # kv_offsets: [TILE_N, HEAD_DIM_PADDED]
         kv_offsets = (
@@ -226,8 +242,16 @@ def _paged_attention_kernel(
         if k.dtype != q.dtype:
             k = _cast(k, q.dtype)
         # s: [BLOCK_M, TILE_N], in base 2
-        s = _dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(positions[None, :] <= row_position[:, None], s, float("-inf"))
+        if SOFT_CAP > 0.0:
+            # c * tanh(x / c), tanh(y) = 2 sigmoid(2y) - 1; scale_log2 / LOG2E is the scale.
+            s = _dot(q, tl.trans(k)) * (scale_log2 / LOG2E)
+            s = (SOFT_CAP * (2.0 * tl.sigmoid(s * (2.0 / SOFT_CAP)) - 1.0)) * LOG2E
+        else:
+            s = _dot(q, tl.trans(k)) * scale_log2
+        visible = positions[None, :] <= row_position[:, None]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (positions[None, :] > row_position[:, None] - SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # A row that has seen no key yet keeps m = -inf; exp2 against 0 then gives it zeros, not NaN.
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -279,8 +303,9 @@ def _merge_partitions_kernel(
     dims = tl.arange(0, HEAD_DIM_PADDED)
     slots = (token * num_heads + head) * NUM_PARTITIONS + partitions
     m = tl.load(partial_max_ptr + slots)
-    # A partition past the end of a short context saw no key: m = -inf, weight 0. Partition 0
-    # always holds key 0, which every token sees, so the common maximum is finite.
+    # A partition past the end of a short context (or, with a window, before a token's window)
+    # saw no key: m = -inf, weight 0. Some partition holds the token itself, so the common
+    # maximum is finite.
     weight = tl.exp2(m - tl.max(m, axis=0))
     total = tl.sum(tl.load(partial_sum_ptr + slots) * weight, axis=0)
     acc = tl.load(partial_out_ptr + slots[:, None] * HEAD_DIM_PADDED + dims[None, :])
@@ -337,6 +362,8 @@ def paged_attention(
     block_m: int,
     tile_n: int,
     num_partitions: int = 1,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Attention of every query token over its sequence's paged context, into `out`.
 
@@ -344,6 +371,8 @@ def paged_attention(
     flat batch, number of tokens, context position of the first token); an item has at most
     block_m // (num_heads // num_kv_heads) tokens. `block_m` and `tile_n` are powers of two
     >= 16; `num_partitions` (a power of two) splits each item's context for flash-decoding.
+    Each token sees at most `sliding_window` keys (itself included), and its scores are
+    soft-capped at `logits_soft_cap`; None for neither.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -368,6 +397,7 @@ def paged_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, TILE_N=tile_n, NUM_PARTITIONS=num_partitions,
+        SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0),
     )
     if num_partitions > 1:
         _merge_partitions_kernel[(num_tokens, num_heads)](

@@ -101,10 +101,14 @@ class DecoderForCausalLM(nn.Module):
         """What each layer stores in the KV cache on this rank (one entry per layer)."""
         return [AttentionSpec(a.num_kv_heads, a.head_dim, a.sliding_window) for a in self.attention_layers]
 
-    def bind_kv_cache(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> None:
-        """Give each attention layer its own key and value block pools."""
-        for attn, k, v in zip(self.attention_layers, key_caches, value_caches, strict=True):
-            attn.key_cache, attn.value_cache = k, v
+    def bind_kv_cache(
+        self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], kv_cache_groups: list[int] | None = None
+    ) -> None:
+        """Give each attention layer its key and value block pools, and the KV cache group whose
+        block tables address them (`kv_spec.kv_cache_groups`; all 0 by default)."""
+        groups = kv_cache_groups or [0] * len(key_caches)
+        for attn, k, v, group in zip(self.attention_layers, key_caches, value_caches, groups, strict=True):
+            attn.key_cache, attn.value_cache, attn.kv_cache_group = k, v, group
 
     # --- what benchmarks and the fused path ask ---------------------------------------------
 
@@ -122,10 +126,9 @@ class DecoderForCausalLM(nn.Module):
     def supports_cuda_graphs(self) -> bool:
         """Whether a decode step can be captured as a CUDA graph (nothing in the forward pass
         waits on the host). A mixture of experts reads its experts' token counts on the host;
-        windowed and soft-capped layers run the torch attention, which walks the sequences on the
-        host, until the Triton kernels take windows and soft-caps."""
-        plain = all(a.sliding_window is None and a.logits_soft_cap is None for a in self.attention_layers)
-        return self.cfg.moe is None and plain
+        windows and soft-caps are the Triton kernels' compile-time constants, and the graphs keep
+        a static plan per KV cache group, so they are captured too."""
+        return self.cfg.moe is None
 
     @property
     def embedding_weight(self) -> nn.Parameter:

@@ -38,16 +38,17 @@ class _Projection(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_attention_norm", _P), ("qkv", _Projection), ("o", _Projection),
-                ("gate_up", _Projection), ("down", _Projection), ("key_cache", _P), ("value_cache", _P)]
+                ("gate_up", _Projection), ("down", _Projection), ("key_cache", _P), ("value_cache", _P),
+                ("kv_group", ctypes.c_int32), ("sliding_window", ctypes.c_int32)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "num_tokens", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "block_size", "intermediate_size",
         "num_threads")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
-        ("positions", _P), ("cos_cache", _P), ("sin_cache", _P), ("slot_mapping", _P),
+        ("positions", _P), ("cos_cache", _P), ("sin_cache", _P), ("slot_mappings", _P),
         ("block_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
-        ("block_tables", _P), ("block_table_stride", ctypes.c_int64),
+        ("block_tables", _P), ("block_table_strides", _P),
         ("item_seq", _P), ("item_first_token", _P), ("item_num_tokens", _P), ("num_items", ctypes.c_int64),
         ("token_context", _P)] + [(name, _P) for name in (
         "qkv", "query", "attn", "key", "value", "normed", "gate_up", "act")]
@@ -103,6 +104,7 @@ class FusedDecoderLayers:
         if self.lib.decoder_layers_num_parts() != len(PARTS):  # part_ns is sized from PARTS
             raise RuntimeError("decoder_layers.cpp and fused_layers.PARTS disagree on the parts of a step")
         self._layers = None
+        self._group_windows: dict[int, int | None] = {}
         self._bound_to = None
         self.part_ns: ctypes.Array | None = None  # set while a step profile is taken
         first = plan.layers[0]
@@ -122,6 +124,8 @@ class FusedDecoderLayers:
             return False
         if plan.layers[0].input_norm.dtype != torch.float32 or plan.rotary.cos.dtype != torch.float32:
             return False
+        if any(layer.attn.logits_soft_cap is not None for layer in plan.layers):
+            return False  # (no Llama-shaped family caps its logits)
         projections = [p for layer in plan.layers for p in layer.projections]
         return all(getattr(p.weight, "quantized", None) is not None for p in projections)
 
@@ -129,7 +133,13 @@ class FusedDecoderLayers:
         """A step of at most MAX_ROWS tokens, none of them a prompt without cached context (those
         take torch's fused causal attention in the loop)."""
         return (hidden.shape[0] <= MAX_ROWS and hidden.device.type == "cpu"
-                and not self.backend.plan(metadata).fresh_prompts)
+                and not any(plan.fresh_prompts for plan in self._plans(metadata)))
+
+    def _plans(self, metadata) -> list:
+        """The attention plan of each KV cache group, as its layers would make it."""
+        self._layer_array()  # (binds the groups' windows)
+        groups = [metadata, *metadata.other_groups]
+        return [self.backend.plan(m, self._group_windows.get(g)) for g, m in enumerate(groups)]
 
     def _layer_array(self) -> ctypes.Array:
         """The layers' pointers, built again if the KV pools were bound anew."""
@@ -142,8 +152,10 @@ class FusedDecoderLayers:
             for layer, attn in zip(self.layers, attns):
                 qkv, o, gate_up, down = (_projection(p) for p in layer.projections)
                 layers.append(_Layer(layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(),
-                                     qkv, o, gate_up, down, attn.key_cache.data_ptr(), attn.value_cache.data_ptr()))
+                                     qkv, o, gate_up, down, attn.key_cache.data_ptr(), attn.value_cache.data_ptr(),
+                                     attn.kv_cache_group, attn.sliding_window or 0))
             self._layers = (_Layer * len(layers))(*layers)
+            self._group_windows = {attn.kv_cache_group: attn.sliding_window for attn in attns}
             self._bound_to = bound
         return self._layers
 
@@ -151,7 +163,12 @@ class FusedDecoderLayers:
         """hidden: the embeddings [T, hidden_size] -> (last layer's output, residual stream), as
         the loop leaves them for the final norm."""
         layers = self._layer_array()
-        plan = self.backend.plan(metadata)
+        groups = [metadata, *metadata.other_groups]
+        plans = self._plans(metadata)  # the same work items: only the block tables differ
+        plan = plans[0]
+        slot_mappings = (_P * len(groups))(*(m.slot_mapping.data_ptr() for m in groups))
+        block_tables = (_P * len(groups))(*(p.block_tables.data_ptr() for p in plans))
+        table_strides = (ctypes.c_int64 * len(groups))(*(p.block_tables.shape[1] for p in plans))
         rotary = self.plan.rotary
         key_cache = self.layers[0].attn.key_cache
         T, H, I = hidden.shape[0], self.hidden_size, self.intermediate_size
@@ -165,12 +182,11 @@ class FusedDecoderLayers:
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         positions = positions.contiguous()
-        slots = metadata.slot_mapping
         step = _Step(
             T, H, self.num_heads, self.num_kv_heads, self.head_dim, key_cache.shape[2], I, torch.get_num_threads(),
             self.eps, self.scale, positions.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-            slots.data_ptr(), key_cache.stride(0), key_cache.stride(1), plan.block_tables.data_ptr(),
-            plan.block_tables.shape[1], plan.item_seq.data_ptr(), plan.item_first_token.data_ptr(),
+            ctypes.addressof(slot_mappings), key_cache.stride(0), key_cache.stride(1), ctypes.addressof(block_tables),
+            ctypes.addressof(table_strides), plan.item_seq.data_ptr(), plan.item_first_token.data_ptr(),
             plan.item_num_tokens.data_ptr(), plan.item_seq.shape[0], plan.token_context.data_ptr(), *pointers,
         )
         self.lib.decoder_layers_f32(ctypes.addressof(layers), len(layers), ctypes.byref(step), hidden.data_ptr(),

@@ -53,8 +53,11 @@ class CausalLM(Protocol):
     def kv_cache_spec(self) -> list[AttentionSpec]:
         """One entry per attention layer: this rank's KV heads, the head size, the window."""
 
-    def bind_kv_cache(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> None:
-        """Give each attention layer its key and value block pools (in `kv_cache_spec` order)."""
+    def bind_kv_cache(
+        self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], kv_cache_groups: list[int] | None = None
+    ) -> None:
+        """Give each attention layer its key and value block pools (in `kv_cache_spec` order) and
+        the KV cache group whose block tables address them (all 0 by default)."""
 
     @property
     def attention_layers(self) -> list[Attention]: ...

@@ -139,15 +139,15 @@ class LlamaForCausalLM(DecoderForCausalLM):
         return weights
 
     def fused_decoder_plan(self):
-        """Llama-shaped layers, whole-head plain rotary, a dense SiLU MLP, no window, one rank:
+        """Llama-shaped layers, whole-head plain rotary, a dense SiLU MLP, one rank:
         what the C++ layer loop computes (quantized projections are checked by the caller)."""
         from pagedllm.model.fused_layers import FusedDecoderPlan, FusedLayer
 
         cfg = self.cfg
         if self.tp.size != 1 or cfg.qk_norm or cfg.moe is not None or cfg.hidden_act != "silu":
             return None
-        if not self.model.rotary.is_plain or any(a.sliding_window is not None for a in self.attention_layers):
-            return None  # the C++ loop turns whole heads by position and attends over whole contexts
+        if not self.model.rotary.is_plain:
+            return None  # the C++ loop turns whole heads by position
         layers = [
             FusedLayer(block.input_layernorm.weight, block.post_attention_layernorm.weight, block.self_attn.qkv_proj,
                        block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj, block.self_attn.attn)

@@ -2,7 +2,10 @@
 their mirror in CPU memory for swapping, and the block copies the scheduler asks for.
 
 Pools are allocated once, at start-up, from a memory budget; one key pool and one value pool per
-layer, in the layout the attention backend chooses.
+layer of a KV cache group (`kv_spec.kv_cache_groups`: all the layers, for a model whose layers
+attend alike; a hybrid model's groups share the pools, the i-th layer of each using the i-th),
+in the layout the attention backend chooses. A block id names the same slots in every pool, so
+copies and swaps move a block in all of them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ logger = logging.getLogger("pagedllm")
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values together."""
+    """Bytes one block takes across `num_layers` pools (the layers of a KV cache group), keys
+    and values together."""
     element = torch.tensor([], dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 

@@ -4,13 +4,13 @@ hundred kernel launches from Python.
 
 A graph replays fixed kernels on fixed addresses, so everything a decode step reads lives in
 static buffers sized for the largest bucket, refilled before each replay:
-- token ids, positions, slots, one row of the block table per sequence (as wide as the longest
-  context), and the Triton backend's work items (`decode_items`);
+- token ids, positions, slots and one row of the block table per sequence (as wide as the
+  longest context), in each KV cache group, and the Triton backend's work items (`decode_items`);
 - a batch of n sequences runs in the smallest bucket >= n; its rows past n are padding: slot -1
   (the KV write skips it), a work item of no token (attention reads and writes nothing), and
   their outputs are never read;
-- the flash-decoding split is fixed per bucket, for the longest context (partitions past a
-  shorter one see no key).
+- the flash-decoding split is fixed per bucket and group, for the longest context or the
+  group's window (partitions past a shorter one see no key).
 
 Only the model's forward pass is captured; logits and sampling run after it, eagerly, on the
 rows that are real. Prompt steps, batches past the largest bucket and contexts past
@@ -33,6 +33,7 @@ from pagedllm.attention.triton_backend import decode_items
 from pagedllm.config import GiB
 from pagedllm.core.scheduler_output import ScheduledSequence
 from pagedllm.utils import cdiv
+from pagedllm.worker.block_tables import block_table_array
 
 logger = logging.getLogger("pagedllm")
 
@@ -60,22 +61,30 @@ class DecodeGraphs:
         self.max_blocks = cdiv(max_model_len, block_size)
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(largest, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros((largest, self.max_blocks), dtype=torch.int32, device=device)
         self.items = torch.from_numpy(decode_items(np.zeros(0, dtype=np.int64), largest)).to(device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.long, device=device)
         attn = model.attention_layers[0]
         group = attn.num_heads // attn.num_kv_heads
+        # Each KV cache group's window (its layers share it), and slots and tables of its own.
+        windows = {layer.kv_cache_group: layer.sliding_window for layer in model.attention_layers}
+        self.group_windows = [windows[g] for g in range(len(windows))]
+        self.slot_mappings = [torch.full((largest,), -1, dtype=torch.long, device=device) for _ in windows]
+        self.block_tables = [torch.zeros((largest, self.max_blocks), dtype=torch.int32, device=device) for _ in windows]
         self.metadata: dict[int, AttentionMetadata] = {}
         for size in self.sizes:
-            plan = backend.static_decode_plan(self.items[:size], self.block_tables[:size], group, attn.head_dim,
-                                              attn.num_kv_heads, max_model_len)
-            self.metadata[size] = AttentionMetadata(
-                slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
-                seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], query_lens=[1] * size,
-                seq_lens_list=[max_model_len] * size, block_size=block_size, num_decodes=size, backend_plan=plan,
-            )
+            groups = [
+                AttentionMetadata(
+                    slot_mapping=slots[:size], query_start_loc=self.query_start_loc[: size + 1],
+                    seq_lens=self.seq_lens[:size], block_tables=tables[:size], query_lens=[1] * size,
+                    seq_lens_list=[max_model_len] * size, block_size=block_size, num_decodes=size,
+                    backend_plan=backend.static_decode_plan(self.items[:size], tables[:size], group, attn.head_dim,
+                                                            attn.num_kv_heads, max_model_len, window),
+                )
+                for slots, tables, window in zip(self.slot_mappings, self.block_tables, self.group_windows)
+            ]
+            groups[0].other_groups = groups[1:]
+            self.metadata[size] = groups[0]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # decode steps run through the static buffers (graphs, or their CPU stand-in)
@@ -122,14 +131,15 @@ class DecodeGraphs:
         num_seqs = len(items)
         size = self.bucket(num_seqs)
         positions = np.fromiter((item.start_position for item in items), dtype=np.int64, count=num_seqs)
-        block_tables = np.zeros((size, self.max_blocks), dtype=np.int32)
-        for i, item in enumerate(items):
-            block_tables[i, : len(item.block_table)] = item.block_table
-        slots = np.full(size, -1, dtype=np.int64)
-        slots[:num_seqs] = (
-            block_tables[np.arange(num_seqs), positions // self.block_size].astype(np.int64) * self.block_size
-            + positions % self.block_size
-        )
+        fills = []
+        for group, (slot_buffer, table_buffer) in enumerate(zip(self.slot_mappings, self.block_tables)):
+            block_tables = block_table_array([item.block_tables[group] for item in items], size, self.max_blocks)
+            slots = np.full(size, -1, dtype=np.int64)
+            slots[:num_seqs] = (
+                block_tables[np.arange(num_seqs), positions // self.block_size].astype(np.int64) * self.block_size
+                + positions % self.block_size
+            )
+            fills += [(slot_buffer, slots), (table_buffer, block_tables)]
         input_ids = np.zeros(size, dtype=np.int64)
         input_ids[:num_seqs] = [item.token_ids[0] for item in items]
         padded_positions = np.zeros(size, dtype=np.int64)
@@ -137,8 +147,8 @@ class DecodeGraphs:
         seq_lens = np.zeros(size, dtype=np.int64)
         seq_lens[:num_seqs] = positions + 1
         for buffer, values in (
-            (self.input_ids, input_ids), (self.positions, padded_positions), (self.slot_mapping, slots),
-            (self.seq_lens, seq_lens), (self.block_tables, block_tables), (self.items, decode_items(positions + 1, size)),
+            (self.input_ids, input_ids), (self.positions, padded_positions), (self.seq_lens, seq_lens),
+            (self.items, decode_items(positions + 1, size)), *fills,
         ):
             buffer[:size].copy_(torch.from_numpy(values), non_blocking=True)
         self.replays += 1

@@ -3,6 +3,7 @@ metadata, the model runs over every scheduled token at once, and the driver samp
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -14,13 +15,15 @@ from pagedllm.core.model_output import ModelRunnerOutput, SequenceStepOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.sampling import Sampler, prompt_logprobs
 from pagedllm.utils import cdiv
+from pagedllm.worker.block_tables import block_table_array
 from pagedllm.worker.cuda_graphs import DecodeGraphs
 
 
 def build_attention_metadata(
     items: list[ScheduledSequence], block_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Flat input ids and positions, and the metadata of a batch (decodes must come first)."""
+    """Flat input ids and positions, and the metadata of a batch (decodes must come first),
+    with one block table and slot mapping per KV cache group."""
     num_seqs = len(items)
     query_lens = np.fromiter((len(item.token_ids) for item in items), dtype=np.int64, count=num_seqs)
     starts = np.fromiter((item.start_position for item in items), dtype=np.int64, count=num_seqs)
@@ -29,10 +32,7 @@ def build_attention_metadata(
     num_tokens = int(query_start_loc[-1])
     seq_index = np.repeat(np.arange(num_seqs), query_lens)
     positions = np.repeat(starts - query_start_loc[:-1], query_lens) + np.arange(num_tokens)
-    max_blocks = max(len(item.block_table) for item in items)
-    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-    for i, item in enumerate(items):
-        block_tables[i, : len(item.block_table)] = item.block_table
+    block_tables = block_table_array([item.block_table for item in items])
     slot_mapping = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
     input_ids = np.fromiter(
         (t for item in items for t in item.token_ids), dtype=np.int64, count=num_tokens
@@ -48,13 +48,23 @@ def build_attention_metadata(
         block_size=block_size,
         num_decodes=int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else num_seqs,
     )
+    for group in range(len(items[0].other_block_tables)):
+        tables = block_table_array([item.other_block_tables[group] for item in items])
+        slots = tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        metadata.other_groups.append(
+            dataclasses.replace(
+                metadata, slot_mapping=torch.from_numpy(slots).to(device),
+                block_tables=torch.from_numpy(tables).to(device), backend_plan=None, other_groups=[],
+            )
+        )
     return torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), metadata
 
 
 class ModelRunner:
     def __init__(self, model, block_size: int, device: torch.device, sampler: Sampler | None,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, num_kv_cache_groups: int = 1) -> None:
         self.model = model
+        self.num_kv_cache_groups = num_kv_cache_groups
         self.block_size = block_size
         self.device = device
         self.sampler = sampler  # only the driver samples
@@ -63,12 +73,13 @@ class ModelRunner:
     @torch.inference_mode()
     def time_prefill(self, num_tokens: int, repeats: int = 1) -> list[float]:
         """Seconds for each of `repeats` prefills of `num_tokens` tokens (after a warm-up run),
-        written into the first blocks of the cache: only for start-up profiling, before any
-        request exists."""
+        written into the first blocks of the cache (those of each KV cache group in turn): only
+        for start-up profiling, before any request exists."""
         num_blocks = cdiv(num_tokens, self.block_size)
+        tables = [list(range(g * num_blocks, (g + 1) * num_blocks)) for g in range(self.num_kv_cache_groups)]
         item = ScheduledSequence(
             seq_id=-1, request_id="", token_ids=[0] * num_tokens, start_position=0,
-            block_table=list(range(num_blocks)), sampling_params=None,
+            block_table=tables[0], sampling_params=None, other_block_tables=tables[1:],
         )
         input_ids, positions, metadata = build_attention_metadata([item], self.block_size, self.device)
         times = []

@@ -12,6 +12,7 @@ from pagedllm.config import GiB, EngineConfig
 from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.distributed import TensorParallelGroup
+from pagedllm.kv_spec import kv_cache_groups, layers_per_group
 from pagedllm.model import load_model, resolve_dtype
 from pagedllm.model.invariance import make_batch_invariant
 from pagedllm.model.fused_layers import enable_fused_layers
@@ -47,18 +48,20 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def profile_batch(num_tokens: int, max_model_len: int, block_size: int) -> list[ScheduledSequence]:
+def profile_batch(num_tokens: int, max_model_len: int, block_size: int, num_groups: int = 1) -> list[ScheduledSequence]:
     """Dummy prompts of `num_tokens` tokens in all (none longer than the context), on distinct
-    blocks numbered from 0: the largest step the scheduler may send, for memory profiling."""
+    blocks numbered from 0 (one table per KV cache group): the largest step the scheduler may
+    send, for memory profiling."""
     items, first_block = [], 0
     while num_tokens > 0:
         length = min(num_tokens, max_model_len)
         blocks = cdiv(length, block_size)
+        tables = [list(range(first_block + g * blocks, first_block + (g + 1) * blocks)) for g in range(num_groups)]
         items.append(ScheduledSequence(
             seq_id=-1 - len(items), request_id="", token_ids=[0] * length, start_position=0,
-            block_table=list(range(first_block, first_block + blocks)), sampling_params=None,
+            block_table=tables[0], sampling_params=None, other_block_tables=tables[1:],
         ))
-        first_block += blocks
+        first_block += num_groups * blocks
         num_tokens -= length
     return items
 
@@ -113,8 +116,12 @@ class Worker:
         self.num_kv_heads = self.kv_cache_spec[0].num_kv_heads
         self.head_dim = self.kv_cache_spec[0].head_dim
         self.num_layers = len(self.kv_cache_spec)
+        # Layers grouped by window, one block table each; a block id spans one key and one value
+        # tensor per layer of a group (all the layers, for a model whose layers attend alike).
+        self.kv_cache_groups = kv_cache_groups(self.kv_cache_spec)
+        self.num_kv_tensors = layers_per_group(self.kv_cache_groups)
         self.block_bytes = bytes_per_block(
-            self.num_layers, config.cache.block_size, self.num_kv_heads, self.head_dim, self.cache_dtype
+            self.num_kv_tensors, config.cache.block_size, self.num_kv_heads, self.head_dim, self.cache_dtype
         )
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
@@ -146,16 +153,16 @@ class Worker:
         the KV cache gets what is left of `gpu_memory_utilization` of the device."""
         sched = self.config.scheduler
         block_size = self.config.cache.block_size
-        items = profile_batch(sched.max_num_batched_tokens, self.max_model_len, block_size)
-        num_blocks = sum(len(item.block_table) for item in items)
+        items = profile_batch(sched.max_num_batched_tokens, self.max_model_len, block_size, len(self.kv_cache_groups))
+        num_blocks = sum(len(table) for item in items for table in item.block_tables)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)  # CUDA context, libraries
-        scratch = CacheEngine(self.backend, self.num_layers, self.num_kv_heads, self.head_dim, block_size,
+        scratch = CacheEngine(self.backend, self.num_kv_tensors, self.num_kv_heads, self.head_dim, block_size,
                               num_blocks, 0, self.cache_dtype, self.device)
-        self.model.bind_kv_cache(scratch.key_caches, scratch.value_caches)
+        self._bind_kv_cache(scratch)
         with torch.inference_mode():
             input_ids, positions, metadata = build_attention_metadata(items, block_size, self.device)
             hidden = self.model(input_ids, positions, metadata)
@@ -179,7 +186,7 @@ class Worker:
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_engine = CacheEngine(
             self.backend,
-            self.num_layers,
+            self.num_kv_tensors,
             self.num_kv_heads,
             self.head_dim,
             self.config.cache.block_size,
@@ -188,9 +195,19 @@ class Worker:
             self.cache_dtype,
             self.device,
         )
-        self.model.bind_kv_cache(self.cache_engine.key_caches, self.cache_engine.value_caches)
+        self._bind_kv_cache(self.cache_engine)
         sampler = Sampler(self.config.model.seed) if self.tp.is_driver else None
-        self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device, sampler, self._decode_graphs())
+        self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device, sampler, self._decode_graphs(),
+                                  len(self.kv_cache_groups))
+
+    def _bind_kv_cache(self, cache: CacheEngine) -> None:
+        """Each layer gets the tensors of its place in its KV cache group (the i-th layer of every
+        group shares the i-th tensor: a block id belongs to one group at a time)."""
+        keys, values, groups = [None] * self.num_layers, [None] * self.num_layers, [0] * self.num_layers
+        for g, group in enumerate(self.kv_cache_groups):
+            for i, layer in enumerate(group.layers):
+                keys[layer], values[layer], groups[layer] = cache.key_caches[i], cache.value_caches[i], g
+        self.model.bind_kv_cache(keys, values, groups)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs of decode steps, captured now: on a GPU with the Triton backend, unless
@@ -220,7 +237,8 @@ class Worker:
         cache = self.cache_engine
         block_size = self.config.cache.block_size
         num = min(PROFILE_SWAP_BLOCKS, cache.num_device_blocks, cache.num_cpu_blocks)
-        num_tokens = min(PROFILE_PREFILL_TOKENS, cache.num_device_blocks * block_size, self.max_model_len)
+        per_group_blocks = cache.num_device_blocks // len(self.kv_cache_groups)
+        num_tokens = min(PROFILE_PREFILL_TOKENS, per_group_blocks * block_size, self.max_model_len)
         parts = (
             model_identity(resolve_model(self.config.model.model).path), machine_identity(), self.device.type,
             self.dtype, self.cache_dtype, type(self.backend).__name__, self.kv_cache_shape(), self.tp.size,

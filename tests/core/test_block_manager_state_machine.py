@@ -2,9 +2,15 @@
 
 Besides the bookkeeping invariants (reference counts equal table references, the free queue
 holds exactly the unreferenced blocks, no leaks, no double frees), a simulated KV memory checks
-the meaning of it all: each block slot records which token was written there, the copies and
-swaps the manager asks for are carried out on it, and reading any live sequence through its
-block table must give back exactly its computed tokens.
+the meaning of it all: each block slot records which token was written there (and by which KV
+cache group's layers), the copies and swaps the manager asks for are carried out on it, and
+reading any live sequence through its block tables must give back exactly its computed tokens:
+all of them in a full-attention group, those its next token still sees in a sliding-window
+group, whose other blocks must have gone back to the pool.
+
+The manager's groups are drawn too: one full-attention group (a plain model), one sliding
+window (Mistral), a full and a windowed group (a hybrid: Qwen2, Gemma), two windows of
+different sizes, and a window of one token.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.core import BlockManager, Sequence
+from pagedllm.kv_spec import first_block_in_window
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -22,9 +29,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(4, 24),
         num_cpu_blocks=st.integers(0, 12),
         caching=st.booleans(),
+        windows=st.sampled_from([(None,), (None,), (3,), (6,), (None, 4), (None, 2, 2), (5, 2), (1,)]),
     )
-    def setup(self, block_size, num_blocks, num_cpu_blocks, caching):
-        self.bm = BlockManager(block_size, num_blocks, num_cpu_blocks, enable_prefix_caching=caching, watermark=0.0)
+    def setup(self, block_size, num_blocks, num_cpu_blocks, caching, windows):
+        self.bm = BlockManager(
+            block_size, num_blocks, num_cpu_blocks, enable_prefix_caching=caching, watermark=0.0, group_windows=windows
+        )
+        self.windows = windows
         self.bs = block_size
         self.device = {b: [None] * block_size for b in range(num_blocks)}
         self.cpu = {b: [None] * block_size for b in range(num_cpu_blocks)}
@@ -52,12 +63,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.device[dst] = list(self.device[src])
 
     def _compute(self, seq: Sequence, n: int):
-        """Write n more tokens of seq into its slots, as the model would."""
-        table = self.bm.block_ids(seq.seq_id)
-        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            self.device[table[pos // self.bs]][pos % self.bs] = seq.token_ids[pos]
+        """Write n more tokens of seq into its slots, each group's layers into its own blocks, as
+        the model would; the step reads the window before its first token, which must be there."""
+        start = seq.num_computed_tokens
+        for group, (window, table) in enumerate(zip(self.windows, self.bm.block_tables(seq.seq_id))):
+            seen = start if window is None else min(start, window - 1)
+            assert self._read(self.device, table, group, start - seen, start) == seq.token_ids[start - seen : start]
+            for pos in range(start, start + n):
+                self.device[table[pos // self.bs]][pos % self.bs] = (group, seq.token_ids[pos])
         seq.num_computed_tokens += n
+        freed = self.bm.num_window_frees
         self.bm.commit(seq)
+        if self.bm.num_window_frees > freed:
+            event("blocks left a window")
+
+    def _read(self, memory, table, group, begin, end):
+        """Tokens at positions [begin, end) through one group's table, as that group wrote them."""
+        stored = []
+        for p in range(begin, end):
+            block = table[p // self.bs]
+            assert block is not None, f"position {p} is read but its block was freed"
+            written = memory[block][p % self.bs]
+            assert written is None or written[0] == group, f"block {block} holds another group's keys"
+            stored.append(None if written is None else written[1])
+        return stored
 
     # --- rules -------------------------------------------------------------------------------
 
@@ -75,17 +104,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.waiting.append(Sequence(self.next_id, other.token_ids[:keep] + tokens))
         self.next_id += 1
 
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 100), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=3))
+    def add_extending(self, i, tokens):
+        """A prompt that repeats all of a running sequence and goes on: a long hit, past windows."""
+        other = self.running[i % len(self.running)]
+        self.waiting.append(Sequence(self.next_id, other.token_ids + tokens))
+        self.next_id += 1
+
     @precondition(lambda self: self.waiting)
     @rule(i=st.integers(0, 100))
     def admit(self, i):
         seq = self.waiting[i % len(self.waiting)]
         prefix = self.bm.find_cached_prefix(seq)
-        for block, expected in zip(prefix, range(len(prefix))):
-            # A hit must hold exactly this sequence's tokens.
-            assert self.device[block.block_id] == seq.token_ids[expected * self.bs : (expected + 1) * self.bs]
+        for group, table in enumerate(prefix.tables):
+            assert len(table) == len(prefix)
+            for index, block in enumerate(table):
+                if block is not None:  # a hit must hold exactly this sequence's tokens, from its group
+                    expected = seq.token_ids[index * self.bs : (index + 1) * self.bs]
+                    assert self.device[block.block_id] == [(group, t) for t in expected]
         cached = len(prefix) * self.bs
         if prefix:
             event("prefix-cache hit")
+        if any(None in table for table in prefix.tables):
+            event("prefix-cache hit that needs no block before the window")
         assert cached < seq.num_tokens, "at least one token is always left to compute"
         n = seq.num_tokens - cached
         free_before = self.bm.num_free_blocks
@@ -136,7 +178,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         child = parent.fork(self.next_id)
         self.next_id += 1
         self.bm.fork(parent, child, share=False)
-        assert not set(self.bm.block_ids(child.seq_id)) & set(self.bm.block_ids(parent.seq_id))
+        assert not set(self.bm.live_tables()[child.seq_id]) & set(self.bm.live_tables()[parent.seq_id])
         self._carry_out()
         self.running.append(child)
 
@@ -214,26 +256,35 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert sorted(queued) == sorted(b.block_id for b in pool.blocks if b.ref_count == 0)
 
     @invariant()
-    def tables_waste_at_most_one_partial_block(self):
+    def tables_hold_exactly_the_blocks_still_read(self):
+        """At most one partial block wasted per table, and in a windowed group no block that the
+        window has left: those are back in the pool."""
         if not hasattr(self, "bm"):
             return
-        for seq in self.running:
-            assert len(self.bm.block_ids(seq.seq_id)) == -(-seq.num_computed_tokens // self.bs)
+        for seqs, tables_of in ((self.running, self.bm.block_tables), (self.swapped, self.bm.cpu_block_tables)):
+            for seq in seqs:
+                c = seq.num_computed_tokens
+                for window, table in zip(self.windows, tables_of(seq.seq_id)):
+                    assert len(table) == -(-c // self.bs)
+                    first = first_block_in_window(window, c, self.bs)
+                    assert table[:first] == [None] * first and None not in table[first:]
         assert set(self.bm.live_tables()) == {s.seq_id for s in self.running}
         assert set(self.bm.live_cpu_tables()) == {s.seq_id for s in self.swapped}
 
     @invariant()
     def every_sequence_reads_back_its_own_tokens(self):
+        """Every token its next step sees: all of them in a full-attention group, the window's
+        last W - 1 in a windowed one (the next token itself is the window's W-th)."""
         if not hasattr(self, "bm"):
             return
-        for seq in self.running:
-            table = self.bm.block_ids(seq.seq_id)
-            stored = [self.device[table[p // self.bs]][p % self.bs] for p in range(seq.num_computed_tokens)]
-            assert stored == seq.token_ids[: seq.num_computed_tokens]
-        for seq in self.swapped:
-            table = self.bm.cpu_block_ids(seq.seq_id)
-            stored = [self.cpu[table[p // self.bs]][p % self.bs] for p in range(seq.num_computed_tokens)]
-            assert stored == seq.token_ids[: seq.num_computed_tokens]
+        for memory, seqs, tables_of in (
+            (self.device, self.running, self.bm.block_tables), (self.cpu, self.swapped, self.bm.cpu_block_tables)
+        ):
+            for seq in seqs:
+                c = seq.num_computed_tokens
+                for group, (window, table) in enumerate(zip(self.windows, tables_of(seq.seq_id))):
+                    seen = c if window is None else min(c, window - 1)
+                    assert self._read(memory, table, group, c - seen, c) == seq.token_ids[c - seen : c]
 
     @invariant()
     def the_managers_own_invariant_check_agrees(self):

@@ -221,3 +221,25 @@ def test_a_large_pool_folds_into_at_most_max_cells_keeping_every_count():
 def test_max_cells_must_be_positive():
     with pytest.raises(ValueError, match="max_cells"):
         aggregate_cells(PoolView(4, 4, BLOCK_SIZE), max_cells=0)
+
+
+def test_a_hybrid_managers_snapshot_shows_every_groups_table_and_the_freed_entries():
+    """A full and a windowed group (window 5): the windowed table's entries before the window
+    are None with no tokens, every group's live blocks are owned and counted, and the JSON
+    carries both tables."""
+    from pagedllm.engine.kv_json import snapshot_json
+
+    bm = BlockManager(BLOCK_SIZE, 32, 8, enable_prefix_caching=True, watermark=0.0, group_windows=(None, 5))
+    seq = Sequence(0, list(range(18)))
+    _admit(bm, seq)  # 18 tokens: the next one sees 14..18, so blocks 0..2 of the windowed group are freed
+    snapshot = build_kv_snapshot(bm, [_group("long", [seq], SequenceStatus.RUNNING)])
+    (view,) = snapshot.requests[0].seqs
+    full, windowed = bm.block_tables(0)
+    assert view.block_ids == full and view.other_block_ids == [windowed]
+    assert windowed[:3] == [None] * 3 and None not in windowed[3:]
+    assert view.num_tokens == [4, 4, 4, 4, 2]
+    held = {b for b in full + windowed if b is not None}
+    assert set(snapshot.device.ref_counts) == held and all(snapshot.device.ref_counts[b] == 1 for b in held)
+    assert snapshot.device.partial == {full[-1]: 2, windowed[-1]: 2}
+    payload = snapshot_json(snapshot)["requests"][0]["seqs"][0]
+    assert payload["other_block_ids"] == [windowed]

@@ -218,3 +218,23 @@ def test_a_static_batch_computes_its_prompts_in_one_step_whatever_the_budget():
 
 def test_order_for_rounds_up_to_a_power_of_two():
     assert [order_for(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
+
+
+def test_a_model_of_two_kv_cache_groups_reserves_a_span_for_each():
+    """A hybrid model (full and windowed layers) under a reservation policy: each sequence's run
+    holds one span per group, so the groups' tables never share a block, and windows free
+    nothing (the run is reserved whole)."""
+    from pagedllm.config import SchedulerConfig
+    from pagedllm.core import Sequence, SequenceGroup
+    from pagedllm.sampling_params import SamplingParams
+
+    bm = ReservationBlockManager(KVPolicy.ORCA_ORACLE, 4, 64, max_model_len=64, num_groups=2)
+    scheduler = ReservationScheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    group = SequenceGroup("r", [Sequence(0, list(range(10)))], SamplingParams(max_tokens=6, ignore_eos=True), 0.0)
+    scheduler.add(group)
+    out = scheduler.schedule()
+    (item,) = out.seqs
+    full, windowed = item.block_tables
+    assert len(full) == len(windowed) == 3 and not set(full) & set(windowed)
+    assert bm.num_free_blocks == 64 - 8  # ceil(15 / 4) = 4 blocks a group, 8 in a run of 8
+    bm.check_invariants()

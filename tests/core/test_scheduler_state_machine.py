@@ -43,8 +43,13 @@ class StandInEngine:
         caching: bool = False,
         watermark: float = 0.0,
         swap_cost_per_block: float = 1.0,
+        group_windows: tuple[int | None, ...] = (None,),
     ) -> None:
-        self.bm = BlockManager(block_size, num_blocks, num_cpu_blocks, enable_prefix_caching=caching, watermark=watermark)
+        self.bm = BlockManager(
+            block_size, num_blocks, num_cpu_blocks, enable_prefix_caching=caching, watermark=watermark,
+            group_windows=group_windows,
+        )
+        self.group_windows = group_windows
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -113,11 +118,23 @@ class StandInEngine:
             self.device[dst] = list(self.device[src])
 
     def _write(self, item) -> None:
-        for offset, token in enumerate(item.token_ids):
-            pos = item.start_position + offset
-            block = item.block_table[pos // self.block_size]
-            assert self.bm.ref_count(block) == 1, f"sequence {item.seq_id} writes position {pos} into shared block {block}"
-            self.device[block][pos % self.block_size] = token
+        """Each KV cache group's layers write into that group's blocks (tokens tagged with it)."""
+        for group, table in enumerate(item.block_tables):
+            for offset, token in enumerate(item.token_ids):
+                pos = item.start_position + offset
+                block = table[pos // self.block_size]
+                assert block is not None, f"sequence {item.seq_id} writes position {pos} into a freed entry"
+                assert self.bm.ref_count(block) == 1, f"sequence {item.seq_id} writes position {pos} into shared block {block}"
+                self.device[block][pos % self.block_size] = (group, token)
+
+    def read(self, memory, table, group: int, begin: int, end: int) -> list:
+        """The tokens at positions [begin, end) through one group's table."""
+        stored = []
+        for p in range(begin, end):
+            written = memory[table[p // self.block_size]][p % self.block_size]
+            assert written is None or written[0] == group, f"position {p} reads another group's keys"
+            stored.append(None if written is None else written[1])
+        return stored
 
     def _sample(self, group: SequenceGroup, parent: Sequence, num_samples: int) -> None:
         seqs = [parent]
@@ -147,8 +164,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.0, 0.2]),
         swap_cost_per_block=st.sampled_from([0.5, 0.5, 4.0]),  # auto: swap when blocks * cost < tokens
+        # A plain model, every layer sliding (Mistral), and a hybrid of full and windowed layers.
+        group_windows=st.sampled_from([(None,), (None,), (3,), (None, 2)]),
     )
-    def setup(self, block_size, num_blocks, num_cpu_blocks, mode, max_num_seqs, extra_budget, caching, watermark, swap_cost_per_block):
+    def setup(self, block_size, num_blocks, num_cpu_blocks, mode, max_num_seqs, extra_budget, caching, watermark,
+              swap_cost_per_block, group_windows):
         self.engine = StandInEngine(
             block_size,
             num_blocks,
@@ -159,6 +179,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             caching=caching,
             watermark=watermark,
             swap_cost_per_block=swap_cost_per_block,
+            group_windows=group_windows,
         )
         self.bm = self.engine.bm
         self.sched = self.engine.scheduler
@@ -252,7 +273,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert item.start_position == seq.num_computed_tokens
             assert item.token_ids == seq.token_ids[item.start_position : end]
             assert len(item.block_table) * self.bs >= end, f"block table of {seq.seq_id} ends before position {end - 1}"
-            assert item.block_table == self.bm.block_ids(seq.seq_id)
+            assert item.block_tables == self.bm.block_tables(seq.seq_id)
 
     # --- invariants --------------------------------------------------------------------------
 
@@ -279,11 +300,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     def kv_cache_holds_every_live_sequences_computed_tokens(self):
         if not hasattr(self, "bm"):
             return
-        for memory, tables in ((self.engine.device, self.bm.live_tables()), (self.engine.cpu, self.bm.live_cpu_tables())):
-            for seq_id, table in tables.items():
+        for memory, live, tables_of in (
+            (self.engine.device, self.bm.live_tables(), self.bm.block_tables),
+            (self.engine.cpu, self.bm.live_cpu_tables(), self.bm.cpu_block_tables),
+        ):
+            for seq_id in live:
                 seq = self.engine.seqs[seq_id]
-                stored = [memory[table[p // self.bs]][p % self.bs] for p in range(seq.num_computed_tokens)]
-                assert stored == seq.token_ids[: seq.num_computed_tokens], f"sequence {seq_id} reads back wrong KV"
+                c = seq.num_computed_tokens
+                for group, (window, table) in enumerate(zip(self.engine.group_windows, tables_of(seq_id))):
+                    seen = c if window is None else min(c, window - 1)  # what the next token sees
+                    stored = self.engine.read(memory, table, group, c - seen, c)
+                    assert stored == seq.token_ids[c - seen : c], f"sequence {seq_id} reads back wrong KV"
 
     def _check_invariants(self) -> None:
         self.block_manager_invariants_hold()
@@ -318,7 +345,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 # Failing is right only for a request that cannot fit alone even with a private
                 # copy of every block (a recomputed group loses its sharing).
                 failed_seqs = group.seqs_with_status(SequenceStatus.FINISHED_ERROR)
-                needed = sum(self.bm.blocks_for_tokens(s.num_tokens) for s in failed_seqs)
+                budget = self.config.max_num_batched_tokens
+                needed = sum(self.bm.max_blocks_of_sequence(s.num_tokens, budget) for s in failed_seqs)
                 assert needed > capacity, f"{request_id} failed though its {needed} blocks fit in {capacity}"
             elif request_id in self.aborted:
                 assert group.is_finished

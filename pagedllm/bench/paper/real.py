@@ -52,7 +52,8 @@ def use_policy(engine, policy: str) -> None:
     config = dataclasses.replace(old.config, kv_policy=policy)
     bm = old.block_manager
     scheduler = create_scheduler(
-        config, bm.block_size, bm.num_total_blocks, bm.num_cpu_blocks, engine.max_model_len, enable_prefix_caching=False
+        config, bm.block_size, bm.num_total_blocks, bm.num_cpu_blocks, engine.max_model_len, enable_prefix_caching=False,
+        group_windows=engine.core.group_windows,
     )
     engine.core.scheduler = scheduler
     engine.core.block_manager = scheduler.block_manager

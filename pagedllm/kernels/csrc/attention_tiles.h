@@ -102,6 +102,40 @@ inline float softmax_numerators(float* s, int n, float max) {
   return sum;
 }
 
+// tanh of 8 floats (Cephes' single-precision tanhf, relative error ~1e-7): an odd polynomial
+// below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1) above it, with x's sign.
+inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 poly = _mm256_set1_ps(-5.70498872745e-3f);
+  poly = _mm256_fmadd_ps(poly, z, _mm256_set1_ps(2.06390887954e-2f));
+  poly = _mm256_fmadd_ps(poly, z, _mm256_set1_ps(-5.37397155531e-2f));
+  poly = _mm256_fmadd_ps(poly, z, _mm256_set1_ps(1.33314422036e-1f));
+  poly = _mm256_fmadd_ps(poly, z, _mm256_set1_ps(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(poly, z), x, x);
+  const __m256 e = exp8(_mm256_add_ps(ax, ax));
+  const __m256 large = _mm256_or_ps(
+      _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f)))),
+      sign);
+  return _mm256_blendv_ps(large, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+}
+
+// s[i] = cap * tanh(s[i] / cap) for i < n (logit soft-capping), 8 at a time; the last few go
+// through the same vector code, so a score does not depend on where it falls in the row.
+inline void soft_cap(float* s, int n, float cap) {
+  const __m256 vcap = _mm256_set1_ps(cap), vinv = _mm256_set1_ps(1.0f / cap);
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(s + i, _mm256_mul_ps(vcap, tanh8(_mm256_mul_ps(_mm256_loadu_ps(s + i), vinv))));
+  if (i < n) {
+    float tail[8] = {};
+    std::memcpy(tail, s + i, sizeof(float) * (n - i));
+    _mm256_storeu_ps(tail, _mm256_mul_ps(vcap, tanh8(_mm256_mul_ps(_mm256_loadu_ps(tail), vinv))));
+    std::memcpy(s + i, tail, sizeof(float) * (n - i));
+  }
+}
+
 // scores[r * score_stride + j] = scale * q_r . keys[j], for R query rows (stride head_dim) and
 // n keys of one tile (head_dim a multiple of 8). Four keys at a time: 4R accumulators.
 template <int R, typename T>
@@ -262,6 +296,10 @@ inline float softmax_numerators(float* s, int n, float max) {
     sum += s[pos];
   }
   return sum;
+}
+
+inline void soft_cap(float* s, int n, float cap) {
+  for (int i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
 }
 #endif
 

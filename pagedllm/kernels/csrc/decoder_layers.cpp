@@ -26,12 +26,12 @@ void silu_and_mul_f32(float* out, const float* x, int num_rows, int dim, int num
 void write_kv_f32_f32(const void* key, const void* value, void* key_cache, void* value_cache, int64_t block_stride,
                       int64_t head_stride, const int64_t* slot_mapping, int num_tokens, int num_kv_heads,
                       int head_dim, int block_size);
-void paged_attention_f32_f32(void* out, const void* query, const void* key_cache, const void* value_cache,
+void paged_attention_f32_f32_windowed(void* out, const void* query, const void* key_cache, const void* value_cache,
                              int64_t block_stride, int64_t head_stride, const int32_t* block_tables,
                              int64_t block_table_stride, const int32_t* item_seq, const int32_t* item_first_token,
                              const int32_t* item_num_tokens, int num_items, const int32_t* token_context,
                              int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                             int fixed_partition_blocks, int num_threads);
+                             int fixed_partition_blocks, int sliding_window, float logits_soft_cap, int num_threads);
 }
 
 namespace {
@@ -54,19 +54,22 @@ struct Layer {
   Projection qkv, o, gate_up, down;
   float* key_cache;
   float* value_cache;
+  int32_t kv_group;        // the KV cache group whose block tables and slots address its pools
+  int32_t sliding_window;  // keys each token sees (0: its whole context)
 };
 
-// The step: its tokens, the attention plan (attention/cpu.py's _Plan) and scratch buffers.
+// The step: its tokens, the attention plan (attention/cpu.py's _Plan) and scratch buffers. Slots
+// and block tables come per KV cache group (one, for a model whose layers attend alike).
 struct Step {
   int32_t num_tokens, hidden_size, num_heads, num_kv_heads, head_dim, block_size, intermediate_size, num_threads;
   float eps, scale;
   const int64_t* positions;
   const float* cos_cache;
   const float* sin_cache;
-  const int64_t* slot_mapping;
+  const int64_t* const* slot_mappings;  // [groups]
   int64_t block_stride, head_stride;
-  const int32_t* block_tables;
-  int64_t block_table_stride;
+  const int32_t* const* block_tables;  // [groups]
+  const int64_t* block_table_strides;  // [groups]
   const int32_t* item_seq;
   const int32_t* item_first_token;
   const int32_t* item_num_tokens;
@@ -145,12 +148,14 @@ void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, floa
     gather_columns(s->value, s->qkv, T, qkv_width, q_width + kv_width, kv_width);
     timer.lap(kCopies);
     write_kv_f32_f32(s->key, s->value, layer.key_cache, layer.value_cache, s->block_stride, s->head_stride,
-                     s->slot_mapping, T, s->num_kv_heads, s->head_dim, s->block_size);
+                     s->slot_mappings[layer.kv_group], T, s->num_kv_heads, s->head_dim, s->block_size);
     timer.lap(kKvWrite);
-    paged_attention_f32_f32(s->attn, s->query, layer.key_cache, layer.value_cache, s->block_stride, s->head_stride,
-                            s->block_tables, s->block_table_stride, s->item_seq, s->item_first_token,
+    paged_attention_f32_f32_windowed(s->attn, s->query, layer.key_cache, layer.value_cache, s->block_stride, s->head_stride,
+                            s->block_tables[layer.kv_group], s->block_table_strides[layer.kv_group], s->item_seq,
+                            s->item_first_token,
                             s->item_num_tokens, static_cast<int>(s->num_items), s->token_context, s->num_heads,
-                            s->num_kv_heads, s->head_dim, s->block_size, s->scale, 0, threads);
+                            s->num_kv_heads, s->head_dim, s->block_size, s->scale, 0, layer.sliding_window, 0.0f,
+                            threads);
     timer.lap(kAttention);
     project(hidden, s->attn, layer.o, T, threads);
     timer.lap(kProjections);

@@ -12,6 +12,12 @@
 // context is split into partitions only when there are too few sequences to keep every thread
 // busy (a few long decodes); their partial softmax sums are merged at the end.
 //
+// Sliding windows (`sliding_window` W > 0): a token at position p sees keys p - W + 1 .. p, so an
+// item's work starts at the block holding its first token's first visible key; blocks before it
+// are never read (in a sliding-window layer they may already hold other sequences' keys). Logit
+// soft-capping (`logits_soft_cap` c > 0, Gemma 2): scores become c * tanh(score / c) before the
+// softmax. Zero for either: not applied, the loops as without them.
+//
 // Plain C++ with no torch headers (it compiles in about a second); called through ctypes with
 // raw pointers. Element types: float32, and bfloat16 stored as uint16 (math in float32). With
 // AVX2 and head_dim a multiple of 8 the inner loops use intrinsics (AVX-512 where the CPU has it:
@@ -65,6 +71,8 @@ struct Problem {
   // > 0: every context is cut into partitions of exactly this many blocks from its start, the
   // same whatever else is in the batch (batch-invariant mode); 0: as many as keep threads busy.
   int fixed_partition_blocks;
+  int sliding_window;     // > 0: keys each token sees, itself included; 0: its whole context
+  float logits_soft_cap;  // > 0: scores are soft-capped at it; 0: not
 };
 
 // One work unit: the query rows of an item (a tile of one sequence's query tokens) for a group
@@ -75,11 +83,10 @@ struct Unit {
 };
 
 // The work of one call. A split item's partitions are consecutive in `units`, the first one at
-// block 0: the merge finds them from there.
+// the item's first block: the merge finds them from there.
 struct Plan {
   std::vector<Unit> units;
   std::vector<int> item_partitions;
-  std::vector<int> item_partition_blocks;
   int heads_per_unit;
   int64_t partial_rows;  // rows of partial results, over all split items
 };
@@ -95,6 +102,26 @@ inline int item_context(const Problem<Q, T>& pb, int item) {
   return context;
 }
 
+// The first key a token seeing `context` keys may see: 0, or the start of its window.
+template <typename Q, typename T>
+inline int first_visible_key(const Problem<Q, T>& pb, int context) {
+  return pb.sliding_window > 0 && context > pb.sliding_window ? context - pb.sliding_window : 0;
+}
+
+// The first block the item reads: its first token sees the earliest keys.
+template <typename Q, typename T>
+inline int item_first_block(const Problem<Q, T>& pb, int item) {
+  return first_visible_key(pb, pb.token_context[pb.item_first_token[item]]) / pb.block_size;
+}
+
+// Where the item's first partition starts: at its first block, or with fixed partitions at a
+// multiple of their size from block 0 (wherever a window starts, so that a token sees each key
+// in the same partition whatever item it comes in).
+template <typename Q, typename T>
+inline int partition_start(const Problem<Q, T>& pb, int first_block, int per_part) {
+  return pb.fixed_partition_blocks > 0 ? first_block - first_block % per_part : first_block;
+}
+
 // An item takes all KV heads (a block's heads lie side by side: one contiguous read) and, when
 // there are too few items to keep every thread busy, its context is split into partitions whose
 // partial softmax results are merged afterwards (as flash-decoding does). Only when even that
@@ -106,23 +133,23 @@ Plan plan_units(const Problem<Q, T>& pb, int num_threads) {
   const int min_partition_blocks = (kMinPartitionTokens + block_size - 1) / block_size;
   const int partitions_wanted = (wanted_units + num_items - 1) / num_items;
   Plan plan;
-  std::vector<int> item_blocks(num_items);
+  std::vector<int> item_end_block(num_items), item_partition_blocks(num_items);
   std::vector<int>& item_partitions = plan.item_partitions;
-  std::vector<int>& item_partition_blocks = plan.item_partition_blocks;
   item_partitions.resize(num_items);
-  item_partition_blocks.resize(num_items);
   int64_t num_units = 0;
   for (int item = 0; item < num_items; ++item) {
-    item_blocks[item] = (item_context(pb, item) + block_size - 1) / block_size;
+    const int first = item_first_block(pb, item);
+    const int end = (item_context(pb, item) + block_size - 1) / block_size;
+    item_end_block[item] = end;
     int per_part = pb.fixed_partition_blocks;
     if (per_part <= 0) {
-      int parts = item_blocks[item] / min_partition_blocks;
+      int parts = (end - first) / min_partition_blocks;
       parts = parts < 1 ? 1 : parts > partitions_wanted ? partitions_wanted : parts;
       // Whole blocks per partition; rounding up may leave fewer partitions than asked for.
-      per_part = (item_blocks[item] + parts - 1) / parts;
+      per_part = (end - first + parts - 1) / parts;
     }
     item_partition_blocks[item] = per_part;
-    item_partitions[item] = (item_blocks[item] + per_part - 1) / per_part;
+    item_partitions[item] = (end - partition_start(pb, first, per_part) + per_part - 1) / per_part;
     num_units += item_partitions[item];
   }
   const int heads_per_unit = num_units >= 2 * num_threads ? num_kv_heads : 1;
@@ -130,11 +157,13 @@ Plan plan_units(const Problem<Q, T>& pb, int num_threads) {
   plan.units.reserve(static_cast<size_t>(num_units) * (num_kv_heads / heads_per_unit));
   int64_t partial_rows = 0;
   for (int item = 0; item < num_items; ++item) {
-    const int parts = item_partitions[item], blocks = item_blocks[item], per_part = item_partition_blocks[item];
+    const int parts = item_partitions[item], end = item_end_block[item], per_part = item_partition_blocks[item];
     const int rows = pb.item_num_tokens[item] * pb.group * heads_per_unit;
+    // The first fixed partition may start before the window: its unit reads from the window on.
+    const int first = item_first_block(pb, item);
     for (int first_head = 0; first_head < num_kv_heads; first_head += heads_per_unit)
-      for (int b = 0; b < blocks; b += per_part) {  // every token sees itself: blocks >= 1
-        plan.units.push_back({item, first_head, b, std::min(b + per_part, blocks), parts > 1 ? partial_rows : -1});
+      for (int b = partition_start(pb, first, per_part); b < end; b += per_part) {  // every token sees itself
+        plan.units.push_back({item, first_head, std::max(b, first), std::min(b + per_part, end), parts > 1 ? partial_rows : -1});
         if (parts > 1) partial_rows += rows;
       }
   }
@@ -295,13 +324,17 @@ template <typename Q, typename T>
 // row's max and sum kept, because a split context is only normalised once merged.
 template <typename Q, typename T>
 inline void softmax_pass(const Problem<Q, T>& pb, const UnitView& v, Scratch& s) {
+  auto clamp = [&](int pos) { return pos < 0 ? 0 : pos > v.length ? v.length : pos; };
   for (int r = 0; r < v.rows; ++r) {
-    const int seen = pb.token_context[v.first + (r % v.rows_per_head) / pb.group] - v.begin;
-    const int visible = seen < 0 ? 0 : seen > v.length ? v.length : seen;
+    const int context = pb.token_context[v.first + (r % v.rows_per_head) / pb.group];
+    // The row sees the partition's keys [from, to): up to itself, and from its window's start.
+    const int to = clamp(context - v.begin), from = std::min(clamp(first_visible_key(pb, context) - v.begin), to);
     float* row = s.scores.data() + static_cast<size_t>(r) * v.length;
-    const float max = max_of(row, visible);
-    const float sum = visible > 0 ? softmax_numerators(row, visible, max) : 0.0f;
-    for (int pos = visible; pos < v.length; ++pos) row[pos] = 0.0f;  // pass 2 runs over whole tiles
+    if (pb.logits_soft_cap > 0.0f) soft_cap(row + from, to - from, pb.logits_soft_cap);
+    const float max = max_of(row + from, to - from);
+    const float sum = to > from ? softmax_numerators(row + from, to - from, max) : 0.0f;
+    for (int pos = 0; pos < from; ++pos) row[pos] = 0.0f;  // pass 2 runs over whole tiles
+    for (int pos = to; pos < v.length; ++pos) row[pos] = 0.0f;
     s.row_max[r] = max;
     s.row_sum[r] = sum;
   }
@@ -363,7 +396,8 @@ inline void run_unit(const Problem<Q, T>& pb, const Plan& plan, const Unit& unit
 template <typename Q, typename T>
 inline void merge_partitions(const Problem<Q, T>& pb, const Plan& plan, size_t u, const float* partials) {
   const Unit& unit = plan.units[u];
-  if (unit.partial < 0 || unit.block_begin != 0) return;
+  if (unit.partial < 0 || (u > 0 && plan.units[u - 1].item == unit.item && plan.units[u - 1].first_head == unit.first_head))
+    return;  // not the first partition of its item and heads
   const int head_dim = pb.head_dim, item = unit.item, first = pb.item_first_token[item];
   const int parts = plan.item_partitions[item];
   std::vector<float> merged(head_dim);
@@ -395,7 +429,7 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
                const int32_t* item_seq, const int32_t* item_first_token, const int32_t* item_num_tokens,
                int num_items, const int32_t* token_context,
                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-               int fixed_partition_blocks, int num_threads) {
+               int fixed_partition_blocks, int sliding_window, float logits_soft_cap, int num_threads) {
 #ifdef PAGED_AVX2
   const bool vector = head_dim % 8 == 0;
 #else
@@ -406,7 +440,8 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
                          block_table_stride, item_seq, item_first_token, item_num_tokens, num_items,
                          token_context, num_heads, num_kv_heads, head_dim, block_size, scale,
                          num_heads / num_kv_heads, tile_elements, head_stride == tile_elements, vector,
-                         kBf16Scores<Q, T> && vector && head_dim % 32 == 0, fixed_partition_blocks};
+                         kBf16Scores<Q, T> && vector && head_dim % 32 == 0, fixed_partition_blocks,
+                         sliding_window, logits_soft_cap};
   const Plan plan = plan_units(pb, num_threads);
   std::vector<float> partials(static_cast<size_t>(plan.partial_rows) * partial_width(head_dim));
 
@@ -426,19 +461,26 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
 extern "C" {
 
 // Entry points, named by (compute type)_(cache type): f32_f32, bf16_bf16, and f32_bf16 for a
-// float32 model with a bfloat16 KV cache.
-#define PAGED_ATTENTION_ENTRY(NAME, Q, T)                                                           \
-  void NAME(void* out, const void* query, const void* key_cache, const void* value_cache,          \
-            int64_t block_stride, int64_t head_stride, const int32_t* block_tables,                \
-            int64_t block_table_stride, const int32_t* item_seq, const int32_t* item_first_token,  \
-            const int32_t* item_num_tokens, int num_items, const int32_t* token_context,           \
-            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,            \
-            int fixed_partition_blocks, int num_threads) {                                         \
-    attention<Q, T>(static_cast<Q*>(out), static_cast<const Q*>(query),                            \
-                    static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),          \
-                    block_stride, head_stride, block_tables, block_table_stride, item_seq,         \
-                    item_first_token, item_num_tokens, num_items, token_context, num_heads,        \
-                    num_kv_heads, head_dim, block_size, scale, fixed_partition_blocks, num_threads);  \
+// float32 model with a bfloat16 KV cache; the _windowed ones take a sliding window and a logit
+// soft-cap too (0: none), so that layers without either keep the shorter call.
+#define PAGED_ATTENTION_ARGS                                                                       \
+  void *out, const void *query, const void *key_cache, const void *value_cache,                   \
+      int64_t block_stride, int64_t head_stride, const int32_t *block_tables,                     \
+      int64_t block_table_stride, const int32_t *item_seq, const int32_t *item_first_token,       \
+      const int32_t *item_num_tokens, int num_items, const int32_t *token_context, int num_heads, \
+      int num_kv_heads, int head_dim, int block_size, float scale, int fixed_partition_blocks
+#define PAGED_ATTENTION_CALL(Q, T, WINDOW, CAP)                                                    \
+  attention<Q, T>(static_cast<Q*>(out), static_cast<const Q*>(query),                              \
+                  static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),            \
+                  block_stride, head_stride, block_tables, block_table_stride, item_seq,           \
+                  item_first_token, item_num_tokens, num_items, token_context, num_heads,          \
+                  num_kv_heads, head_dim, block_size, scale, fixed_partition_blocks, WINDOW, CAP,  \
+                  num_threads)
+#define PAGED_ATTENTION_ENTRY(NAME, Q, T)                                                          \
+  void NAME(PAGED_ATTENTION_ARGS, int num_threads) { PAGED_ATTENTION_CALL(Q, T, 0, 0.0f); }        \
+  void NAME##_windowed(PAGED_ATTENTION_ARGS, int sliding_window, float logits_soft_cap,            \
+                       int num_threads) {                                                          \
+    PAGED_ATTENTION_CALL(Q, T, sliding_window, logits_soft_cap);                                   \
   }
 
 PAGED_ATTENTION_ENTRY(paged_attention_f32_f32, float, float)
