@@ -12,12 +12,18 @@
 # 2. greedy output of the default model's architecture (random weights: its file cannot travel)
 #    on the GPU, equal to transformers on the GPU (float32; bfloat16 reported), with CUDA graphs
 #    and without (--enforce-eager);
-# 3. pagedllm bench kernel: paged decode vs contiguous SDPA at contexts 256-4096, batch 1-256,
-#    with GB/s against the GPU's measured copy bandwidth;
-# 4. pagedllm bench latency on a ~1B Llama shape, decode steps with CUDA graphs and without;
-# 5. pagedllm bench throughput --backend pagedllm hf hf-cb on the ~1B Llama shape.
+# 3. the autotuning sweep of the decode/prompt kernel's launch shapes (benchmarks/gpu_autotune.py),
+#    whose table ($OUT/triton_tuning.json) the later steps read (PAGEDLLM_TRITON_TUNING); commit it
+#    as pagedllm/kernels/tuning/<gpu>.json to make it the GPU's default;
+# 4. pagedllm bench kernel: paged decode vs contiguous SDPA at contexts 256-4096, batch 1-256,
+#    with GB/s against the GPU's measured copy bandwidth, timed alone and from CUDA graphs;
+# 5. greedy output of the newer families (Qwen3, Gemma 3 with windows, Qwen3-MoE; random weights)
+#    against transformers on the GPU, float32 (equal) and bfloat16 (agreement vs bfloat16 and
+#    float32 transformers, first differences classified as rounding ties or not);
+# 6. pagedllm bench latency on a ~1B Llama shape, decode steps with CUDA graphs and without;
+# 7. pagedllm bench throughput --backend pagedllm hf hf-cb on the ~1B Llama shape.
 # Each step has STEP_TIMEOUT seconds (default 300), so one that hangs does not take the rest.
-# ONLY="tests greedy" (or kernel, latency, throughput) runs those parts alone.
+# ONLY="tests greedy" (or tune, kernel, families, latency, throughput) runs those parts alone.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu_check}
@@ -40,7 +46,9 @@ step() {  # step NAME LOG COMMAND...: run, keep the log, note pass/fail and seco
 nvidia-smi -L 2>&1 | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__); print(torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/gpu.txt"
 
-shapes="smollm2"; { want latency || want throughput; } && shapes="smollm2 llama-1b"
+shapes="smollm2"; { want latency || want throughput; } && shapes="$shapes llama-1b"
+FAMILIES="qwen3 gemma3 qwen3-moe"
+want families && shapes="$shapes $FAMILIES"
 step models models.log $PY benchmarks/gpu_models.py --out "$MODELS" --shapes $shapes
 export PAGEDLLM_TEST_TOKENIZER_DIR="$MODELS/tokenizer"
 
@@ -56,8 +64,22 @@ if [ -n "${QUICK:-}" ]; then
 else
   CONTEXTS="256 512 1024 2048 4096"; BATCHES="1 8 32 64 128 256"; PROMPTS=200; LATENCY_BATCHES="1 16 64 256"; HF="hf hf-cb"
 fi
+# The sweep's quick form by default (about a minute); TUNE_FULL=1 tries every shape and bucket.
+if want tune; then
+  step autotune autotune.log $PY benchmarks/gpu_autotune.py $([ -z "${TUNE_FULL:-}" ] && echo --quick) \
+    --output "$OUT/triton_tuning.json" --records "$OUT/triton_tuning_records.json"
+  [ -s "$OUT/triton_tuning.json" ] && export PAGEDLLM_TRITON_TUNING="$OUT/triton_tuning.json"
+fi
+
 want kernel && step bench-kernel bench_kernel.log $PY -m pagedllm bench kernel --device cuda --contexts $CONTEXTS \
   --batches $BATCHES --max-reference-tokens 16384 --output-json "$OUT/bench_kernel.json"
+
+if want families; then
+  for family in $FAMILIES; do
+    step "greedy-$family" "greedy_$family.log" $PY benchmarks/gpu_greedy.py --model "$MODELS/$family" \
+      --dtypes float32 bfloat16 --max-tokens 16 --output-json "$OUT/greedy_$family.json"
+  done
+fi
 
 want latency || LATENCY_BATCHES=""
 for batch in $LATENCY_BATCHES; do
@@ -80,7 +102,8 @@ for entry in "${status[@]}"; do
   IFS='|' read -r name rc secs log <<<"$entry"
   case $name in
     kernel-tests) key=$(grep -E "passed|failed|error|skipped" "$OUT/$log" | tail -1) ;;
-    greedy) key=$(grep -E "^greedy" "$OUT/$log" | sed 's/tokens agreeing.*//' | paste -sd ' ' -) ;;
+    greedy|greedy-*) key=$(grep -E "^greedy" "$OUT/$log" | sed 's/; [0-9]*\/[0-9]* identical with and.*//' | paste -sd ' ' -) ;;
+    autotune) key=$(grep -E "candidates in" "$OUT/$log") ;;
     bench-kernel) key=$($PY - "$OUT/bench_kernel.json" <<'PYEOF' 2>/dev/null
 import json, sys
 rows = json.load(open(sys.argv[1]))["results"]

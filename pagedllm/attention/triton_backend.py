@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.triton_tuning import LaunchConfig, TuningTable, load_table
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
@@ -108,6 +109,8 @@ class _Plan:
     num_partitions: int
     block_tables: torch.Tensor  # int32, rows contiguous
     sliding_window: int | None = None  # of the layers it is for (the split is sized to it)
+    num_warps: int | None = None  # None: Triton's defaults
+    num_stages: int | None = None
 
 
 def visible_context(max_seq_len: int, sliding_window: int | None, tokens_per_item: int) -> int:
@@ -118,7 +121,7 @@ def visible_context(max_seq_len: int, sliding_window: int | None, tokens_per_ite
 
 
 def _plan(metadata: AttentionMetadata, group: int, head_dim: int, num_kv_heads: int, device: torch.device,
-          num_partitions: int | None, sliding_window: int | None = None) -> _Plan:
+          num_partitions: int | None, sliding_window: int | None = None, launch: LaunchConfig | None = None) -> _Plan:
     query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
     seq_lens = np.asarray(metadata.seq_lens_list, dtype=np.int64)
     decode_only = bool((query_lens == 1).all())
@@ -140,8 +143,10 @@ def _plan(metadata: AttentionMetadata, group: int, head_dim: int, num_kv_heads: 
         ],
         axis=1,
     ).astype(np.int32)
+    visible = visible_context(metadata.max_seq_len, sliding_window, tokens_per_item)
+    if launch is not None and num_partitions is None:
+        num_partitions = launch.num_partitions
     if num_partitions is None:
-        visible = visible_context(metadata.max_seq_len, sliding_window, tokens_per_item)
         num_partitions = choose_num_partitions(len(items), num_kv_heads, visible, _target_programs(device))
     block_tables = metadata.block_tables
     if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
@@ -149,10 +154,12 @@ def _plan(metadata: AttentionMetadata, group: int, head_dim: int, num_kv_heads: 
     return _Plan(
         items=torch.from_numpy(items).to(device),
         block_m=block_m,
-        tile_n=_tile_n(head_dim),
+        tile_n=launch.tile_n if launch is not None else _tile_n(head_dim),
         num_partitions=num_partitions,
         block_tables=block_tables.to(device),
         sliding_window=sliding_window,
+        num_warps=launch.num_warps if launch is not None else None,
+        num_stages=launch.num_stages if launch is not None else None,
     )
 
 
@@ -179,17 +186,33 @@ class TritonAttentionBackend(AttentionBackend):
     lie side by side, so a program reads them as one contiguous run.
 
     `num_partitions` forces the flash-decoding split (tests, benchmarks); by default each step
-    chooses it (`choose_num_partitions`).
+    chooses it (`choose_num_partitions`). `launch` forces the whole launch shape (the autotuning
+    sweep's candidates); else `tuning` (default: the measured table of this GPU, see
+    `triton_tuning`) chooses per step where it has an entry, and the built-in heuristics where not.
     """
 
     name = "triton"
     block_dim = 0
 
-    def __init__(self, device: torch.device, num_partitions: int | None = None) -> None:
+    def __init__(self, device: torch.device, num_partitions: int | None = None, launch: LaunchConfig | None = None,
+                 tuning: TuningTable | None = None) -> None:
         if num_partitions is not None and (num_partitions < 1 or num_partitions & (num_partitions - 1)):
             raise ValueError(f"num_partitions must be a power of two, got {num_partitions}.")
-        self.kernels = load_kernels(torch.device(device))
+        device = torch.device(device)
+        self.kernels = load_kernels(device)
         self.num_partitions = num_partitions
+        self.launch = launch.validate("launch", MAX_PARTITIONS) if launch is not None else None
+        if tuning is None and launch is None and device.type == "cuda" and torch.cuda.is_available():
+            tuning = load_table(torch.cuda.get_device_name(device), MAX_PARTITIONS)
+            if tuning is not None:
+                logger.info("Triton attention: %d tuned launch shapes from %s", len(tuning), tuning.source)
+        self.tuning = tuning
+
+    def launch_for(self, decode_only: bool, head_dim: int, group: int, context: int, batch: int) -> LaunchConfig | None:
+        """The forced launch shape, else the tuning table's for this step, else None (heuristics)."""
+        if self.launch is not None or self.tuning is None:
+            return self.launch
+        return self.tuning.lookup("decode" if decode_only else "prompt", head_dim, group, context, batch)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         check_block_size(block_size)
@@ -203,11 +226,16 @@ class TritonAttentionBackend(AttentionBackend):
         of `max_seq_len` (or the window): partitions past a shorter context see no key and weigh
         nothing in the merge."""
         visible = visible_context(max_seq_len, sliding_window, 1)
-        num_partitions = self.num_partitions or choose_num_partitions(
+        launch = self.launch_for(True, head_dim, group, visible, items.shape[0])
+        num_partitions = self.num_partitions or (launch.num_partitions if launch is not None else None)
+        num_partitions = num_partitions or choose_num_partitions(
             items.shape[0], num_kv_heads, visible, _target_programs(items.device)
         )
-        return _Plan(items=items, block_m=_block_m(True, group), tile_n=_tile_n(head_dim),
-                     num_partitions=num_partitions, block_tables=block_tables, sliding_window=sliding_window)
+        return _Plan(items=items, block_m=_block_m(True, group),
+                     tile_n=launch.tile_n if launch is not None else _tile_n(head_dim),
+                     num_partitions=num_partitions, block_tables=block_tables, sliding_window=sliding_window,
+                     num_warps=launch.num_warps if launch is not None else None,
+                     num_stages=launch.num_stages if launch is not None else None)
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
         self.kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
@@ -220,11 +248,17 @@ class TritonAttentionBackend(AttentionBackend):
         plan = metadata.backend_plan
         # Built by the first layer of the step (of its KV cache group, whose layers share the window).
         if plan is None or plan.sliding_window != sliding_window:
-            plan = _plan(metadata, group, head_dim, num_kv_heads, query.device, self.num_partitions, sliding_window)
+            decode_only = all(n == 1 for n in metadata.query_lens)
+            batch = len(metadata.query_lens) if decode_only else sum(metadata.query_lens)
+            context = visible_context(metadata.max_seq_len, sliding_window, 1)
+            launch = self.launch_for(decode_only, head_dim, group, context, batch)
+            plan = _plan(metadata, group, head_dim, num_kv_heads, query.device, self.num_partitions, sliding_window,
+                         launch)
             metadata.backend_plan = plan
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         self.kernels.paged_attention(
             out, query, key_cache, value_cache, plan.block_tables, plan.items, scale,
             plan.block_m, plan.tile_n, plan.num_partitions, sliding_window, logits_soft_cap,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
         return out

@@ -351,6 +351,16 @@ def write_kv(
     )
 
 
+def launch_options(num_warps: int | None, num_stages: int | None) -> dict:
+    """The launch keywords that are set (Triton applies its defaults to the others)."""
+    options = {}
+    if num_warps is not None:
+        options["num_warps"] = num_warps
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    return options
+
+
 def paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -364,6 +374,8 @@ def paged_attention(
     num_partitions: int = 1,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Attention of every query token over its sequence's paged context, into `out`.
 
@@ -372,7 +384,8 @@ def paged_attention(
     block_m // (num_heads // num_kv_heads) tokens. `block_m` and `tile_n` are powers of two
     >= 16; `num_partitions` (a power of two) splits each item's context for flash-decoding.
     Each token sees at most `sliding_window` keys (itself included), and its scores are
-    soft-capped at `logits_soft_cap`; None for neither.
+    soft-capped at `logits_soft_cap`; None for neither. `num_warps` and `num_stages` set the
+    launch (None: Triton's defaults; the interpreter ignores both).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -398,6 +411,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, TILE_N=tile_n, NUM_PARTITIONS=num_partitions,
         SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0),
+        **launch_options(num_warps, num_stages),
     )
     if num_partitions > 1:
         _merge_partitions_kernel[(num_tokens, num_heads)](
