@@ -28,14 +28,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--figures", default=DEFAULT_FIGURES, help=f"comma-separated figure numbers (default: {DEFAULT_FIGURES})")
     p.add_argument("--clock", choices=("simulated", "real"), default="simulated")
     p.add_argument(
-        "--profile", choices=("a100-opt13b", "cpu"), default=None, help="simulated: a100-opt13b (default) or cpu; real: cpu"
+        "--profile", choices=("a100-opt13b", "cpu", "cpu-1b"), default=None,
+        help="simulated: a100-opt13b (default), cpu or cpu-1b; real: cpu (default) or cpu-1b"
     )
+    p.add_argument("--model", default=None, help="cpu-1b: the 1B-class model (default: the benchmark's 1B Q4_K_M file)")
+    p.add_argument("--kv-slots", type=int, default=None, help="cpu-1b: the KV budget in tokens (default 2048)")
+    p.add_argument("--threads", type=int, default=None, help="cpu-1b: torch threads (default 2)")
     p.add_argument("--output-dir", default="results/paper")
     p.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     p.add_argument(
         "--requests", type=int, default=None, help="requests per trace (default: the profile's; small for a quick look)"
     )
-    p.add_argument("--recalibrate", action="store_true", help="measure the cpu profile's step cost again")
+    p.add_argument("--recalibrate", action="store_true", help="measure the cpu profile's (or cpu-1b's) step cost again")
     p.add_argument(
         "--real-search",
         action="store_true",
@@ -61,11 +65,13 @@ def run(args: argparse.Namespace) -> int:
     # Figure 12 first: the others read vLLM's sustained rate from it.
     wanted.sort(key=lambda f: (f != "12", list(FIGURES).index(f)))
     profile_name = args.profile or ("cpu" if args.clock == "real" else "a100-opt13b")
-    if args.clock == "real" and profile_name != "cpu":
-        raise ValueError("The real clock runs the default model on this CPU: use --profile cpu (or leave it out).")
+    if args.model and profile_name == "cpu" and args.profile is None:
+        profile_name = "cpu-1b"  # --model alone means the 1B profile
+    if args.clock == "real" and profile_name not in ("cpu", "cpu-1b"):
+        raise ValueError("The real clock runs on this CPU: use --profile cpu (the default model) or cpu-1b (--model).")
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    profile = get_profile(profile_name, out_dir, args.recalibrate)
+    profile = get_profile(profile_name, out_dir, args.recalibrate, args.model, args.kv_slots, args.threads)
     ctx = Context(profile, args.clock, out_dir, Pool(args.jobs), args.requests, real_search=args.real_search)
     config = {"clock": args.clock, "profile": profile.name, "scale": profile.scale.__dict__, "cost": profile.cost.describe(),
               "length_scale": profile.length_scale, "requests": args.requests, "jobs": args.jobs}

@@ -1,15 +1,16 @@
-"""Calibrating the `cpu` profile: time real steps of the default model, fit a linear step cost.
+"""Calibrating a CPU profile (`cpu`, `cpu-1b`): time real steps of its model, fit a linear step cost.
 
 Short calibration traces, shaped like the figures' but drawn with their own seed, are served by
-the real engine on one thread (`real.py`), with paged memory and with Orca-Max so that batches
+the real engine on the profile's threads (`real.py`), with paged memory and with Orca-Max so that batches
 of every size occur; each step's work (`costs.StepWork`) and CPU time are recorded, and least
 squares fits
     seconds = c_step + c_prefill * prompt tokens + c_decode * decoding sequences + c_kv * KV tokens read.
 Block copies and swaps are priced from the engine's own start-up measurement of swapping a
 block out and back in (on a CPU both are memory copies).
 
-The fit is saved in the results folder with the CPU it was measured on and reused while that
-CPU and the scale match (`--recalibrate` forces a new one).
+The fit is saved in the results folder (`calibration_<profile>.json`) with the CPU, model and
+threads it was measured on, and reused while those and the scale match (`--recalibrate` forces
+a new one).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 from pagedllm.bench.paper.costs import LinearCost, Scale, StepWork
 from pagedllm.bench.report import cpu_description
 
-CALIBRATION_FILE = "calibration_cpu.json"
+def calibration_file(profile: str) -> str:
+    return f"calibration_{profile}.json"
 # (dataset, requests, rate in req/s) of the traces served to calibrate.
 CALIBRATION_TRACES = (("sharegpt", 16, 1.5), ("alpaca", 24, 4.0))
 FEATURES = ("c_step", "c_prefill", "c_decode", "c_kv")
@@ -76,43 +78,56 @@ def measure_steps(engine, scale: Scale, length_scale: dict[str, float]) -> list[
     return samples
 
 
-def calibrate(scale: Scale, length_scale: dict[str, float]) -> tuple[LinearCost, dict, list[tuple[StepWork, float]]]:
+def calibrate(scale: Scale, length_scale: dict[str, float], model: str | None = None, threads: int = 1,
+              name: str = "cpu") -> tuple[LinearCost, dict, list[tuple[StepWork, float]]]:
     from pagedllm.bench.paper.real import build_engine
 
     start = time.perf_counter()
     # A small swap space, only for the engine's measurement of swapping a block.
-    engine = build_engine(scale, swap_space=0.05)
+    engine = build_engine(scale, swap_space=0.05, model=model, threads=threads)
     swap_block, _ = engine.executor.profile_preemption_costs()  # one block out and back in
     samples = measure_steps(engine, scale, length_scale)
     engine.shutdown()
     coefficients, quality = fit(samples)
     per_token_one_way = swap_block / (2 * scale.block_size)
     cost = LinearCost(
-        name="cpu", **coefficients, c_copy_token=per_token_one_way, c_swap_token=per_token_one_way,
+        name=name, **coefficients, c_copy_token=per_token_one_way, c_swap_token=per_token_one_way,
         block_size=scale.block_size, fit=quality,
     )
     quality["seconds"] = time.perf_counter() - start
     return cost, quality, samples
 
 
+def model_key(model: str | None) -> dict:
+    """What identifies the calibrated model: its path, and its size and time where it is a file."""
+    if model is None:
+        return {"model": "default"}
+    path = Path(model)
+    stat = path.stat() if path.is_file() else None
+    return {"model": str(path.resolve()), "bytes": stat.st_size if stat else None,
+            "mtime": int(stat.st_mtime) if stat else None}
+
+
 def load_or_calibrate(
-    scale: Scale, length_scale: dict[str, float], results_dir: Path, recalibrate: bool = False
+    scale: Scale, length_scale: dict[str, float], results_dir: Path, recalibrate: bool = False,
+    name: str = "cpu", model: str | None = None, threads: int = 1,
 ) -> LinearCost:
-    path = Path(results_dir) / CALIBRATION_FILE
+    path = Path(results_dir) / calibration_file(name)
     cpu, _ = cpu_description()
+    key = {"cpu": cpu, "scale": scale.__dict__, "model": model_key(model), "threads": threads}
     if path.exists() and not recalibrate:
         saved = json.loads(path.read_text())
-        if saved.get("cpu") == cpu and saved.get("scale") == scale.__dict__:
-            print(f"cpu profile: calibration from {path} (--recalibrate to measure again)")
+        if all(saved.get(k) == v for k, v in key.items()):
+            print(f"{name} profile: calibration from {path} (--recalibrate to measure again)")
             return LinearCost(**saved["cost"])
-    print("cpu profile: calibrating the step cost on the real model (about a minute) ...", flush=True)
-    cost, quality, samples = calibrate(scale, length_scale)
+    print(f"{name} profile: calibrating the step cost on the real model ...", flush=True)
+    cost, quality, samples = calibrate(scale, length_scale, model, threads, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     steps = [{**asdict(work), "seconds": seconds} for work, seconds in samples]
-    saved = {"cpu": cpu, "scale": scale.__dict__, "cost": cost.describe(), "fit": quality, "steps": steps}
+    saved = {**key, "cost": cost.describe(), "fit": quality, "steps": steps}
     path.write_text(json.dumps(saved, indent=2))
     print(
-        f"cpu profile: step = {cost.c_step * 1e3:.2f} ms + {cost.c_prefill * 1e3:.3f} ms/prompt token + "
+        f"{name} profile: step = {cost.c_step * 1e3:.2f} ms + {cost.c_prefill * 1e3:.3f} ms/prompt token + "
         f"{cost.c_decode * 1e3:.3f} ms/decoding sequence + {cost.c_kv * 1e6:.3f} us/KV token read "
         f"(R^2 {quality['r2']:.3f}, mean error {quality['mean_abs_error_pct']:.1f}% over {quality['num_steps']} steps); "
         f"wrote {path}"

@@ -55,7 +55,9 @@ class Context:
 
     @property
     def tag(self) -> str:
-        return "real" if self.clock == "real" else self.profile.name
+        if self.clock == "real":  # the default model's real runs keep their old name
+            return "real" if self.profile.name == "cpu" else f"real-{self.profile.name}"
+        return self.profile.name
 
     @property
     def cost(self):
@@ -64,7 +66,9 @@ class Context:
     def where(self) -> str:
         """Which clock and profile produced a figure, in words."""
         if self.clock == "real":
-            return "real clock (the default model run on this CPU)"
+            if self.profile.model is None:
+                return "real clock (the default model run on this CPU)"
+            return f"real clock ({Path(self.profile.model).name} on {self.profile.threads} threads of this CPU)"
         return f"simulated clock, profile {self.profile.name}"
 
     def num_requests(self, dataset: str, divisor: int = 1) -> int:

@@ -11,7 +11,16 @@ KV slots, block size), how trace lengths are scaled, trace sizes, and the step c
   the batch). 512 slots, the smallest pool that holds one maximum-length sequence, keep vLLM at
   about 70% of the ShareGPT rate it sustains with unbounded memory (the a100-opt13b profile:
   61%); 1024 slots left it at 96%, bound by the CPU rather than by memory. The real clock runs
-  at this profile.
+  at this profile by default.
+- `cpu-1b`: a 1B-class model (`--model`, default the benchmark's random-weight Llama-3.2-1B
+  Q4_K_M, `benchmarks/make_gguf_models.py`) on two threads, where a decode step reads ~0.6 GB of
+  quantized weights whatever the batch, so the step is nearly flat in the batch up to a few dozen
+  sequences, as an A100's is: the regime in which paged memory's larger batches become
+  throughput. Contexts of 1024 tokens, ShareGPT lengths x1/2, Alpaca x1; the KV budget
+  (`--kv-slots`, default 2048 slots = 128 MiB of float32 KV for Llama-3.2-1B's 16 layers of 8 KV
+  heads) is chosen as the cpu profile's was: small enough that memory, not the CPU, limits vLLM,
+  checked by `bench paper --figures 12` reporting vLLM's simulated sustained rate at this budget
+  against unbounded memory. Its step cost is calibrated on that model (`calibrate.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ class Profile:
     max_requests: dict[str, int] = field(default_factory=lambda: {"sharegpt": 1500, "alpaca": 3000})
     # Where the search for vLLM's sustainable rate starts (req/s).
     rate_guess: dict[str, float] = field(default_factory=lambda: {"sharegpt": 3.0, "alpaca": 60.0})
+    # The real clock's model (None: the embedded default) and torch threads.
+    model: str | None = None
+    threads: int = 1
 
 
 A100_SCALE = Scale(max_model_len=2048, kv_slots=15_700, block_size=16, cpu_swap_slots=15_700)
@@ -46,11 +58,24 @@ CPU_SCALE = Scale(max_model_len=512, kv_slots=512, block_size=16, cpu_swap_slots
 # batches span 1 to about 20 sequences (the model's step time does not depend on the pool size).
 CALIBRATION_SCALE = Scale(max_model_len=512, kv_slots=1024, block_size=16, cpu_swap_slots=1024)
 CPU_LENGTH_SCALE = {"sharegpt": 0.25, "alpaca": 1.0}
+CPU_1B_SLOTS = 2048
+CPU_1B_LENGTH_SCALE = {"sharegpt": 0.5, "alpaca": 1.0}
+CPU_1B_THREADS = 2
+# The benchmark's 1B model (benchmarks/make_gguf_models.py writes it).
+CPU_1B_MODEL = Path.home() / ".cache" / "pagedllm" / "gguf-models" / "1b-q4_k_m.gguf"
 
-PROFILE_NAMES = ("a100-opt13b", "cpu")
+PROFILE_NAMES = ("a100-opt13b", "cpu", "cpu-1b")
 
 
-def get_profile(name: str, results_dir: Path, recalibrate: bool = False) -> Profile:
+def cpu_1b_scale(kv_slots: int = CPU_1B_SLOTS) -> Scale:
+    return Scale(max_model_len=1024, kv_slots=kv_slots, block_size=16, cpu_swap_slots=kv_slots)
+
+
+def get_profile(name: str, results_dir: Path, recalibrate: bool = False, model: str | None = None,
+                kv_slots: int | None = None, threads: int | None = None) -> Profile:
+    if name != "cpu-1b" and (model or kv_slots or threads):
+        raise ValueError(f"--model, --kv-slots and --threads set up the cpu-1b profile, not {name!r}: "
+                         "add --profile cpu-1b or leave them out.")
     if name == "a100-opt13b":
         return Profile(
             name=name,
@@ -76,5 +101,34 @@ def get_profile(name: str, results_dir: Path, recalibrate: bool = False) -> Prof
             min_requests=40,
             max_requests={"sharegpt": 600, "alpaca": 600},
             rate_guess={"sharegpt": 1.0, "alpaca": 2.0},
+        )
+    if name == "cpu-1b":
+        from pagedllm.bench.paper.calibrate import load_or_calibrate
+
+        model = str(model or CPU_1B_MODEL)
+        if not Path(model).exists():
+            raise ValueError(f"The cpu-1b profile's model {model} does not exist: write it with "
+                             "`python benchmarks/make_gguf_models.py` or pass --model PATH.")
+        if kv_slots is not None and (kv_slots < 1024 or kv_slots % 16):
+            raise ValueError(f"--kv-slots must be a multiple of 16 of at least 1024 (one full-length sequence), "
+                             f"got {kv_slots}.")
+        threads = threads or CPU_1B_THREADS
+        scale = cpu_1b_scale(kv_slots or CPU_1B_SLOTS)
+        # Calibrated at twice the budget, so that the calibration's batches span more sizes.
+        calibration = cpu_1b_scale(2 * scale.kv_slots)
+        cost = load_or_calibrate(calibration, CPU_1B_LENGTH_SCALE, results_dir, recalibrate, name, model, threads)
+        return Profile(
+            name=name,
+            description=f"{Path(model).name} on {threads} threads of this CPU: {scale.kv_slots} KV slots, contexts of "
+            "1024 tokens (ShareGPT lengths x1/2, Alpaca x1); step cost fitted to timed steps of that model",
+            scale=scale,
+            cost=cost,
+            length_scale=CPU_1B_LENGTH_SCALE,
+            trace_seconds={"sharegpt": 240.0, "alpaca": 120.0},
+            min_requests=40,
+            max_requests={"sharegpt": 600, "alpaca": 600},
+            rate_guess={"sharegpt": 0.5, "alpaca": 1.0},
+            model=model,
+            threads=threads,
         )
     raise ValueError(f"Unknown profile {name!r}; choose one of {', '.join(PROFILE_NAMES)}.")

@@ -1,10 +1,13 @@
-"""The real clock: the default model really runs every step of a trace.
+"""The real clock: the profile's model (the default one unless it names another) really runs
+every step of a trace.
 
 Requests arrive at their trace times; each step runs the real `LLMEngine` (scheduler, KV cache
 manager, model, sampling, detokenizing) and the clock advances by what the step took, measured
-as the CPU time of the one thread that runs it (torch is held to one thread). Measured that
-way, the clock is the run's own work and not the other programs sharing this machine; when
-nothing runs, it jumps to the next arrival.
+as the CPU time of the thread that runs it with torch held to one thread (the `cpu` profile),
+or as wall time where the profile runs several threads (`cpu-1b`: the CPU time of one thread
+no longer measures a step whose kernels run on two). Measured on one thread, the clock is the
+run's own work and not the other programs sharing this machine; with several, the machine must
+be quiet. When nothing runs, the clock jumps to the next arrival.
 
 One model load serves every memory policy: `use_policy` gives the engine a fresh scheduler and
 KV cache manager (the KV pools and the model stay).
@@ -21,15 +24,18 @@ from pagedllm.bench.paper.traces import TraceRequest
 from pagedllm.core import KVPolicy, SchedulerOutput, create_scheduler
 
 
-def build_engine(scale: Scale, num_blocks: int | None = None, policy: str = "paged", swap_space: float = 0.0):
-    """The default model at `scale` (one thread, no prefix caching, recomputation)."""
+def build_engine(scale: Scale, num_blocks: int | None = None, policy: str = "paged", swap_space: float = 0.0,
+                 model: str | None = None, threads: int = 1):
+    """`model` (default: the embedded one) at `scale` on `threads` threads (no prefix caching,
+    recomputation)."""
     import torch
 
     from pagedllm.config import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     args = EngineArgs(
+        **({"model": model} if model else {}),
         max_model_len=scale.max_model_len,
         block_size=scale.block_size,
         num_gpu_blocks=num_blocks or scale.num_blocks(),
@@ -85,11 +91,15 @@ class StepCapture:
 
 
 def timed_step(engine, capture: StepCapture) -> tuple[list, SchedulerOutput | None, float]:
-    """One engine step: (outputs, its control message, seconds of this thread's CPU time)."""
+    """One engine step: (outputs, its control message, seconds): this thread's CPU time when
+    torch runs on one thread, else wall time."""
+    import torch
+
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     capture.last = None
-    start = time.thread_time()
+    start = clock()
     outputs = engine.step()
-    return outputs, capture.last, time.thread_time() - start
+    return outputs, capture.last, clock() - start
 
 
 def run_real(

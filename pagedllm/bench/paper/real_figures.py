@@ -93,7 +93,7 @@ def real_runs(ctx: Context) -> dict:
         return ctx._memo["real_runs"]
     sim_ctx = Context(ctx.profile, "simulated", ctx.out_dir, ctx.pool, ctx.requests_override)
     rates = {dataset: COMMON_RATE_SHARE * sustained(sim_ctx, dataset) for dataset in DATASETS}
-    engine = build_engine(ctx.profile.scale)
+    engine = build_engine(ctx.profile.scale, model=ctx.profile.model, threads=ctx.profile.threads)
     try:
         runs = [_run(engine, sim_ctx, system, dataset, rates[dataset]) for dataset in DATASETS for system in SYSTEMS]
         _validate(sim_ctx, runs)

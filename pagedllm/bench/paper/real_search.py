@@ -46,7 +46,7 @@ def real_sustained_rates(ctx: Context, dataset: str = "sharegpt") -> dict:
     sim_ctx = Context(ctx.profile, "simulated", ctx.out_dir, ctx.pool, ctx.requests_override)
     curves = {s: sim_ctx.curve(s, dataset) for s in SEARCHED}
     simulated = {s: sustained(sim_ctx, dataset, s) for s in SEARCHED}
-    engine = build_engine(ctx.profile.scale)
+    engine = build_engine(ctx.profile.scale, model=ctx.profile.model, threads=ctx.profile.threads)
     try:
         run = partial(real_run_at, engine)
         threshold = 2 * unloaded_latency(sim_ctx, curves["vLLM"], run)

@@ -230,7 +230,7 @@ def _profiles(out_dir: Path) -> list[str]:
         f"+ block bytes over PCIe at {c.pcie_bandwidth / 1e9:.0f} GB/s; CPU swap space as large as the device's",
         "",
     ]
-    calibration = out_dir / "calibration_cpu.json"
+    calibration = out_dir / "calibration_cpu.json"  # the default model's (cpu-1b's is calibration_cpu-1b.json)
     if calibration.exists():
         saved = json.loads(calibration.read_text())
         cost, fit, scale = saved["cost"], saved.get("fit", {}), saved["scale"]
