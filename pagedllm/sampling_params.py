@@ -57,6 +57,11 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False))
 
+    @property
+    def param(self) -> str:
+        """The request field an error about this constraint names."""
+        return f"{self.field_name}.{self.kind}" if self.field_name == "structured_outputs" else self.field_name
+
 
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # OpenAI's bound on logit_bias values; larger ones are clamped, as OpenAI and vLLM do.

@@ -63,7 +63,14 @@ class LLMEngine:
             self.tokenizer = tokenizer.result()
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.arch.end_of_turn_tokens)
         self.requests = RequestRegistry()
-        self.constraints = RequestConstraints(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        limits = config.limits
+        self.constraints = RequestConstraints(
+            self.tokenizer,
+            self.arch.vocab_size,
+            self.eos_token_ids,
+            cache_bytes=limits.structured_outputs_cache_bytes,
+            compile_seconds=limits.structured_outputs_compile_seconds,
+        )
         self.output_processor = OutputProcessor(
             self.tokenizer,
             self.core.block_manager,
@@ -265,7 +272,7 @@ class LLMEngine:
         it to compile (cached, so adding the request afterwards finds it ready)."""
         self.constraints.check(params)
         if params.structured_outputs is not None:
-            self.constraints.compile(params.structured_outputs).result()
+            self.constraints.wait_compiled(params.structured_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
