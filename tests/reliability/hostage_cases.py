@@ -46,6 +46,8 @@ CASES = [
          refused_by="max_beam_width", param="best_of"),
     Case("n=256 samples", lambda long: _completion(n=256, temperature=1.0, seed=1), refused_by="max_n", param="n"),
     Case("beam width 16 (the limit)", lambda long: _completion(n=16, best_of=16, use_beam_search=True, temperature=0)),
+    Case("beam width 16 with 2,000 stop_token_ids", lambda long: _completion(
+        n=16, best_of=16, use_beam_search=True, temperature=0, stop_token_ids=list(range(5000, 7000)))),
     Case("best_of=16 samples", lambda long: _completion(n=1, best_of=16, temperature=1.0, seed=2, logprobs=5)),
     Case("prompt_logprobs=20 on a long prompt",
          lambda long: _completion(prompt=prompt_ids(LONG_PROMPT[long], 1), prompt_logprobs=20, max_tokens=1)),
@@ -53,8 +55,8 @@ CASES = [
          lambda long: _completion(prompt=prompt_ids(LONG_PROMPT[long], 2), echo=True, logprobs=20, max_tokens=1)),
     Case("a long prompt that fits", lambda long: _completion(prompt=prompt_ids(LONG_PROMPT[long] - 600, 3), max_tokens=4)),
     Case("bad_words of 20,000 words", lambda long: _completion(bad_words=words(20000 if long else 5000, 4), temperature=0)),
-    Case("logit_bias on 2,000 tokens with best_of=16",
-         lambda long: _completion(logit_bias={str(t): -1.0 for t in range(1000, 3000)}, best_of=16, temperature=1.0, seed=3)),
+    Case("logit_bias on 40,000 tokens with best_of=16",
+         lambda long: _completion(logit_bias={str(t): -1.0 for t in range(1000, 41000)}, best_of=16, temperature=1.0, seed=3)),
     Case("stop of 5,000 strings with best_of=16",
          lambda long: _completion(stop=words(5000, 5, (6, 14)), best_of=16, temperature=1.0, seed=4)),
     Case("min_tokens=max_tokens with best_of=16", lambda long: _completion(
