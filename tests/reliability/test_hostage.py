@@ -3,7 +3,9 @@ settings; a victim stream decodes while each hostile request of `hostage_cases` 
 time. Each case records the victim's longest gap between two tokens while the hostile request
 ran and the server's resident memory before, at its peak and after; one line of figures per
 case. A case passes when the victim's longest gap stays within GAP_LIMIT_S, or when the request
-was refused up front with a 400 naming the limit it is above (its message and `param`).
+was refused up front with a 400 naming the limit it is above (its message and `param`). A case
+over the limit runs once more (a neighbour's burst on a shared machine can stall one step; a
+hostage request stalls the victim every time), and its line says so.
 
 Then many distinct heavy grammars (thousands of choices each, tens of MiB compiled): the
 server's memory must stay within the compiled-grammar cache's byte budget plus 10% over what it
@@ -136,7 +138,14 @@ def run_case(server, name: str, body: dict) -> Outcome:
 def test_no_request_holds_the_victim_hostage(hostage_server, case, long_form, figures):
     if case.long_only and not long_form:
         pytest.skip("long form only (--soak)")
-    outcome = run_case(hostage_server, case.name, case.body(long_form))
+    body = case.body(long_form)
+    outcome = run_case(hostage_server, case.name, body)
+    if outcome.status == 200 and outcome.gap > GAP_LIMIT_S:
+        # Once more: on a shared machine a neighbour's burst can stall one step; a hostage
+        # request stalls the victim every time.
+        first = outcome.gap
+        outcome = run_case(hostage_server, case.name, body)
+        outcome.case += f" (run twice: the first run's longest gap was {first:.2f} s)"
     figures("hostage", outcome.line())
     if case.refused_by is not None:
         assert outcome.status == 400, outcome.line()
