@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
+
+from pagedllm.field_types import check_field_types
 
 logger = logging.getLogger("pagedllm")
 
@@ -98,6 +101,23 @@ class SchedulerConfig:
     swap_cost_per_block: float = 1.0
     recompute_cost_per_token: float = 1.0
     kv_policy: str = "paged"  # one of KV_POLICIES
+    # The time budget of one step, in seconds (None: no budget): prompt chunks are sized from
+    # the measured cost per token so that a long prompt never stretches a step beyond it, and
+    # every other stream keeps its pace (pagedllm.engine.step_budget).
+    max_step_seconds: float | None = None
+
+
+@dataclass
+class RequestLimits:
+    """What one request may ask for: above these, `add_request` refuses it with an error naming
+    the limit (a 400 from the server), so that no single request holds the others hostage."""
+
+    max_n: int = 16  # n and best_of (parallel samples)
+    max_beam_width: int = 16  # best_of with use_beam_search
+    # The compiled-grammar cache's byte budget; a grammar larger than it alone is refused.
+    structured_outputs_cache_bytes: int = 256 << 20
+    # The longest a grammar may take to compile before its request is refused.
+    structured_outputs_compile_seconds: float = 30.0
 
 
 @dataclass
@@ -113,6 +133,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     disable_log_stats: bool = False
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
 
 @dataclass
@@ -142,6 +163,11 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     preemption_mode: str = "auto"
     kv_policy: str = "paged"
+    max_step_seconds: float | None = 0.5
+    max_n: int = 16
+    max_beam_width: int = 16
+    structured_outputs_cache_bytes: int = 256 << 20
+    structured_outputs_compile_seconds: float = 30.0
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None
     disable_log_stats: bool = False
@@ -149,6 +175,10 @@ class EngineArgs:
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer"):  # a path object names a folder as well as its text
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        check_field_types(self)
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         self.kv_cache_dtype = DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
 
@@ -206,15 +236,24 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens,
                 preemption_mode=self.preemption_mode,
                 kv_policy=self.kv_policy,
+                max_step_seconds=self.max_step_seconds or None,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_init_method=self.distributed_init_method,
             ),
             disable_log_stats=self.disable_log_stats,
+            limits=RequestLimits(
+                max_n=self.max_n,
+                max_beam_width=self.max_beam_width,
+                structured_outputs_cache_bytes=self.structured_outputs_cache_bytes,
+                structured_outputs_compile_seconds=self.structured_outputs_compile_seconds,
+            ),
         )
 
     def _verify(self) -> None:
+        check_field_types(self)  # fields may have been set after construction
+
         def positive_int(name: str, value: object) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -222,6 +261,16 @@ class EngineArgs:
         positive_int("block_size", self.block_size)
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        positive_int("max_n", self.max_n)
+        positive_int("max_beam_width", self.max_beam_width)
+        positive_int("structured_outputs_cache_bytes", self.structured_outputs_cache_bytes)
+        if self.max_step_seconds is not None and not self.max_step_seconds >= 0:
+            raise ValueError(f"max_step_seconds must be >= 0 (0 or None: no budget), got {self.max_step_seconds!r}.")
+        if not self.structured_outputs_compile_seconds > 0:
+            raise ValueError(
+                f"structured_outputs_compile_seconds must be a positive number of seconds, got "
+                f"{self.structured_outputs_compile_seconds!r}."
+            )
         for name in ("max_model_len", "num_gpu_blocks", "kv_cache_memory", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None:

@@ -11,6 +11,8 @@ import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pagedllm.field_types import check_field_types
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -33,6 +35,7 @@ class StructuredOutputsParams:
     field_name: str = field(default="structured_outputs", compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        check_field_types(self, self.field_name)
         given = [name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
@@ -53,6 +56,11 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         return next(name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def param(self) -> str:
+        """The request field an error about this constraint names."""
+        return f"{self.field_name}.{self.kind}" if self.field_name == "structured_outputs" else self.field_name
 
 
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -115,6 +123,7 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.best_of is None:
             self.best_of = self.n
         if isinstance(self.stop, str):
@@ -241,6 +250,7 @@ class BeamSearchParams:
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise ValueError(f"BeamSearchParams.beam_width must be an integer >= 1, got {self.beam_width!r}.")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -192,8 +192,10 @@ def test_bad_requests_raise_clear_errors_and_leave_the_engine_working(llm, promp
         llm.generate([[]], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 49152\)"):
         llm.generate([[1, 2, 10**6]], GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match="best_of=300 exceeds max_num_seqs"):
+    with pytest.raises(ValueError, match=r"n=300 exceeds this engine's limit max_n=16 \(--max-n\)"):
         llm.generate(prompts[0], SamplingParams(n=300, temperature=1.0), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"beam width of 17 exceeds this engine's limit max_beam_width=16"):
+        llm.generate(prompts[0], SamplingParams(n=17, use_beam_search=True, temperature=0), use_tqdm=False)
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate(prompts[:3], [GREEDY, GREEDY], use_tqdm=False)
     llm.llm_engine.add_request("dup", prompts[0], GREEDY)

@@ -305,3 +305,70 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def _choices(seed: int, count: int) -> StructuredOutputsParams:
+    import random
+
+    rng = random.Random(seed)
+    return StructuredOutputsParams(choice=["".join(rng.choice("abcdefghij") for _ in range(8)) for _ in range(count)])
+
+
+def test_the_grammar_cache_keeps_within_its_byte_budget(llm, monkeypatch):
+    """Memory bounded by bytes, not entries: grammars of a few MiB each, a budget of 2.5 of them."""
+    cache = llm.llm_engine.constraints
+    size = cache.compile(_choices(100, 2000)).result().memory_size_bytes
+    monkeypatch.setattr(cache, "cache_bytes", int(2.5 * size))
+    cache._evict()
+    from pagedllm.engine.constraints import spec_key
+
+    specs = [_choices(seed, 2000) for seed in range(101, 106)]
+    for spec in specs:
+        cache.compile(spec).result()
+        assert 0 < cache.cached_bytes <= cache.cache_bytes
+    kept = [spec for spec in specs if spec_key(spec) in cache._compiled]
+    assert kept == specs[-2:] and cache.cached_bytes == sum(cache._sizes.values())
+
+
+def test_a_grammar_larger_than_the_whole_cache_is_refused_naming_the_limit(llm, monkeypatch):
+    monkeypatch.setattr(llm.llm_engine.constraints, "cache_bytes", 100_000)
+    with pytest.raises(ValueError, match="structured_outputs_cache_bytes") as error:
+        llm.generate([[5, 6, 7]], SamplingParams(structured_outputs=_choices(7, 2000)), use_tqdm=False)
+    assert error.value.param == "structured_outputs.choice"
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_grammar_past_the_compile_time_limit_fails_its_request_only(llm, monkeypatch):
+    engine = llm.llm_engine
+    never: Future = Future()
+    monkeypatch.setattr(engine.constraints, "compile", lambda spec: never)
+    monkeypatch.setattr(engine.constraints, "compile_seconds_limit", 0.2)
+    spec = StructuredOutputsParams(regex="[0-9]{4}")
+    with pytest.raises(ValueError, match="did not compile within 0.2 s.*structured_outputs_compile_seconds") as error:
+        llm.generate([[5, 6, 7]], SamplingParams(structured_outputs=spec), use_tqdm=False)
+    assert error.value.param == "structured_outputs.regex"
+    engine.add_request("slow", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec))
+    engine.add_request("free", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "did not compile within" in finished["slow"].error and len(finished["free"].outputs[0].token_ids) == 4
+
+
+def test_thousands_of_bad_words_are_prepared_once_and_all_hold(llm):
+    """The words are tokenized on the token thread into a mask and a prefix table; every one of
+    them, one-token or longer, stays out of the output."""
+    prompt = [4, 5, 6]
+    tokenizer = llm.get_tokenizer()
+    (plain,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    seen = tokenizer.decode(plain.outputs[0].token_ids)
+    words = [w for w in seen.split() if w.strip()][:3] + [f"filler{i}word" for i in range(3000)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=words)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    controls = llm.llm_engine.constraints.prepare_controls(params).result()
+    assert sum(len(t) for t in controls.by_prefix.values()) > 1000  # the long words went into the table
+    ids = out.outputs[0].token_ids
+    for word in words[:3]:
+        for text in (word, " " + word):
+            banned = tuple(tokenizer.encode(text, add_special_tokens=False))
+            assert not any(tuple(ids[i : i + len(banned)]) == banned for i in range(len(ids)))

@@ -52,6 +52,8 @@ class _Step:
     """What one `schedule()` call has decided so far, handed from phase to phase."""
 
     budget: int  # tokens still allowed this step
+    # Prompt (prefill) tokens still allowed this step under the step-time budget (None: no cap).
+    prompt_budget: int | None = None
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: bool = False  # a running group was preempted: nothing else is admitted
 
@@ -69,6 +71,9 @@ class Scheduler:
         self.kv_breakdown = KVBreakdownAverage()
         self._finished_request_ids: list[str] = []
         self._failed: list[SequenceGroup] = []
+        # The most prompt tokens one step computes while other requests share the engine, set
+        # by the engine from the step-time budget (pagedllm.engine.step_budget); None: no cap.
+        self.prompt_chunk_limit: int | None = None
 
     # --- request lifecycle ------------------------------------------------------------------
 
@@ -116,6 +121,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step, in the three phases of the module docstring."""
         step = _Step(budget=self.config.max_num_batched_tokens)
+        if self.prompt_chunk_limit is not None and len(self.running) + len(self.waiting) + len(self.swapped) > 1:
+            step.prompt_budget = self.prompt_chunk_limit  # alone, a request holds nobody up
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step)
@@ -141,7 +148,7 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             group = self.running[index]
-            plan = self._plan_tokens(group, step.budget)
+            plan = self._plan_tokens(group, step.budget, prompt_budget=step.prompt_budget)
             if plan is None:
                 index += 1
                 continue
@@ -179,7 +186,7 @@ class Scheduler:
             self.stats.num_blocks_swapped_in += bm.swap_in(seqs)
             group.set_status(SequenceStatus.RUNNING)
             self._insert_by_arrival(self.running, group)
-            self._allocate_and_emit(group, self._plan_tokens(group, step.budget), step)
+            self._allocate_and_emit(group, self._plan_tokens(group, step.budget, prompt_budget=step.prompt_budget), step)
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Waiting groups, oldest first, while the budget, `max_num_seqs` and the free blocks
@@ -191,7 +198,7 @@ class Scheduler:
                 return
             prefixes = {seq.seq_id: self._cached_prefix(group, seq) for seq in group.unfinished_seqs()}
             cached = {seq_id: len(p) * bm.block_size for seq_id, p in prefixes.items()}
-            plan = self._plan_tokens(group, step.budget, cached)
+            plan = self._plan_tokens(group, step.budget, cached, step.prompt_budget)
             if plan is None:
                 return
             needed = bm.blocks_needed_together(plan, prefixes)
@@ -211,7 +218,11 @@ class Scheduler:
             self._allocate_and_emit(group, plan, step)
 
     def _plan_tokens(
-        self, group: SequenceGroup, budget: int, computed: dict[int, int] | None = None
+        self,
+        group: SequenceGroup,
+        budget: int,
+        computed: dict[int, int] | None = None,
+        prompt_budget: int | None = None,
     ) -> list[tuple[Sequence, int]] | None:
         """How many tokens each unfinished sequence computes this step, or None if the group
         cannot progress within `budget`. `computed` overrides sequences' computed-token counts
@@ -219,11 +230,13 @@ class Scheduler:
 
         A single sequence takes what the budget allows (chunked prefill). Several sequences must
         sample together, so each holds back its last token until all of them can compute it in
-        the same step.
+        the same step. A prompt's chunk also stays within `prompt_budget` (the step-time budget).
         """
         seqs = group.unfinished_seqs()
         computed = computed or {}
         remaining = [seq.num_tokens - computed.get(seq.seq_id, seq.num_computed_tokens) for seq in seqs]
+        if prompt_budget is not None and len(seqs) == 1 and remaining[0] > 1:
+            budget = min(budget, prompt_budget)
         if len(seqs) == 1:
             n = min(remaining[0], budget)
             return [(seqs[0], n)] if n > 0 else None
@@ -247,6 +260,8 @@ class Scheduler:
         params = group.sampling_params
         penalties = params.needs_penalties
         for seq, n in plan:
+            if step.prompt_budget is not None and seq.num_uncomputed_tokens > 1:
+                step.prompt_budget = max(0, step.prompt_budget - n)
             self.block_manager.allocate(seq, n)
             start = seq.num_computed_tokens
             end = start + n

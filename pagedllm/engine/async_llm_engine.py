@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedllm.config import EngineArgs
+from pagedllm.engine.constraints import compile_timeout_error
 from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.iteration_stats import FinishedRequest, IterationStats, RequestTimingTracker, StatLogger
 from pagedllm.engine.llm_engine import LLMEngine, Prompt
@@ -243,7 +244,14 @@ class AsyncLLMEngine:
         added next finds it ready); neither this loop nor the engine's waits for it."""
         self.engine.constraints.check(params)
         if params.structured_outputs is not None:
-            await asyncio.wrap_future(self.engine.constraints.compile(params.structured_outputs))
+            spec = params.structured_outputs
+            constraints = self.engine.constraints
+            try:
+                await asyncio.wait_for(
+                    asyncio.shield(asyncio.wrap_future(constraints.compile(spec))), constraints.compile_seconds_limit
+                )
+            except (TimeoutError, asyncio.TimeoutError):
+                raise compile_timeout_error(spec, constraints.compile_seconds_limit) from None
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str, arrival_time: float | None = None

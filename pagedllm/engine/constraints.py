@@ -2,10 +2,17 @@
 
 A request with a grammar waits outside the scheduler until its grammar is compiled: compiling
 runs on a thread of its own, cached by spec, so a slow schema delays only the requests that use
-it, never the batch. Once ready, each of the request's sequences gets a `SequenceConstraint`
+it, never the batch. Its bad words and allowed_token_ids are prepared the same way, once per
+request on a thread of their own (tokenized, folded into a mask and a table of prefixes), never
+on the engine's thread. Once ready, each of the request's sequences gets a `SequenceConstraint`
 (forked with the sequence for samples and beams; kept through swap and recompute preemption,
 since it lives on the sequence). Each step, the scheduled sampling sequences that have one get
 a row of the step's token bitmask, which the driver's sampler applies to the logits.
+
+Limits (RequestLimits): the compiled-grammar cache holds at most `cache_bytes` of compiled
+grammars (xgrammar's own measure of each; least recently used dropped first), a grammar larger
+than that alone is refused, and a grammar that takes longer than `compile_seconds` to compile
+fails its request (the compile goes on, and its result is cached).
 
 `pagedllm.structured` (torch and xgrammar) is imported only when the first request needs it.
 """
@@ -15,9 +22,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import copy
+import ctypes
+import ctypes.util
 import json
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedllm.core import SchedulerOutput, Sequence, SequenceGroup
@@ -25,9 +35,18 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
 
-# Compiled grammars kept for reuse, least recently used dropped first: clients sending ever new
-# schemas must not grow the server's memory without end.
+# Entries kept for reuse at most (failures included), besides the byte budget.
 MAX_CACHED_GRAMMARS = 256
+# Prepared bad words / allowed_token_ids kept for reuse (a client's requests often repeat them).
+MAX_CACHED_CONTROLS = 32
+
+
+class ConstraintLimitError(ValueError):
+    """A constraint above one of the engine's limits; `param` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
@@ -37,40 +56,105 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     return spec.kind + ("/compact" if spec.disable_any_whitespace else ""), text
 
 
+def compile_timeout_error(spec: StructuredOutputsParams, seconds: float) -> ConstraintLimitError:
+    return ConstraintLimitError(
+        f"The {spec.kind} in {spec.param} did not compile within {seconds:g} s, this engine's limit "
+        "structured_outputs_compile_seconds (--structured-outputs-compile-seconds); simplify it, or start the "
+        "engine with a higher limit.",
+        spec.param,
+    )
+
+
+def _release_free_memory() -> None:
+    """Hand freed heap pages back to the system (glibc keeps them otherwise): an evicted grammar's
+    memory then leaves the process's RSS instead of lingering as free heap."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class RequestConstraints:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self._tokenizer = tokenizer  # the engine's own; copied for the compile thread
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        cache_bytes: int = 256 << 20,
+        compile_seconds: float = 30.0,
+    ) -> None:
+        self._tokenizer = tokenizer  # the engine's own; copied for the compile and token threads
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self._lock = threading.Lock()  # the cache is filled from the engine's and the server's threads
+        self.cache_bytes = cache_bytes
+        self.compile_seconds_limit = compile_seconds
+        self._lock = threading.RLock()  # the caches are filled from the engine's and the server's threads
         self._pool: ThreadPoolExecutor | None = None
         self._compiler = None  # pagedllm.structured.GrammarCompiler, built on the compile thread
         self._compiler_error = ""
         self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()
-        # Requests waiting for their grammar: request id -> (group, compiled grammar's future).
-        self.pending: dict[str, tuple[SequenceGroup, Future]] = {}
+        self._sizes: dict[tuple[str, str], int] = {}  # bytes of each compiled grammar in the cache
+        self.cached_bytes = 0
+        self._token_pool: ThreadPoolExecutor | None = None
+        self._token_tokenizer = None  # the token thread's copy, made there when first needed
+        self._controls: collections.OrderedDict[tuple, Future] = collections.OrderedDict()
+        # Requests waiting for their grammar or token controls: request id -> (group, futures,
+        # the grammar's spec or None, when it began waiting).
+        self.pending: dict[str, tuple[SequenceGroup, list[Future], StructuredOutputsParams | None, float]] = {}
         self.compile_seconds: dict[tuple[str, str], float] = {}  # per spec, for benchmarks
 
     # --- compiling (any thread) ---------------------------------------------------------------
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """The future of `spec`'s compiled grammar (started now, or cached); it raises a
-        `ValueError` naming the field if the spec is invalid."""
+        `ValueError` naming the field if the spec is invalid or its grammar is larger than the
+        cache's byte budget."""
         key = spec_key(spec)
         with self._lock:
             future = self._compiled.get(key)
             if future is not None:
                 self._compiled.move_to_end(key)
-            else:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
-                    tokenizer = copy.deepcopy(self._tokenizer)  # a fast tokenizer is not shared across threads
-                    self._pool.submit(self._start_compiler, tokenizer)
-                future = self._compiled[key] = self._pool.submit(self._compile, key, spec)
-                while len(self._compiled) > MAX_CACHED_GRAMMARS:  # requests hold their own futures
-                    evicted, _ = self._compiled.popitem(last=False)
-                    self.compile_seconds.pop(evicted, None)
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
+                tokenizer = copy.deepcopy(self._tokenizer)  # a fast tokenizer is not shared across threads
+                self._pool.submit(self._start_compiler, tokenizer)
+            future = self._compiled[key] = self._pool.submit(self._compile, key, spec)
+            self._evict()
+        future.add_done_callback(lambda done: self._account(key, done))
         return future
+
+    def wait_compiled(self, spec: StructuredOutputsParams):
+        """`spec`'s compiled grammar, waiting at most the compile-time limit (then the limit's
+        `ValueError`)."""
+        try:
+            return self.compile(spec).result(timeout=self.compile_seconds_limit)
+        except concurrent.futures.TimeoutError:
+            raise compile_timeout_error(spec, self.compile_seconds_limit) from None
+
+    def _account(self, key: tuple[str, str], future: Future) -> None:
+        """A compile finished: count its bytes in the cache (if still cached), and evict the
+        least recently used grammars beyond the budget."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        size = int(getattr(future.result(), "memory_size_bytes", 0))
+        with self._lock:
+            if self._compiled.get(key) is not future or key in self._sizes:
+                return
+            self._sizes[key] = size
+            self.cached_bytes += size
+            self._evict()
+
+    def _evict(self) -> None:
+        evicted = False
+        while len(self._compiled) > 1 and (self.cached_bytes > self.cache_bytes or len(self._compiled) > MAX_CACHED_GRAMMARS):
+            key, _ = self._compiled.popitem(last=False)  # requests hold their own futures
+            self.cached_bytes -= self._sizes.pop(key, 0)
+            self.compile_seconds.pop(key, None)
+            evicted = True
+        if evicted:
+            _release_free_memory()
 
     def _start_compiler(self, tokenizer) -> None:
         try:
@@ -82,14 +166,65 @@ class RequestConstraints:
             self._compiler_error = f"{type(exc).__name__}: {exc}"
 
     def _compile(self, key: tuple[str, str], spec: StructuredOutputsParams):
-        import time
-
         if self._compiler is None:
             raise RuntimeError(f"Structured outputs are unavailable: the grammar compiler could not be built ({self._compiler_error}).")
         start = time.perf_counter()
         compiled = self._compiler.compile(spec)
+        size = int(getattr(compiled, "memory_size_bytes", 0))
+        if size > self.cache_bytes:
+            del compiled
+            _release_free_memory()
+            raise ConstraintLimitError(
+                f"The {spec.kind} in {spec.param} compiles to a grammar of {size / 2**20:.1f} MiB, more than this "
+                f"engine's whole compiled-grammar cache ({self.cache_bytes / 2**20:.1f} MiB, "
+                "structured_outputs_cache_bytes, --structured-outputs-cache-bytes); simplify it (fewer or shorter "
+                "choices, a smaller schema), or start the engine with a larger cache.",
+                spec.param,
+            )
         self.compile_seconds[key] = time.perf_counter() - start
         return compiled
+
+    # --- bad words and allowed_token_ids (any thread) ---------------------------------------
+
+    def prepare_controls(self, params: SamplingParams) -> Future | None:
+        """The future of the request's `TokenControls` (bad words tokenized, the fixed mask
+        packed), prepared on the token thread and cached; None when it has neither."""
+        if not params.bad_words and params.allowed_token_ids is None:
+            return None
+        allowed = tuple(params.allowed_token_ids) if params.allowed_token_ids is not None else None
+        key = (allowed, tuple(params.bad_words or ()))
+        with self._lock:
+            future = self._controls.get(key)
+            if future is not None:
+                self._controls.move_to_end(key)
+                return future
+            if self._token_pool is None:
+                self._token_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokens")
+            future = self._controls[key] = self._token_pool.submit(self._prepare, allowed, key[1])
+            while len(self._controls) > MAX_CACHED_CONTROLS:
+                self._controls.popitem(last=False)
+        return future
+
+    def _prepare(self, allowed: tuple[int, ...] | None, bad_words: tuple[str, ...]):
+        from pagedllm.structured import TokenControls
+
+        words = self.bad_words_token_ids(bad_words) if bad_words else []
+        return TokenControls(self.vocab_size, list(allowed) if allowed is not None else None, words)
+
+    def bad_words_token_ids(self, bad_words) -> list[list[int]]:
+        """Each bad word's tokens as it would start the text and after a space (as vLLM does);
+        on the token thread, with its own copy of the tokenizer, in one batched call."""
+        if self._token_tokenizer is None:
+            self._token_tokenizer = copy.deepcopy(self._tokenizer)
+        texts = [t for word in bad_words for t in (word.lstrip(), " " + word.lstrip())]
+        encoded = self._token_tokenizer(texts, add_special_tokens=False)["input_ids"]
+        seen: set[tuple[int, ...]] = set()
+        words: list[list[int]] = []
+        for ids in encoded:
+            if ids and tuple(ids) not in seen:
+                seen.add(tuple(ids))
+                words.append(list(ids))
+        return words
 
     # --- requests (the engine's thread) -------------------------------------------------------
 
@@ -102,57 +237,51 @@ class RequestConstraints:
             if bad:
                 raise ValueError(f"SamplingParams.{name} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}.")
 
-    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
-        """Each bad word's tokens as it would start the text and after a space (as vLLM does)."""
-        words: list[list[int]] = []
-        for word in params.bad_words or ():
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self._tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in words:
-                    words.append(ids)
-        return words
-
     def hold(self, group: SequenceGroup) -> bool:
-        """Start what `group` needs; True if it must wait for its grammar (else it is ready,
-        its sequences constrained, and the caller schedules it)."""
+        """Start what `group` needs; True if it must wait for its grammar or token controls
+        (else it is ready, its sequences constrained, and the caller schedules it)."""
         params = group.sampling_params
         spec = params.structured_outputs
-        if spec is not None:
-            future = self.compile(spec)
-            if not future.done() or future.exception() is not None:
-                self.pending[group.request_id] = (group, future)
-                return True
-            self._attach(group, future.result())
-        else:
-            self._attach(group, None)
-        return False
+        futures = [self.compile(spec)] if spec is not None else []
+        controls = self.prepare_controls(params)
+        if controls is not None:
+            futures.append(controls)
+        if all(f.done() and f.exception() is None for f in futures):
+            self._attach(group, futures, spec)
+            return False
+        self.pending[group.request_id] = (group, futures, spec, time.monotonic())
+        return True
 
-    def _attach(self, group: SequenceGroup, compiled) -> None:
+    def _attach(self, group: SequenceGroup, futures: list[Future], spec: StructuredOutputsParams | None) -> None:
         from pagedllm.structured import SequenceConstraint
 
-        params = group.sampling_params
-        bad_words = self.bad_words_token_ids(params)
+        compiled = futures[0].result() if spec is not None else None
+        controls = futures[-1].result() if len(futures) > (spec is not None) else None
         for seq in group.seqs:
-            seq.constraint = SequenceConstraint.create(compiled, self.vocab_size, params.allowed_token_ids, bad_words)
+            seq.constraint = SequenceConstraint.create(compiled, self.vocab_size, controls=controls)
 
     def take_ready(self, wait: bool) -> tuple[list[SequenceGroup], list[tuple[SequenceGroup, str]]]:
-        """Pending groups whose grammar is compiled (constrained now), and those whose grammar
-        failed, with why. With `wait` (nothing else to run), waits briefly for one to finish."""
+        """Pending groups whose grammar and token controls are ready (constrained now), and those
+        that failed (a bad grammar, or one past the compile-time limit), with why. With `wait`
+        (nothing else to run), waits briefly for one to finish."""
         if not self.pending:
             return [], []
         if wait:
-            futures = [future for _, future in self.pending.values()]
+            futures = [f for _, fs, _, _ in self.pending.values() for f in fs if not f.done()]
             concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
         ready, failed = [], []
-        for request_id, (group, future) in list(self.pending.items()):
-            if not future.done():
-                continue
+        now = time.monotonic()
+        for request_id, (group, futures, spec, since) in list(self.pending.items()):
+            error = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+            if error is None and not all(f.done() for f in futures):
+                if spec is None or now - since <= self.compile_seconds_limit:
+                    continue
+                error = compile_timeout_error(spec, self.compile_seconds_limit)
             del self.pending[request_id]
-            error = future.exception()
             if error is not None:
                 failed.append((group, str(error)))
             else:
-                self._attach(group, future.result())
+                self._attach(group, futures, spec)
                 ready.append(group)
         return ready, failed
 
@@ -176,5 +305,6 @@ class RequestConstraints:
             fill_step_bitmasks(rows, self.vocab_size)
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._token_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)

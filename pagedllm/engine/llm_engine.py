@@ -22,6 +22,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.requests import RequestRegistry
 from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.step_budget import StepBudget
 from pagedllm.engine.step_timer import StepTimer
 from pagedllm.executor import Executor, WorkerDiedError
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -62,7 +63,14 @@ class LLMEngine:
             self.tokenizer = tokenizer.result()
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.arch.end_of_turn_tokens)
         self.requests = RequestRegistry()
-        self.constraints = RequestConstraints(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        limits = config.limits
+        self.constraints = RequestConstraints(
+            self.tokenizer,
+            self.arch.vocab_size,
+            self.eos_token_ids,
+            cache_bytes=limits.structured_outputs_cache_bytes,
+            compile_seconds=limits.structured_outputs_compile_seconds,
+        )
         self.output_processor = OutputProcessor(
             self.tokenizer,
             self.core.block_manager,
@@ -72,6 +80,9 @@ class LLMEngine:
             share_blocks=config.cache.enable_block_sharing,
         )
         self.timer = StepTimer()
+        sched = config.scheduler
+        self.step_budget = StepBudget(sched.max_step_seconds, sched.max_num_batched_tokens)
+        self.scheduler.prompt_chunk_limit = self.step_budget.chunk_limit
         self.debug_invariants = os.environ.get(CHECK_INVARIANTS_ENV) == "1"
         self.num_prompt_tokens_total = 0
         self.num_computed_tokens_total = 0
@@ -176,6 +187,7 @@ class LLMEngine:
                 f"The prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}, "
                 f"which leaves no room to generate; shorten the prompt to at most {self.max_model_len - 1} tokens."
             )
+        self._check_limits(params)
         if params.best_of > self.config.scheduler.max_num_seqs:
             raise ValueError(
                 f"best_of={params.best_of} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}; "
@@ -183,6 +195,24 @@ class LLMEngine:
             )
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}.")
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        """The engine's per-request limits (RequestLimits): a request above one is refused at
+        once, with the limit's name and flag, rather than stalling every other stream."""
+        limits = self.config.limits
+        param = "best_of" if params.best_of > params.n else "n"
+        if params.use_beam_search and params.best_of > limits.max_beam_width:
+            raise RequestTooLargeError(
+                f"A beam width of {params.best_of} exceeds this engine's limit max_beam_width={limits.max_beam_width} "
+                "(--max-beam-width); use a narrower beam, or start the engine with a higher limit.",
+                param,
+            )
+        if not params.use_beam_search and params.best_of > limits.max_n:
+            raise RequestTooLargeError(
+                f"{param}={getattr(params, param)} exceeds this engine's limit max_n={limits.max_n} (--max-n) on the "
+                "parallel samples of one request; ask for fewer, or start the engine with a higher limit.",
+                param,
+            )
 
     def _max_tokens_that_fit(self, prompt_len: int, params: SamplingParams) -> int | None:
         """Decide at admission whether the request can ever fit the KV cache, alone, with every
@@ -242,7 +272,7 @@ class LLMEngine:
         it to compile (cached, so adding the request afterwards finds it ready)."""
         self.constraints.check(params)
         if params.structured_outputs is not None:
-            self.constraints.compile(params.structured_outputs).result()
+            self.constraints.wait_compiled(params.structured_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -251,6 +281,17 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of every request that progressed or ended."""
+        begin = time.perf_counter()
+        outputs = self._step()
+        if self._prompt_tokens is not None:  # a step that ran the model: measure it for the budget
+            self.step_budget.observe(time.perf_counter() - begin, self._prompt_tokens)
+            self.scheduler.prompt_chunk_limit = self.step_budget.chunk_limit
+            self._prompt_tokens = None
+        return outputs
+
+    _prompt_tokens: int | None = None  # the prompt tokens of the step being run
+
+    def _step(self) -> list[RequestOutput]:
         with self.timer.part("scheduler"):
             outputs = self._release_compiled()
             scheduled = self.core.schedule()
@@ -268,6 +309,7 @@ class LLMEngine:
             self.core.scheduler.requeue_finished(scheduled.finished_request_ids)
             raise
         self.num_steps += 1
+        self._prompt_tokens = sum(len(item.token_ids) for item in scheduled.seqs if len(item.token_ids) > 1)
         now = time.monotonic()
         with self.timer.part("scheduler"):
             self.core.advance(scheduled, self.requests.seqs)

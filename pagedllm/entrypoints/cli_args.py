@@ -46,6 +46,13 @@ _HELP = {
     "max_num_batched_tokens": "most tokens computed in one step",
     "preemption_mode": "how to evict when blocks run out",
     "kv_policy": "KV memory: paged (this engine), or a baseline of the paper reserving contiguous memory per sequence",
+    "max_step_seconds": "time budget of one engine step: prompt chunks are sized from the measured cost per token so "
+    "that a long prompt never stalls the other streams longer (0: no budget, chunks of --max-num-batched-tokens)",
+    "max_n": "most parallel samples (n, best_of) one request may ask for; above it the request is refused",
+    "max_beam_width": "widest beam search one request may ask for; above it the request is refused",
+    "structured_outputs_cache_bytes": "byte budget of the compiled-grammar cache (least recently used dropped "
+    "first); a grammar larger than it alone is refused",
+    "structured_outputs_compile_seconds": "longest a request's grammar may take to compile before the request is refused",
     "tensor_parallel_size": "number of tensor-parallel workers",
     "distributed_init_method": "torch.distributed init method (env:// under torchrun)",
     "disable_log_stats": "do not log periodic engine stats",
@@ -79,8 +86,10 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
         if field.type in ("bool", bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kind = {"int | None": int, "int": int, "float": float, "str": str, "str | None": str}.get(str(field.type), str)
-            kwargs["type"] = parse_bytes if field.name == "kv_cache_memory" else kind
+            kind = {"int | None": int, "int": int, "float": float, "str": str, "str | None": str, "float | None": float}.get(
+                str(field.type), str
+            )
+            kwargs["type"] = parse_bytes if field.name in ("kv_cache_memory", "structured_outputs_cache_bytes") else kind
             if field.name in _CHOICES:
                 kwargs["choices"] = _CHOICES[field.name]
         names = [flag, *_flag_aliases(field.name)]

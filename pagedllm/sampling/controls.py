@@ -65,12 +65,21 @@ def apply_token_controls(logits: torch.Tensor, items: list[ScheduledSequence]) -
                 allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
             logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     if biased:
-        row_ids, token_ids, values = [], [], []
-        for r in biased:
-            for token_id, bias in items[r].sampling_params.logit_bias.items():
-                row_ids.append(r)
-                token_ids.append(token_id)
-                values.append(bias)
-        index = (torch.tensor(row_ids, device=logits.device), torch.tensor(token_ids, device=logits.device))
-        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+        tables = [logit_bias_tensors(items[r].sampling_params) for r in biased]
+        row_ids = torch.cat([torch.full_like(ids, r) for r, (ids, _) in zip(biased, tables)])
+        token_ids = torch.cat([ids for ids, _ in tables])
+        values = torch.cat([values for _, values in tables])
+        index = (row_ids.to(logits.device), token_ids.to(logits.device))
+        logits.index_put_(index, values.to(device=logits.device, dtype=logits.dtype), accumulate=True)
     return controls
+
+
+def logit_bias_tensors(params) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's logit_bias as (token ids, biases) tensors, built once per request (kept on its
+    `SamplingParams`) rather than walked in Python at every step."""
+    cached = params.__dict__.get("_logit_bias_tensors")
+    if cached is None:
+        bias = params.logit_bias
+        cached = (torch.tensor(list(bias.keys()), dtype=torch.int64), torch.tensor(list(bias.values()), dtype=torch.float32))
+        params.__dict__["_logit_bias_tensors"] = cached
+    return cached

@@ -144,16 +144,28 @@ class Sampler:
 
     @staticmethod
     def _beam_picks(controlled: torch.Tensor, items: list[ScheduledSequence], rows: list[int]) -> dict[int, torch.Tensor]:
-        """For each beam row, the ids of its K = max(2, 1 + #stop tokens) * beam_width most likely
-        next tokens: enough for the engine to keep beam_width live beams even if the best ones
-        end. They are picked under the token controls (forbidden tokens never); the caller scores
-        them with the raw log-probabilities."""
+        """For each beam row, the ids of the next tokens the beam step can use, picked under the
+        token controls (forbidden tokens never); the caller scores them with the raw
+        log-probabilities. transformers ranks the K = max(2, 1 + #stop tokens) * beam_width best
+        continuations over all beams; of one beam's, only two kinds can matter: its 2 * beam_width
+        best (a candidate finishes only within the step's top beam_width), and its beam_width best
+        that do not stop (the next live beams). Those are taken, at most 3 * beam_width per beam
+        however many stop tokens a request names."""
         out: dict[int, torch.Tensor] = {}
+        vocab = controlled.shape[1]
         for r in rows:
             params = items[r].sampling_params
-            k = min(max(2, 1 + len(params.all_stop_token_ids)) * params.best_of, controlled.shape[1])
-            picked, ids = torch.topk(controlled[r], k)
-            out[r] = ids[torch.isfinite(picked)]
+            width = params.best_of
+            picked, ids = torch.topk(controlled[r], min(2 * width, vocab))
+            ids = ids[torch.isfinite(picked)]
+            stops = [t for t in params.all_stop_token_ids if t < vocab]
+            if stops:
+                going_on = controlled[r].clone()
+                going_on[torch.tensor(stops)] = float("-inf")
+                more_picked, more = torch.topk(going_on, min(width, vocab))
+                more = more[torch.isfinite(more_picked)]
+                ids = torch.cat([ids, more[~torch.isin(more, ids)]])
+            out[r] = ids
         return out
 
 

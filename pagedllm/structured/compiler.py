@@ -34,7 +34,7 @@ def parse_spec(spec: StructuredOutputsParams) -> xgr.Grammar:
     """The grammar of `spec`; an `InvalidConstraintError` naming the field if it has none."""
     kind = spec.kind
     what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(kind, kind)
-    param = f"{spec.field_name}.{kind}" if spec.field_name == "structured_outputs" else spec.field_name
+    param = spec.param
     try:
         if kind == "json":
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)

@@ -26,6 +26,10 @@ def pack_token_ids(token_ids: Iterable[int], vocab_size: int) -> torch.Tensor:
     """A bitmask row (int32 [ceil(vocab / 32)]) with exactly `token_ids` set."""
     bits = torch.zeros(num_words(vocab_size) * 32, dtype=torch.bool)
     bits[list(token_ids)] = True
+    return _pack_bits(bits)
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     words = (bits.view(-1, 32).to(torch.int64) << _SHIFTS).sum(dim=1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # as two's complement int32
 
@@ -37,24 +41,60 @@ def _clear_bit(bitmask: torch.Tensor, index: int, token_id: int) -> None:
     bitmask[index, token_id >> 5] &= ~bit
 
 
-class SequenceConstraint:
-    """A grammar's matcher state (or none), a fixed mask (allowed_token_ids less the one-token bad
-    words) and the longer bad words, whose last token is banned whenever the output so far ends
-    with the rest of the word. Implements the `TokenConstraint` protocol of `core.sequence`."""
+class TokenControls:
+    """A request's allowed_token_ids and bad words, prepared once per request (off the engine's
+    thread) and shared by its sequences: a fixed mask (allowed_token_ids less the one-token bad
+    words) and, for longer bad words, a table from the tokens before each word's last one to the
+    last tokens they ban. A step looks up one tuple per distinct prefix length, however many
+    words there are."""
 
-    __slots__ = ("matcher", "fixed_mask", "bad_words", "recent", "_history")
+    __slots__ = ("fixed_mask", "by_prefix", "history")
+
+    def __init__(self, vocab_size: int, allowed_token_ids: list[int] | None = None, bad_words: Sequence[Sequence[int]] = ()) -> None:
+        single = [w[0] for w in bad_words if len(w) == 1]
+        self.by_prefix: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for word in bad_words:
+            if len(word) > 1:
+                self.by_prefix.setdefault(len(word) - 1, {}).setdefault(tuple(word[:-1]), []).append(word[-1])
+        self.history = max(self.by_prefix, default=0)  # output tokens a prefix match needs
+        self.fixed_mask: torch.Tensor | None = None
+        if allowed_token_ids is not None or single:
+            bits = torch.zeros(num_words(vocab_size) * 32, dtype=torch.bool)
+            if allowed_token_ids is not None:
+                bits[list(allowed_token_ids)] = True
+            else:
+                bits[:vocab_size] = True
+            bits[single] = False
+            self.fixed_mask = _pack_bits(bits)
+
+    @property
+    def empty(self) -> bool:
+        return self.fixed_mask is None and not self.by_prefix
+
+    def fill(self, bitmask: torch.Tensor, index: int, recent: list[int]) -> None:
+        if self.fixed_mask is not None:
+            bitmask[index] &= self.fixed_mask
+        for length, table in self.by_prefix.items():
+            if len(recent) >= length:
+                for token_id in table.get(tuple(recent[len(recent) - length :]), ()):
+                    _clear_bit(bitmask, index, token_id)
+
+
+class SequenceConstraint:
+    """A grammar's matcher state (or none) and the request's `TokenControls` (or none), with the
+    output's last tokens that its bad words' prefixes need. Implements the `TokenConstraint`
+    protocol of `core.sequence`."""
+
+    __slots__ = ("matcher", "controls", "recent")
 
     def __init__(
         self,
         matcher: "xgr.GrammarMatcher | None",
-        fixed_mask: torch.Tensor | None,
-        bad_words: tuple[tuple[int, ...], ...],
+        controls: TokenControls | None,
         recent: list[int] | None = None,
     ) -> None:
         self.matcher = matcher
-        self.fixed_mask = fixed_mask  # shared between forks: never written
-        self.bad_words = bad_words
-        self._history = max((len(w) for w in bad_words), default=1) - 1  # output tokens a prefix match needs
+        self.controls = controls if controls is not None and not controls.empty else None  # shared between forks
         self.recent = recent if recent is not None else []
 
     @classmethod
@@ -64,42 +104,36 @@ class SequenceConstraint:
         vocab_size: int,
         allowed_token_ids: list[int] | None = None,
         bad_words: Sequence[Sequence[int]] = (),
+        controls: TokenControls | None = None,
     ) -> "SequenceConstraint":
         matcher = None
         if compiled is not None:
             import xgrammar
 
             matcher = xgrammar.GrammarMatcher(compiled)
-        single = {w[0] for w in bad_words if len(w) == 1}
-        longer = tuple(tuple(w) for w in bad_words if len(w) > 1)
-        fixed = None
-        if allowed_token_ids is not None or single:
-            allowed = set(allowed_token_ids) if allowed_token_ids is not None else set(range(vocab_size))
-            fixed = pack_token_ids(sorted(allowed - single), vocab_size)
-        return cls(matcher, fixed, longer)
+        if controls is None:
+            controls = TokenControls(vocab_size, allowed_token_ids, bad_words)
+        return cls(matcher, controls)
 
     def accept_token(self, token_id: int) -> bool:
-        if self._history:
+        history = self.controls.history if self.controls is not None else 0
+        if history:
             self.recent.append(token_id)
-            del self.recent[: -self._history]
+            del self.recent[:-history]
         if self.matcher is None or self.matcher.is_terminated():
             return True
         return self.matcher.accept_token(token_id)
 
     def fork(self) -> "SequenceConstraint":
         matcher = self.matcher.fork() if self.matcher is not None else None
-        return SequenceConstraint(matcher, self.fixed_mask, self.bad_words, list(self.recent))
+        return SequenceConstraint(matcher, self.controls, list(self.recent))
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         """Clear the bits of row `index` (all set on entry) for the tokens not allowed next."""
         if self.matcher is not None and not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(bitmask, index)
-        if self.fixed_mask is not None:
-            bitmask[index] &= self.fixed_mask
-        for word in self.bad_words:
-            prefix = word[:-1]
-            if len(self.recent) >= len(prefix) and tuple(self.recent[len(self.recent) - len(prefix) :]) == prefix:
-                _clear_bit(bitmask, index, word[-1])
+        if self.controls is not None:
+            self.controls.fill(bitmask, index, self.recent)
 
 
 def fill_step_bitmasks(rows: list[tuple[object, SequenceConstraint]], vocab_size: int) -> None:

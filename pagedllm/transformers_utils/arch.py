@@ -375,12 +375,27 @@ def gguf_arch_config(metadata: dict) -> ModelArchConfig:
     )
 
 
+# Model files already checked in this process: (path, size, mtime) -> what the checks read.
+_checked_sources: dict[tuple[str, int, int], object] = {}
+
+
 def load_arch_config(source: "ModelSource") -> ModelArchConfig:
-    """The architecture of `source`, from its config.json or its GGUF metadata."""
+    """The architecture of `source`, from its config.json or its GGUF metadata, once its files
+    passed the checks of `file_checks` (a `ValueError` naming the file and what is wrong)."""
+    from pagedllm.transformers_utils.file_checks import check_model_files, check_tensor_shapes
+
+    stat = source.path.stat()
+    key = (str(source.path), stat.st_size, stat.st_mtime_ns)
+    checked = _checked_sources.get(key) or check_model_files(source)
     if source.kind == "hf":
         generation = source.path / "generation_config.json"
-        return ModelArchConfig.from_hf_config(
-            json.loads((source.path / "config.json").read_text()),
-            json.loads(generation.read_text()) if generation.is_file() else None,
-        )
-    return gguf_arch_config(gguf_metadata(source.path))
+        try:
+            generation_config = json.loads(generation.read_text()) if generation.is_file() else None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"The model's {generation} is not valid JSON: {exc}.") from None
+        arch = ModelArchConfig.from_hf_config(json.loads((source.path / "config.json").read_text()), generation_config)
+    else:
+        arch = gguf_arch_config(gguf_metadata(source.path))
+    check_tensor_shapes(checked, arch)
+    _checked_sources[key] = checked
+    return arch

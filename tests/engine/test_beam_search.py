@@ -200,3 +200,36 @@ def test_finished_search_leaves_every_block_free_and_reports_beam_width_hypothes
     assert not engine.scheduler.has_unfinished()
     assert engine.bm.live_tables() == {} and engine.bm.num_free_blocks == 8
     assert [(s.status, s.num_output_tokens) for s in group.seqs] == [(SequenceStatus.FINISHED_LENGTH, 4)] * WIDTH
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_beam_step_decides_the_same_with_few_candidates_as_with_transformers_many(seed):
+    """The sampler picks per beam only its 2 * width best and its width best that do not stop
+    (pagedllm.sampling.sampler); transformers keeps (1 + #stop tokens) * width. With many stop
+    tokens among the likely ones, the beam step's decision is the same from either."""
+    import torch
+
+    from pagedllm.core.scheduler_output import ScheduledSequence
+    from pagedllm.sampling.sampler import Sampler
+
+    width, vocab = 4, 300
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(width, vocab, generator=generator) * 3
+    stops = set(torch.randperm(vocab, generator=generator)[:120].tolist())  # 40% of the vocabulary stops
+    params = SamplingParams(n=width, best_of=width, use_beam_search=True, temperature=0.0, max_tokens=10)
+    params.all_stop_token_ids = stops
+    items = [ScheduledSequence(seq_id=i, request_id="r", token_ids=[1], start_position=3, block_table=[0],
+                               sampling_params=params, num_samples=1) for i in range(width)]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    few = Sampler._beam_picks(logits.clone(), items, list(range(width)))
+    k = min((1 + len(stops)) * width, vocab)
+    beams = [beam(i, -float(i), num_generated=2) for i in range(width)]
+
+    def decision(picks):
+        proposals = [(b, [SampledToken(t, log_probs[i, t].item()) for t in picks[i].tolist()]) for i, b in enumerate(beams)]
+        step = decide_beam_step(group_of(*beams, params=params), proposals, max_new_tokens=10)
+        return continued(step), finished(step), [s.seq_id for s in step.dropped], step.done
+
+    many = {i: torch.topk(logits[i], k).indices for i in range(width)}
+    assert max(len(p) for p in few.values()) <= 3 * width < k
+    assert decision(few) == decision(many)
