@@ -21,6 +21,7 @@ from pagedllm.engine.constraints import RequestConstraints
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.requests import RequestRegistry
+from pagedllm.engine.spec_decode import Speculator
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_timer import StepTimer
 from pagedllm.executor import Executor, WorkerDiedError
@@ -72,6 +73,7 @@ class LLMEngine:
             share_blocks=config.cache.enable_block_sharing,
         )
         self.timer = StepTimer()
+        self.speculator = self._make_speculator()
         self.debug_invariants = os.environ.get(CHECK_INVARIANTS_ENV) == "1"
         self.num_prompt_tokens_total = 0
         self.num_computed_tokens_total = 0
@@ -96,6 +98,21 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     # --- set-up checks ----------------------------------------------------------------------
+
+    def _make_speculator(self) -> Speculator | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if self.config.scheduler.kv_policy != "paged":
+            raise ValueError(
+                f"speculative_config needs kv_policy='paged' (got {self.config.scheduler.kv_policy!r}): the paper's "
+                "reservation baselines cannot roll back rejected tokens' slots."
+            )
+        if spec.method == "draft_model":
+            raise ValueError(
+                'speculative_config method "draft_model" is not available in this build; use "ngram".'
+            )
+        return Speculator(spec, self.max_model_len, self.config.scheduler.max_num_batched_tokens)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
@@ -253,6 +270,8 @@ class LLMEngine:
         """Run one iteration; returns the outputs of every request that progressed or ended."""
         with self.timer.part("scheduler"):
             outputs = self._release_compiled()
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler)
             scheduled = self.core.schedule()
             outputs += [self._make_output(g) for g in self._take_failed()]
         if not scheduled.has_model_work and not scheduled.has_cache_work and not scheduled.finished_request_ids:
@@ -261,7 +280,9 @@ class LLMEngine:
             self.constraints.fill_bitmasks(scheduled, self.requests.seqs)
         try:
             with self.timer.part("model"):
+                started = time.perf_counter()
                 result = self.core.execute(scheduled)
+                model_seconds = time.perf_counter() - started
         except WorkerDiedError as exc:
             return outputs + self._fail_everything(str(exc))
         except BaseException:
@@ -270,7 +291,9 @@ class LLMEngine:
         self.num_steps += 1
         now = time.monotonic()
         with self.timer.part("scheduler"):
-            self.core.advance(scheduled, self.requests.seqs)
+            self.core.advance(scheduled, self.requests.seqs, result)
+            if self.speculator is not None and scheduled.has_model_work:
+                self.speculator.observe(scheduled, result, model_seconds)
             self.num_computed_tokens_total += scheduled.num_batched_tokens
         with self.timer.part("outputs"):
             touched = self.output_processor.process(scheduled, result)
