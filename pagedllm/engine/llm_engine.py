@@ -437,7 +437,19 @@ class LLMEngine:
             num_steps=self.num_steps,
             step_time=self.timer.snapshot(),
             kv_breakdown=sched.kv_breakdown.fractions(),
+            **self._spec_decode_stats(),
         )
+
+    def _spec_decode_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        spec = self.speculator.stats
+        return {
+            "spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
+        }
 
     def shutdown(self) -> None:
         self.constraints.shutdown()

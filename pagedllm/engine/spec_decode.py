@@ -284,7 +284,10 @@ class Speculator:
         base_tokens = min(base_tokens, budget)
         if not self._proposals:
             return
-        chosen = self.controller.choose(self._proposals, base_tokens, base_outputs, base_multi, budget - base_tokens)
+        # Running sequences come first in the scheduler's budget, so without the adaptive choice
+        # proposals may take what waiting prompts would have had.
+        left = budget - (base_tokens if self.config.adaptive else base_outputs)
+        chosen = self.controller.choose(self._proposals, base_tokens, base_outputs, base_multi, left)
         for seq_id, k in chosen.items():
             if k:
                 seqs[seq_id].draft_token_ids = self._proposals[seq_id][:k]
