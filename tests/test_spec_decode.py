@@ -147,8 +147,8 @@ def test_controller_verifies_nothing_under_load_or_low_acceptance():
 def test_greedy_equals_plain_and_transformers_with_ngram_proposals(small_vocab_model):
     prompts = _prompts(4, [9, 17, 30])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = _tokens(LLM(str(small_vocab_model), max_model_len=256).generate(prompts, params, use_tqdm=False))
-    llm = LLM(str(small_vocab_model), max_model_len=256, speculative_config=NGRAM)
+    plain = _tokens(LLM(str(small_vocab_model), max_model_len=256, num_gpu_blocks=512).generate(prompts, params, use_tqdm=False))
+    llm = LLM(str(small_vocab_model), max_model_len=256, num_gpu_blocks=512, speculative_config=NGRAM)
     speculative = _tokens(llm.generate(prompts, params, use_tqdm=False))
     assert speculative == plain
     hf = load_hf(small_vocab_model)
@@ -170,7 +170,7 @@ def mixed_workload(small_vocab_model):
         SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0, max_tokens=16, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
     ]
-    kwargs = dict(max_model_len=256, max_num_batched_tokens=24, max_num_seqs=8)
+    kwargs = dict(max_model_len=256, max_num_batched_tokens=24, max_num_seqs=8, num_gpu_blocks=512)
     plain = LLM(str(small_vocab_model), **kwargs).generate(prompts, params, use_tqdm=False)
     return prompts, params, kwargs, plain
 
@@ -207,15 +207,15 @@ def test_oracle_proposals_are_verified_with_stops_and_max_tokens(small_vocab_mod
     ends the output there, as without speculation."""
     prompts = _prompts(3, [12, 25])
     params = SamplingParams(temperature=0, max_tokens=37, ignore_eos=True)
-    plain = [o[0] for o in _tokens(LLM(str(small_vocab_model), max_model_len=256).generate(prompts, params, use_tqdm=False))]
-    llm = LLM(str(small_vocab_model), max_model_len=256, speculative_config={**NGRAM, "num_speculative_tokens": 7})
+    plain = [o[0] for o in _tokens(LLM(str(small_vocab_model), max_model_len=256, num_gpu_blocks=512).generate(prompts, params, use_tqdm=False))]
+    llm = LLM(str(small_vocab_model), max_model_len=256, num_gpu_blocks=512, speculative_config={**NGRAM, "num_speculative_tokens": 7})
     llm.llm_engine.speculator.proposer = OracleProposer(prompts, plain)
     assert [o[0] for o in _tokens(llm.generate(prompts, params, use_tqdm=False))] == plain
     per_pos = llm.llm_engine.get_stats().spec_decode_num_accepted_tokens_per_pos
     assert per_pos[0] >= per_pos[1] > 0 and per_pos[6] > 0  # full acceptances of 7 tokens
     stop = plain[0][20]
     stopped = SamplingParams(temperature=0, max_tokens=37, ignore_eos=True, stop_token_ids=[stop])
-    expected = LLM(str(small_vocab_model), max_model_len=256).generate(prompts[:1], stopped, use_tqdm=False)[0].outputs[0]
+    expected = LLM(str(small_vocab_model), max_model_len=256, num_gpu_blocks=512).generate(prompts[:1], stopped, use_tqdm=False)[0].outputs[0]
     got = llm.generate(prompts[:1], stopped, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == expected.token_ids and got.token_ids[-1] == stop and got.finish_reason == "stop"
 
@@ -225,8 +225,8 @@ def test_sliding_window_model_is_unchanged(tiny_models):
     model = tiny_models("mistral", vocab_size=SMALL_VOCAB, sliding_window=8)
     prompts = _prompts(3, [11, 26], seed=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = _tokens(LLM(str(model), max_model_len=256, block_size=4).generate(prompts, params, use_tqdm=False))
-    llm = LLM(str(model), max_model_len=256, block_size=4, speculative_config=NGRAM)
+    plain = _tokens(LLM(str(model), max_model_len=256, block_size=4, num_gpu_blocks=512).generate(prompts, params, use_tqdm=False))
+    llm = LLM(str(model), max_model_len=256, block_size=4, num_gpu_blocks=512, speculative_config=NGRAM)
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
     assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
     hf = load_hf(model)
@@ -268,12 +268,12 @@ def _chi_square_p(a: collections.Counter, b: collections.Counter, min_count: int
 def sampling_setup(small_vocab_model):
     """A prompt of the model's own greedy text (so n-gram proposals are sometimes right), the
     plain engine's draws of its first sampled tokens, and an engine verifying every proposal."""
-    plain_llm = LLM(str(small_vocab_model), max_model_len=64, seed=1)
+    plain_llm = LLM(str(small_vocab_model), max_model_len=64, seed=1, num_gpu_blocks=2048)
     seed = [5, 9, 17]
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompt = seed + plain_llm.generate([seed], greedy, use_tqdm=False)[0].outputs[0].token_ids
     plain = _first_tokens(plain_llm, prompt, NUM_SAMPLES)
-    llm = LLM(str(small_vocab_model), max_model_len=64, seed=2,
+    llm = LLM(str(small_vocab_model), max_model_len=64, seed=2, num_gpu_blocks=2048,
               speculative_config={**NGRAM, "num_speculative_tokens": 2, "prompt_lookup_min": 1})
     return prompt, plain, llm
 
