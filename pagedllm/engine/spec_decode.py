@@ -59,6 +59,9 @@ class NgramProposer:
     def __init__(self, max_n: int, min_n: int) -> None:
         self.max_n, self.min_n = max_n, min_n
         self._buffers: dict[int, tuple[np.ndarray, int]] = {}
+        # Where each sequence's last proposal came from: (its first token's position, the
+        # sequence's length then).
+        self._sources: dict[int, tuple[int, int]] = {}
 
     def _tokens(self, seq: Sequence) -> np.ndarray:
         buf, n = self._buffers.get(seq.seq_id, (None, 0))
@@ -94,12 +97,21 @@ class NgramProposer:
             matched += 1
         if matched < self.min_n or not ends.size:
             return []
-        end = int(ends[-1]) + 1  # the latest occurrence
+        # Copying goes on where it was: the occurrence just past the last proposal's source, if
+        # it matches as long a suffix, else the latest occurrence.
+        end = int(ends[-1]) + 1
+        source = self._sources.get(seq.seq_id)
+        if source is not None:
+            expected = source[0] + length - source[1]
+            if expected != end and expected - 1 in set(ends[-64:].tolist()):
+                end = expected
+        self._sources[seq.seq_id] = (end, length)
         return tokens[end : end + k].tolist()
 
     def forget(self, live_seq_ids: set[int]) -> None:
         for seq_id in [s for s in self._buffers if s not in live_seq_ids]:
             del self._buffers[seq_id]
+            self._sources.pop(seq_id, None)
 
 
 class StepCost:
@@ -118,7 +130,13 @@ class StepCost:
     def known(self) -> bool:
         return self.w > 0.5
 
+    def predict(self, tokens: int) -> float:
+        a, b = self.line()
+        return a + b * tokens
+
     def observe(self, tokens: int, seconds: float) -> None:
+        if self.w > 3:  # one slow step (a neighbour's burst, a first call) moves the line little
+            seconds = min(seconds, 2 * self.predict(tokens))
         d = self.DECAY
         self.w, self.t, self.c = d * self.w + 1, d * self.t + tokens, d * self.c + seconds
         self.tt, self.tc = d * self.tt + tokens * tokens, d * self.tc + tokens * seconds
@@ -156,16 +174,18 @@ class SpecController:
     def __init__(self, adaptive: bool = True) -> None:
         self.adaptive = adaptive
         self.decode_cost = StepCost()  # steps of single-token queries only
-        self.multi_cost = StepCost()  # steps with a longer query (a prompt chunk or a verification)
+        # Steps of decodes and verifications (no prompt chunk: a prompt's first step costs
+        # differently, and is never a choice this controller makes).
+        self.verify_cost = StepCost()
         self.acceptance: dict[int, _Acceptance] = {}
         self.overall = _Acceptance()
 
     def cost(self, tokens: int, multi: bool) -> float:
-        model = self.multi_cost if multi and self.multi_cost.known else self.decode_cost
-        if not model.known:
-            return 1.0 + 0.0 * tokens
-        a, b = model.line()
-        return a + b * tokens
+        """Predicted seconds of a step of `tokens` query tokens: of single-token decodes only,
+        or (`multi`) with longer queries. Until verifications were measured, as decodes (an
+        optimistic start, so that they are tried and measured)."""
+        model = self.verify_cost if multi and self.verify_cost.known else self.decode_cost
+        return model.predict(tokens) if model.known else 1.0
 
     def rate(self, seq_id: int) -> float:
         prior = min(0.9, max(0.3, self.overall.rate(0.5)))
@@ -205,7 +225,8 @@ class SpecController:
         return chosen
 
     def observe_step(self, tokens: int, multi: bool, seconds: float) -> None:
-        (self.multi_cost if multi else self.decode_cost).observe(tokens, seconds)
+        """A step of decodes (`multi`: and verifications) took `seconds`."""
+        (self.verify_cost if multi else self.decode_cost).observe(tokens, seconds)
 
     def observe_tokens(self, seq_id: int, proposal: list[int], produced: list[int]) -> None:
         """What the target produced after a proposal, verified or not, tells how far it matched."""
@@ -294,8 +315,9 @@ class Speculator:
 
     def observe(self, scheduled: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
         """After a step: its cost, the acceptance of each proposal, the counters."""
-        multi = any(len(item.token_ids) > 1 for item in scheduled.seqs)
-        self.controller.observe_step(scheduled.num_batched_tokens, multi, seconds)
+        if all(len(item.token_ids) == 1 + len(item.draft_token_ids) for item in scheduled.seqs):  # no prompt chunk
+            multi = any(item.draft_token_ids for item in scheduled.seqs)
+            self.controller.observe_step(scheduled.num_batched_tokens, multi, seconds)
         per_pos = self.stats.num_accepted_tokens_per_pos
         live = set()
         for item in scheduled.seqs:
