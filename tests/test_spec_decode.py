@@ -309,3 +309,43 @@ def test_a_biased_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatc
     monkeypatch.setattr(sampler_module, "accept_proposal", biased)
     speculative = _first_tokens(llm, prompt, NUM_SAMPLES)
     assert _chi_square_p(plain, speculative) < 0.001
+
+
+# --- the draft model -----------------------------------------------------------------------
+
+
+def test_a_draft_model_equal_to_the_target_has_every_greedy_proposal_accepted(small_vocab_model):
+    """The draft keeps its own KV cache under the target's block tables, chunked prompts included:
+    the same weights propose exactly the target's tokens."""
+    prompts = _prompts(2, [9, 30], seed=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kwargs = dict(max_model_len=256, num_gpu_blocks=256, max_num_batched_tokens=16, max_num_seqs=4)
+    plain = _tokens(LLM(str(small_vocab_model), **kwargs).generate(prompts, params, use_tqdm=False))
+    spec = {"method": "draft_model", "model": str(small_vocab_model), "num_speculative_tokens": 4, "adaptive": False}
+    llm = LLM(str(small_vocab_model), **kwargs, speculative_config=spec)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_another_draft_model_leaves_outputs_unchanged(small_vocab_model, tiny_models, mode):
+    draft = tiny_models("llama", seed=1, vocab_size=SMALL_VOCAB, num_hidden_layers=1)
+    prompts = _prompts(6, [9, 30, 17], seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 5 + [
+        SamplingParams(n=2, temperature=1.0, top_k=5, seed=3, max_tokens=30, ignore_eos=True)
+    ]
+    kwargs = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8)
+    plain = _tokens(LLM(str(small_vocab_model), **kwargs, num_gpu_blocks=512).generate(prompts, params, use_tqdm=False))
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(small_vocab_model), **kwargs, num_gpu_blocks=20, preemption_mode=mode, speculative_config=spec)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(small_vocab_model, tiny_models):
+    draft = tiny_models("llama", vocab_size=2 * SMALL_VOCAB)
+    with pytest.raises(ValueError, match="share the target's vocabulary"):
+        LLM(str(small_vocab_model), max_model_len=128, num_gpu_blocks=64,
+            speculative_config={"method": "draft_model", "model": str(draft)})

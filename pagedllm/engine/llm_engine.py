@@ -108,11 +108,14 @@ class LLMEngine:
                 f"speculative_config needs kv_policy='paged' (got {self.config.scheduler.kv_policy!r}): the paper's "
                 "reservation baselines cannot roll back rejected tokens' slots."
             )
+        draft = None
         if spec.method == "draft_model":
-            raise ValueError(
-                'speculative_config method "draft_model" is not available in this build; use "ngram".'
-            )
-        return Speculator(spec, self.max_model_len, self.config.scheduler.max_num_batched_tokens)
+            from pagedllm.engine.draft_model import DraftModel, check_draft_model
+
+            check_draft_model(spec.model, self.arch.vocab_size, self.tokenizer)
+            bm = self.block_manager
+            draft = DraftModel(self.config, self.max_model_len, self.core.group_windows, bm.num_total_blocks, bm.num_cpu_blocks)
+        return Speculator(spec, self.max_model_len, self.config.scheduler.max_num_batched_tokens, draft)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
@@ -281,6 +284,8 @@ class LLMEngine:
         try:
             with self.timer.part("model"):
                 started = time.perf_counter()
+                if self.speculator is not None:
+                    self.speculator.fill(scheduled, self.requests.seqs)
                 result = self.core.execute(scheduled)
                 model_seconds = time.perf_counter() - started
         except WorkerDiedError as exc:
@@ -453,4 +458,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.constraints.shutdown()
+        if self.speculator is not None:
+            self.speculator.shutdown()
         self.core.shutdown()

@@ -4,7 +4,8 @@ the counters (docs/speculative-decoding.md).
 Before each step, every running sequence that decodes one token at a time (not beam search, not
 under a grammar) gets a proposal: with method "ngram", the tokens that followed the latest
 earlier occurrence of its last n tokens in its own prompt and output (`NgramProposer`, a numpy
-scan, longest n first). The scheduler adds the proposal's tokens after the sequence's last token,
+scan, longest n first); with method "draft_model", slots are reserved and the draft model
+(`engine/draft_model.py`) draws the tokens once the step is scheduled. The scheduler adds the proposal's tokens after the sequence's last token,
 the model scores every position in one pass, and the driver's sampler keeps the longest prefix the
 target agrees with (`pagedllm.sampling.sampler.accept_proposal`); the slots of the rest are
 rolled back (`BlockManager.rollback`).
@@ -250,8 +251,9 @@ class Speculator:
 
     FORGET_EVERY = 64  # steps between pruning the state of sequences that are gone
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int, draft=None) -> None:
         self.config = config
+        self.draft = draft  # a `DraftModel` for method "draft_model"; None: n-gram proposals
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
@@ -293,7 +295,10 @@ class Speculator:
                 if not eligible or seq.constraint is not None:
                     continue
                 room = self._room(group, seq)
-                proposal = self.proposer.propose(seq, room) if room > 0 else []
+                if self.draft is not None:  # slots reserved now, tokens drawn after scheduling (`fill`)
+                    proposal = [0] * max(room, 0)
+                else:
+                    proposal = self.proposer.propose(seq, room) if room > 0 else []
                 if proposal:
                     self._proposals[seq.seq_id] = proposal
                     seqs[seq.seq_id] = seq
@@ -313,8 +318,22 @@ class Speculator:
             if k:
                 seqs[seq_id].draft_token_ids = self._proposals[seq_id][:k]
 
+    def fill(self, scheduled: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
+        """With a draft model: draw the proposed tokens into the scheduled step (the draft runs
+        every step, to keep its KV cache level with the target's)."""
+        if self.draft is None or not scheduled.has_model_work:
+            return
+        self.draft.propose(scheduled, seqs)
+        self._proposals = {item.seq_id: item.draft_token_ids for item in scheduled.seqs if item.draft_token_ids}
+
+    def shutdown(self) -> None:
+        if self.draft is not None:
+            self.draft.shutdown()
+
     def observe(self, scheduled: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
         """After a step: its cost, the acceptance of each proposal, the counters."""
+        if self.draft is not None:
+            self.draft.observe(scheduled, result)
         if all(len(item.token_ids) == 1 + len(item.draft_token_ids) for item in scheduled.seqs):  # no prompt chunk
             multi = any(item.draft_token_ids for item in scheduled.seqs)
             self.controller.observe_step(scheduled.num_batched_tokens, multi, seconds)
