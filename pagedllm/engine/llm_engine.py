@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core import BlockManager, Scheduler, Sequence, SequenceGroup, SequenceStatus
@@ -21,13 +22,15 @@ from pagedllm.engine.constraints import RequestConstraints
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.requests import RequestRegistry
-from pagedllm.engine.spec_decode import Speculator
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_timer import StepTimer
 from pagedllm.executor import Executor, WorkerDiedError
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams, SamplingType
 from pagedllm.transformers_utils import eos_token_ids, get_tokenizer, load_arch_config, resolve_model
+
+if TYPE_CHECKING:
+    from pagedllm.engine.spec_decode import Speculator
 
 logger = logging.getLogger("pagedllm")
 
@@ -99,10 +102,12 @@ class LLMEngine:
 
     # --- set-up checks ----------------------------------------------------------------------
 
-    def _make_speculator(self) -> Speculator | None:
+    def _make_speculator(self) -> "Speculator | None":
         spec = self.config.speculative
         if spec is None:
             return None
+        from pagedllm.engine.spec_decode import Speculator  # (numpy: only when speculating)
+
         if self.config.scheduler.kv_policy != "paged":
             raise ValueError(
                 f"speculative_config needs kv_policy='paged' (got {self.config.scheduler.kv_policy!r}): the paper's "
