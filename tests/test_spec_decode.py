@@ -349,3 +349,26 @@ def test_a_draft_model_of_another_vocabulary_is_refused(small_vocab_model, tiny_
     with pytest.raises(ValueError, match="share the target's vocabulary"):
         LLM(str(small_vocab_model), max_model_len=128, num_gpu_blocks=64,
             speculative_config={"method": "draft_model", "model": str(draft)})
+
+
+# --- the default model ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_model_copying_its_prompt_is_unchanged_and_accepts_most(smollm_llm, smollm_hf):
+    """On the real model, an input-grounded prompt: greedy with n-gram speculation equals the
+    engine without it and transformers, and most proposed tokens are accepted."""
+    from pagedllm.bench.spec import grounded_prompts
+
+    prompts = [smollm_llm.apply_chat_template([{"role": "user", "content": message}])
+               for _, message in grounded_prompts()[:2]]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    plain = _tokens(smollm_llm.generate(prompts, params, use_tqdm=False))
+    llm = LLM(kv_cache_memory=256 << 20, max_model_len=2048,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 8})
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
+    with torch.inference_mode():
+        hf = smollm_hf.generate(torch.tensor([prompts[0]]), max_new_tokens=64, do_sample=False)
+    assert plain[0][0] == hf[0, len(prompts[0]):].tolist()[: len(plain[0][0])]
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0.5 * stats.spec_decode_num_draft_tokens
