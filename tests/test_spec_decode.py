@@ -372,3 +372,26 @@ def test_default_model_copying_its_prompt_is_unchanged_and_accepts_most(smollm_l
     assert plain[0][0] == hf[0, len(prompts[0]):].tolist()[: len(plain[0][0])]
     stats = llm.llm_engine.get_stats()
     assert stats.spec_decode_num_accepted_tokens > 0.5 * stats.spec_decode_num_draft_tokens
+
+
+def test_structured_outputs_speculate_under_their_grammar(tiny_llama):
+    """A proposal is cut where the grammar forbids a token, and each verified position is masked
+    by the grammar's state there: outputs are those without speculation, and valid."""
+    import re
+
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    regex = r"(ab){3,12}c"
+    prompts = random_prompts(3, [7, 12], seed=5)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, allowed_token_ids=list(range(200, 260))),
+    ]
+    kwargs = dict(max_model_len=256, num_gpu_blocks=256)
+    plain = LLM(str(tiny_llama), **kwargs).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), **kwargs, speculative_config={**NGRAM, "prompt_lookup_min": 1})
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(outputs) == _tokens(plain)
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outputs[:2])
+    assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0

@@ -1,8 +1,8 @@
 """Speculative decoding's engine side: proposals, the per-step choice of how many to verify, and
 the counters (docs/speculative-decoding.md).
 
-Before each step, every running sequence that decodes one token at a time (not beam search, not
-under a grammar) gets a proposal: with method "ngram", the tokens that followed the latest
+Before each step, every running sequence that decodes one token at a time (not beam search)
+gets a proposal (under a grammar, cut where the grammar forbids a token): with method "ngram", the tokens that followed the latest
 earlier occurrence of its last n tokens in its own prompt and output (`NgramProposer`, a numpy
 scan, longest n first); with method "draft_model", slots are reserved and the draft model
 (`engine/draft_model.py`) draws the tokens once the step is scheduled. The scheduler adds the proposal's tokens after the sequence's last token,
@@ -246,6 +246,17 @@ class SpecController:
             del self.acceptance[seq_id]
 
 
+def _allowed_prefix(seq: Sequence, proposal: list[int]) -> list[int]:
+    """A constrained sequence's proposal, cut where its grammar forbids the next token (the
+    sampler masks each verified position by the grammar's state there, so a forbidden token
+    would only be rejected)."""
+    constraint = seq.constraint.fork()
+    for n, token in enumerate(proposal):
+        if not constraint.accept_token(token):
+            return proposal[:n]
+    return proposal
+
+
 class Speculator:
     """Proposes before each step and learns after it (`LLMEngine.step` calls both)."""
 
@@ -292,13 +303,15 @@ class Speculator:
                 if left != 1:
                     continue
                 base_outputs += 1
-                if not eligible or seq.constraint is not None:
+                if not eligible or (seq.constraint is not None and self.draft is not None):
                     continue
                 room = self._room(group, seq)
                 if self.draft is not None:  # slots reserved now, tokens drawn after scheduling (`fill`)
                     proposal = [0] * max(room, 0)
                 else:
                     proposal = self.proposer.propose(seq, room) if room > 0 else []
+                    if proposal and seq.constraint is not None:
+                        proposal = _allowed_prefix(seq, proposal)
                 if proposal:
                     self._proposals[seq.seq_id] = proposal
                     seqs[seq.seq_id] = seq

@@ -217,7 +217,9 @@ def _position_view(item: ScheduledSequence, j: int) -> ScheduledSequence:
         item,
         num_output_tokens=item.num_output_tokens + j,
         output_token_ids=None if item.output_token_ids is None else item.output_token_ids + drafts,
+        token_bitmask=item.draft_token_bitmasks[j - 1] if item.draft_token_bitmasks is not None else None,
         draft_token_ids=[],
+        draft_token_bitmasks=None,
     )
 
 
