@@ -126,6 +126,73 @@ class ParallelConfig:
     distributed_init_method: str | None = None  # e.g. "env://" under torchrun
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPECULATIVE_KEYS = {
+    "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "adaptive",
+}
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): each step proposes up to
+    `num_speculative_tokens` tokens per decoding sequence and the target model verifies them all
+    in one pass (docs/speculative-decoding.md).
+
+    method "ngram": the proposal continues the latest earlier occurrence, in the sequence's own
+    prompt and output, of its last n tokens (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`). method "draft_model": a smaller model (`model`, sharing the target's
+    vocabulary) proposes greedily. `adaptive` (ours): each step the engine picks, per sequence,
+    how many of the proposed tokens to verify (down to none) from the sequence's measured
+    acceptance rate and the measured cost of a step; False verifies every proposed token."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 8
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+    adaptive: bool = True
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From vLLM's dict, its JSON text (`--speculative-config`), or None (no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON text), got {type(value).__name__}.")
+        unknown = sorted(set(value) - _SPECULATIVE_KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {sorted(_SPECULATIVE_KEYS)}.")
+        if "method" not in value:
+            value = {**value, "method": "draft_model" if value.get("model") else "ngram"}
+        config = cls(**value)
+        config.verify()
+        return config
+
+    def verify(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}.")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})."
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative_config.model is required for method "draft_model" (the draft model\'s path).')
+        if self.method == "ngram" and self.model:
+            raise ValueError('speculative_config.model is only for method "draft_model"; drop it for "ngram".')
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -134,6 +201,7 @@ class EngineConfig:
     parallel: ParallelConfig
     disable_log_stats: bool = False
     limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -171,6 +239,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None
     disable_log_stats: bool = False
+    # Speculative decoding: vLLM's dict ({"method": "ngram", "num_speculative_tokens": k, ...}),
+    # its JSON text, or None (SpeculativeConfig).
+    speculative_config: dict | str | None = None
     # Default sampling from a generation_config.json (used by the entry points, not the engine).
     generation_config: str = "auto"
 
@@ -206,6 +277,13 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         self._verify()
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and self.batch_invariant:
+            raise ValueError(
+                "speculative_config and batch_invariant do not combine: verifying proposed tokens computes a "
+                "sequence's positions several at a time, which batch-invariant mode's fixed decode path does not; "
+                "turn one of them off."
+            )
         max_num_batched_tokens = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         return EngineConfig(
             model=ModelConfig(
@@ -249,6 +327,7 @@ class EngineArgs:
                 structured_outputs_cache_bytes=self.structured_outputs_cache_bytes,
                 structured_outputs_compile_seconds=self.structured_outputs_compile_seconds,
             ),
+            speculative=speculative,
         )
 
     def _verify(self) -> None:

@@ -72,6 +72,9 @@ def run_pagedllm(engine, requests: list[BenchRequest], temperature: float) -> di
         "mean_running_seqs": sum(batch_sizes) / max(1, len(batch_sizes)),
         "num_preemptions": stats.num_preemptions,
         "num_steps": stats.num_steps,
+        # Speculative decoding (zero without --speculative-config): proposed tokens verified, accepted.
+        "spec_draft_tokens": stats.spec_decode_num_draft_tokens,
+        "spec_accepted_tokens": stats.spec_decode_num_accepted_tokens,
     }
 
 

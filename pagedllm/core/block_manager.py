@@ -17,7 +17,7 @@ layers keeps those layers' blocks and frees the windowed layers' ones.
 Every mutation comes in a check-then-act pair (`blocks_needed` + `can_allocate` /
 `adopt_cached_prefix` and `allocate`, `can_fork` / `fork`, `can_swap_out` / `swap_out`,
 `swap_in_blocks_needed` / `swap_in`), so state never changes halfway, and each act returns what
-it did. `commit` and `free` only give blocks back, which cannot fail. Copies and swaps to be
+it did. `commit`, `rollback` and `free` only give blocks back, which cannot fail. Copies and swaps to be
 carried out by the workers accumulate until the scheduler drains them (`drain_pending`) into
 each step's control message.
 
@@ -28,8 +28,9 @@ Invariants (`check_invariants` verifies them):
   table holds no None, and a windowed group's None entries are a leading run, exactly the
   blocks before the window of the sequence's next token;
 - a block table is append-only while its sequence runs, except for the one copy-on-write swap
-  of a shared, partly filled last block, and for windowed tables, whose leading entries turn
-  None as the window passes (and never come back);
+  of a shared, partly filled last block, for windowed tables, whose leading entries turn
+  None as the window passes (and never come back), and for `rollback`, which takes back the
+  trailing blocks that held only rejected proposed tokens (speculative decoding);
 - every block in the prefix-cache index carries the key it is indexed under.
 """
 
@@ -270,7 +271,8 @@ class BlockManager:
 
     def _publish(self, seq: Sequence, tables: _Tables) -> None:
         """Offer the sequence's newly computed full blocks to the prefix cache."""
-        num_full = min(seq.num_computed_tokens // self.block_size, len(tables.groups[0]))
+        # (Accepted proposed tokens are computed a moment before they join `seq.token_ids`.)
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(tables.groups[0]))
         if tables.num_published >= num_full:
             return
         hashes = self._hashes_for(seq, num_full)
@@ -396,6 +398,30 @@ class BlockManager:
             if gone:
                 self.pool.free(gone)
                 self.num_window_frees += len(gone)
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> int:
+        """Speculative decoding: the last `num_tokens` slots allocated to `seq` held proposed
+        tokens the model rejected. Call after `seq.num_computed_tokens` counts only the accepted
+        ones, before `commit`: each group's table is cut back to cover exactly the computed tokens,
+        and the blocks that held only rejected tokens are freed (tail first; never published to
+        the prefix cache, since `commit` publishes only computed tokens). A rejected slot left in a
+        kept block is simply overwritten by the next token. Returns the blocks freed."""
+        tables = self._tables[seq.seq_id]
+        keep = self.blocks_for_tokens(seq.num_computed_tokens)
+        covered = len(tables.groups[0]) * self.block_size
+        if num_tokens < 0 or seq.num_computed_tokens + num_tokens > covered:
+            raise ValueError(
+                f"cannot roll back {num_tokens} slots of sequence {seq.seq_id}: its tables cover {covered} slots "
+                f"and it has {seq.num_computed_tokens} computed tokens"
+            )
+        freed = 0
+        for table in tables.groups:
+            gone = table[keep:]
+            del table[keep:]
+            self.pool.free(b for b in reversed(gone) if b is not None)
+            freed += len(gone)
+        tables.num_published = min(tables.num_published, keep)
+        return freed
 
     def can_fork(self, parent: Sequence, share: bool = True) -> bool:
         return share or self.can_allocate(self.num_blocks_held(parent.seq_id))

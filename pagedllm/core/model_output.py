@@ -23,6 +23,9 @@ class SequenceStepOutput:
     samples: list[SampledToken] = field(default_factory=list)
     # Log-probabilities of the prompt tokens computed in this step (each given its prefix).
     prompt_logprobs: list[TopLogprobs] | None = None
+    # Speculative decoding: the leading proposed tokens the target model accepted, in order; they
+    # come before samples[0] (the target's own token after them: a correction or the bonus).
+    accepted: list[SampledToken] = field(default_factory=list)
 
 
 @dataclass

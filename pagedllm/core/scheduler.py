@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.kv_breakdown import KVBreakdownAverage
+from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.sampling_params import SamplingType
@@ -148,11 +149,17 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             group = self.running[index]
-            plan = self._plan_tokens(group, step.budget, prompt_budget=step.prompt_budget)
+            plan = self._plan_tokens(group, step.budget, prompt_budget=step.prompt_budget, speculate=True)
             if plan is None:
                 index += 1
                 continue
             needed = self.block_manager.blocks_needed_together(plan)
+            if not self.block_manager.can_allocate(needed) and self._has_drafts(group):
+                # Proposals are dropped rather than preempt anything for them.
+                for seq in group.unfinished_seqs():
+                    seq.draft_token_ids = []
+                plan = self._plan_tokens(group, step.budget)
+                needed = self.block_manager.blocks_needed_together(plan)
             while not self.block_manager.can_allocate(needed):
                 if self.running == [group]:  # nothing else holds device blocks: it can never fit
                     self.running.pop()
@@ -217,12 +224,17 @@ class Scheduler:
             self._insert_by_arrival(self.running, group)
             self._allocate_and_emit(group, plan, step)
 
+    @staticmethod
+    def _has_drafts(group: SequenceGroup) -> bool:
+        return any(seq.draft_token_ids for seq in group.unfinished_seqs())
+
     def _plan_tokens(
         self,
         group: SequenceGroup,
         budget: int,
         computed: dict[int, int] | None = None,
         prompt_budget: int | None = None,
+        speculate: bool = False,
     ) -> list[tuple[Sequence, int]] | None:
         """How many tokens each unfinished sequence computes this step, or None if the group
         cannot progress within `budget`. `computed` overrides sequences' computed-token counts
@@ -231,12 +243,19 @@ class Scheduler:
         A single sequence takes what the budget allows (chunked prefill). Several sequences must
         sample together, so each holds back its last token until all of them can compute it in
         the same step. A prompt's chunk also stays within `prompt_budget` (the step-time budget).
+        With `speculate`, a decoding sequence also takes its proposed tokens
+        (`Sequence.draft_token_ids`) as far as the budget allows; a group of several sequences
+        takes all of them or none.
         """
         seqs = group.unfinished_seqs()
         computed = computed or {}
         remaining = [seq.num_tokens - computed.get(seq.seq_id, seq.num_computed_tokens) for seq in seqs]
         if prompt_budget is not None and len(seqs) == 1 and remaining[0] > 1:
             budget = min(budget, prompt_budget)
+        if speculate and self._has_drafts(group):
+            drafted = [left + len(seq.draft_token_ids) if left == 1 else left for seq, left in zip(seqs, remaining)]
+            if len(seqs) == 1 or sum(drafted) <= budget:
+                remaining = drafted
         if len(seqs) == 1:
             n = min(remaining[0], budget)
             return [(seqs[0], n)] if n > 0 else None
@@ -264,7 +283,8 @@ class Scheduler:
                 step.prompt_budget = max(0, step.prompt_budget - n)
             self.block_manager.allocate(seq, n)
             start = seq.num_computed_tokens
-            end = start + n
+            end = min(start + n, seq.num_tokens)  # the tokens past the sequence's own are proposals
+            seq.draft_token_ids = drafts = seq.draft_token_ids[: start + n - end]
             if end < seq.num_tokens:
                 num_samples = 0
             elif params.best_of > 1 and params.sampling_type is not SamplingType.BEAM and not group.forked:
@@ -279,7 +299,7 @@ class Scheduler:
                 ScheduledSequence(
                     seq_id=seq.seq_id,
                     request_id=group.request_id,
-                    token_ids=seq.token_ids[start:end],
+                    token_ids=seq.token_ids[start:end] + drafts,
                     start_position=start,
                     block_table=tables[0],
                     other_block_tables=tables[1:],
@@ -290,6 +310,7 @@ class Scheduler:
                     prompt_token_ids=seq.prompt_token_ids if penalties else None,
                     output_token_ids=seq.output_token_ids if penalties else None,
                     prompt_logprob_targets=targets,
+                    draft_token_ids=drafts,
                 )
             )
             step.budget -= n
@@ -357,12 +378,24 @@ class Scheduler:
 
     # --- after a step -----------------------------------------------------------------------
 
-    def on_step_computed(self, output: SchedulerOutput, seqs_by_id: dict[int, Sequence]) -> None:
+    def on_step_computed(
+        self, output: SchedulerOutput, seqs_by_id: dict[int, Sequence], result: ModelRunnerOutput | None = None
+    ) -> None:
         """The model has written the scheduled tokens into the cache: advance the sequences and
-        publish their newly full blocks to the prefix cache. Call before appending new tokens."""
+        publish their newly full blocks to the prefix cache. Call before appending new tokens.
+        A speculating sequence keeps the proposed tokens the model accepted (`result`) and rolls
+        back the slots of the rejected ones."""
         for item in output.seqs:
             seq = seqs_by_id[item.seq_id]
-            seq.num_computed_tokens += len(item.token_ids)
+            num_drafts = len(item.draft_token_ids)
+            if num_drafts:
+                step = result.outputs.get(item.seq_id) if result is not None else None
+                num_accepted = len(step.accepted) if step is not None else 0
+                seq.num_computed_tokens += len(item.token_ids) - num_drafts + num_accepted
+                self.block_manager.rollback(seq, num_drafts - num_accepted)
+                seq.draft_token_ids = []
+            else:
+                seq.num_computed_tokens += len(item.token_ids)
             self.block_manager.commit(seq)
 
     def free_finished(self) -> None:

@@ -42,6 +42,12 @@ class ScheduledSequence:
     # The block tables of KV cache groups 1, 2, ... (a model whose layers form several groups,
     # such as full and sliding-window layers), as `block_table`; empty for a one-group model.
     other_block_tables: list[list[int | None]] = field(default_factory=list)
+    # Speculative decoding: the proposed tokens at the end of `token_ids` (after the sequence's
+    # last real token), which the driver verifies; empty for every other sequence.
+    draft_token_ids: list[int] = field(default_factory=list)
+    # For a speculating sequence with token constraints: the bitmask (as `token_bitmask`) of each
+    # verified position after the first, the constraint advanced past the proposed tokens before it.
+    draft_token_bitmasks: list[object] | None = None
 
     @property
     def block_tables(self) -> list[list[int | None]]:

@@ -87,6 +87,9 @@ class Sequence:
     # The state of the request's token constraints, for requests that have them; it moves on with
     # each appended token and survives preemption, since it lives here rather than in the cache.
     constraint: TokenConstraint | None = None
+    # Speculative decoding: the tokens proposed to follow this sequence, set by the engine before
+    # each step and cut by the scheduler to what it schedules (empty: an ordinary decode).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -73,6 +73,13 @@ def _release_free_memory() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
+class _Row:
+    """Where `fill_step_bitmasks` puts a bitmask row that belongs to no scheduled item."""
+
+    __slots__ = ("token_bitmask",)
+
+    def __init__(self) -> None:
+        self.token_bitmask = None
 
 
 class RequestConstraints:
@@ -299,10 +306,23 @@ class RequestConstraints:
             for item in scheduled.seqs
             if item.num_samples and seqs[item.seq_id].constraint is not None
         ]
+        # A speculating sequence: one more row per proposed token, the constraint advanced past it.
+        positions: list[tuple[object, list[_Row]]] = []
+        for item, constraint in list(rows):
+            if item.draft_token_ids:
+                holders = []
+                for token in item.draft_token_ids:
+                    constraint = constraint.fork()
+                    constraint.accept_token(token)
+                    holders.append(_Row())
+                    rows.append((holders[-1], constraint))
+                positions.append((item, holders))
         if rows:
             from pagedllm.structured import fill_step_bitmasks
 
             fill_step_bitmasks(rows, self.vocab_size)
+        for item, holders in positions:
+            item.draft_token_bitmasks = [holder.token_bitmask for holder in holders]
 
     def shutdown(self) -> None:
         for pool in (self._pool, self._token_pool):

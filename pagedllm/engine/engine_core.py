@@ -89,9 +89,10 @@ class EngineCore:
         """Run the control message on every worker (raises `WorkerDiedError` if one is gone)."""
         return self.executor.execute(scheduled) or ModelRunnerOutput()
 
-    def advance(self, scheduled: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
-        """The scheduled tokens are in the KV cache now (before the sampled tokens are appended)."""
-        self.scheduler.on_step_computed(scheduled, seqs)
+    def advance(self, scheduled: SchedulerOutput, seqs: dict[int, Sequence], result: ModelRunnerOutput | None = None) -> None:
+        """The scheduled tokens are in the KV cache now (before the sampled tokens are appended);
+        of proposed tokens, those `result` accepted."""
+        self.scheduler.on_step_computed(scheduled, seqs, result)
 
     def free_finished(self) -> None:
         """Free the blocks of sequences that finished in this step's output processing."""

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core import BlockManager, Scheduler, Sequence, SequenceGroup, SequenceStatus
@@ -28,6 +29,9 @@ from pagedllm.executor import Executor, WorkerDiedError
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams, SamplingType
 from pagedllm.transformers_utils import eos_token_ids, get_tokenizer, load_arch_config, resolve_model
+
+if TYPE_CHECKING:
+    from pagedllm.engine.spec_decode import Speculator
 
 logger = logging.getLogger("pagedllm")
 
@@ -83,6 +87,7 @@ class LLMEngine:
         sched = config.scheduler
         self.step_budget = StepBudget(sched.max_step_seconds, sched.max_num_batched_tokens)
         self.scheduler.prompt_chunk_limit = self.step_budget.chunk_limit
+        self.speculator = self._make_speculator()
         self.debug_invariants = os.environ.get(CHECK_INVARIANTS_ENV) == "1"
         self.num_prompt_tokens_total = 0
         self.num_computed_tokens_total = 0
@@ -107,6 +112,26 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     # --- set-up checks ----------------------------------------------------------------------
+
+    def _make_speculator(self) -> "Speculator | None":
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        from pagedllm.engine.spec_decode import Speculator  # (numpy: only when speculating)
+
+        if self.config.scheduler.kv_policy != "paged":
+            raise ValueError(
+                f"speculative_config needs kv_policy='paged' (got {self.config.scheduler.kv_policy!r}): the paper's "
+                "reservation baselines cannot roll back rejected tokens' slots."
+            )
+        draft = None
+        if spec.method == "draft_model":
+            from pagedllm.engine.draft_model import DraftModel, check_draft_model
+
+            check_draft_model(spec.model, self.arch.vocab_size, self.tokenizer)
+            bm = self.block_manager
+            draft = DraftModel(self.config, self.max_model_len, self.core.group_windows, bm.num_total_blocks, bm.num_cpu_blocks)
+        return Speculator(spec, self.max_model_len, self.config.scheduler.max_num_batched_tokens, draft)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
@@ -294,6 +319,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         with self.timer.part("scheduler"):
             outputs = self._release_compiled()
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler)
             scheduled = self.core.schedule()
             outputs += [self._make_output(g) for g in self._take_failed()]
         if not scheduled.has_model_work and not scheduled.has_cache_work and not scheduled.finished_request_ids:
@@ -302,17 +329,25 @@ class LLMEngine:
             self.constraints.fill_bitmasks(scheduled, self.requests.seqs)
         try:
             with self.timer.part("model"):
+                started = time.perf_counter()
+                if self.speculator is not None:
+                    self.speculator.fill(scheduled, self.requests.seqs)
                 result = self.core.execute(scheduled)
+                model_seconds = time.perf_counter() - started
         except WorkerDiedError as exc:
             return outputs + self._fail_everything(str(exc))
         except BaseException:
             self.core.scheduler.requeue_finished(scheduled.finished_request_ids)
             raise
         self.num_steps += 1
-        self._prompt_tokens = sum(len(item.token_ids) for item in scheduled.seqs if len(item.token_ids) > 1)
+        # Prompt tokens only: a speculating sequence's proposals are verification, not a prompt chunk.
+        self._prompt_tokens = sum(len(item.token_ids) for item in scheduled.seqs
+                                  if len(item.token_ids) > 1 and not item.draft_token_ids)
         now = time.monotonic()
         with self.timer.part("scheduler"):
-            self.core.advance(scheduled, self.requests.seqs)
+            self.core.advance(scheduled, self.requests.seqs, result)
+            if self.speculator is not None and scheduled.has_model_work:
+                self.speculator.observe(scheduled, result, model_seconds)
             self.num_computed_tokens_total += scheduled.num_batched_tokens
         with self.timer.part("outputs"):
             touched = self.output_processor.process(scheduled, result)
@@ -456,8 +491,22 @@ class LLMEngine:
             num_steps=self.num_steps,
             step_time=self.timer.snapshot(),
             kv_breakdown=sched.kv_breakdown.fractions(),
+            **self._spec_decode_stats(),
         )
+
+    def _spec_decode_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        spec = self.speculator.stats
+        return {
+            "spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
+        }
 
     def shutdown(self) -> None:
         self.constraints.shutdown()
+        if self.speculator is not None:
+            self.speculator.shutdown()
         self.core.shutdown()

@@ -60,7 +60,12 @@ class OutputProcessor:
             elif len(step.samples) > 1:
                 self._fork_samples(group, seq, step.samples)
             else:
-                self._append(group, seq, step.samples[0])
+                # Speculative decoding: the accepted proposed tokens come first; a stop among
+                # them drops the rest.
+                for sample in (*step.accepted, step.samples[0]):
+                    self._append(group, seq, sample)
+                    if seq.is_finished:
+                        break
         for request_id, proposals in beam_proposals.items():
             group = self.requests.groups[request_id]
             if group.beam_state is None:

@@ -52,4 +52,19 @@ class LoggingStatLogger:
             f"Running: {after.num_running} reqs, Swapped: {after.num_swapped} reqs, "
             f"Waiting: {after.num_waiting} reqs, KV cache usage: {100.0 * after.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {hit_rate:.1f}%"
+            + LoggingStatLogger._spec_decode(before, after)
+        )
+
+    @staticmethod
+    def _spec_decode(before: EngineStats, after: EngineStats) -> str:
+        """vLLM's speculative-decoding part of the line, over the interval (empty without it)."""
+        drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+        if not drafts:
+            return ""
+        drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+        accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+        return (
+            f", SpecDecoding: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+            f"Draft acceptance rate: {100.0 * accepted / drafted:.1f}%"
         )

@@ -48,6 +48,13 @@ class EngineStats:
     # steps so far: token_states, reservation, internal_fragmentation, external_fragmentation_free
     # (pagedllm.core.kv_breakdown). The four add up to 1 once a step has run.
     kv_breakdown: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding (vLLM's spec_decode counters; all zero without speculative_config):
+    # sequence-steps that verified proposed tokens, those tokens, the accepted ones, and the
+    # accepted ones by position in the proposal (index 0: first proposed token).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -56,6 +56,9 @@ _HELP = {
     "tensor_parallel_size": "number of tensor-parallel workers",
     "distributed_init_method": "torch.distributed init method (env:// under torchrun)",
     "disable_log_stats": "do not log periodic engine stats",
+    "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 8, "
+    "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} or {\"method\": \"draft_model\", \"model\": PATH, ...} "
+    "(docs/speculative-decoding.md)",
     "generation_config": "default sampling: auto = the model folder's generation_config.json (temperature, top_p, "
     "top_k, repetition_penalty, max_new_tokens), vllm = none, or a folder holding one",
 }

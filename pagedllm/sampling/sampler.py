@@ -19,6 +19,8 @@ and the chosen tokens come back to the host in one copy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagedllm.core.model_output import SampledToken, TopLogprobs
@@ -52,20 +54,50 @@ class Sampler:
         return gen
 
     def __call__(self, logits: torch.Tensor, items: list[ScheduledSequence]) -> list[list[SampledToken]]:
-        """logits: [len(items), vocab], the last position of each sampling sequence."""
+        """logits: one row per sampling position: the last position of each sampling sequence,
+        or, for a speculating sequence (`draft_token_ids`), its last 1 + k positions. Returns each
+        item's tokens: one, best_of for a completing parallel-sampling prompt, beam candidates,
+        or, for a speculating sequence, the accepted proposed tokens followed by the target's own
+        next token (`verify`)."""
         logits = logits.float()
-        # Rows a parallel-sampling prompt expands into: one per sample, sharing the logits.
-        row_of: list[int] = []
+        # Rows a parallel-sampling prompt expands into: one per sample, sharing the logits; a
+        # speculating sequence expands into one row per verified position, each seeing the
+        # proposed tokens before it as its output so far (for penalties and min_tokens).
+        row_of: list[int] = []  # expanded row -> item
+        logit_row: list[int] = []  # expanded row -> row of `logits`
         sample_index: list[int] = []
+        expanded: list[ScheduledSequence] = []
+        next_row = 0
         for i, item in enumerate(items):
+            if item.draft_token_ids:
+                for j in range(len(item.draft_token_ids) + 1):
+                    expanded.append(_position_view(item, j))
+                    row_of.append(i)
+                    logit_row.append(next_row + j)
+                    sample_index.append(item.sample_index)
+                next_row += len(item.draft_token_ids) + 1
+                continue
             if item.sampling_params.sampling_type is SamplingType.BEAM or item.num_samples == 1:
                 row_of.append(i)
                 sample_index.append(item.sample_index)
+                logit_row.append(next_row)
+                expanded.append(item)
             else:
                 row_of.extend([i] * item.num_samples)
                 sample_index.extend(range(item.num_samples))
-        expanded = [items[i] for i in row_of]
-        raw = logits[row_of] if len(row_of) != len(items) else logits
+                logit_row.extend([next_row] * item.num_samples)
+                expanded.extend([item] * item.num_samples)
+            next_row += 1
+        raw = logits[logit_row] if len(logit_row) != logits.shape[0] else logits
+        # Seeded speculating rows draw one number per verified position; the stream is rewound
+        # to just past the positions kept, so a seeded request draws what it would without
+        # speculation.
+        rewind = {
+            i: self._generator(item, item.sample_index).get_state()
+            for i, item in enumerate(items)
+            if item.draft_token_ids and item.sampling_params.sampling_type is SamplingType.RANDOM
+            and item.sampling_params.seed is not None
+        }
         wants_argmax = any(item.sampling_params.sampling_type is not SamplingType.RANDOM for item in expanded)
         if fused_ops.applies(raw) and wants_argmax:  # greedy tokens of the raw logits with their normaliser
             log_norm, raw_argmax = fused_ops.logsumexp_and_argmax_rows(raw)
@@ -103,6 +135,24 @@ class Sampler:
             if item.sampling_params.logprobs is not None:
                 top = top_logprobs(raw[r], log_norm[r], chosen_ids[r], item.sampling_params.logprobs)
             results[row_of[r]].append(SampledToken(chosen_ids[r], chosen_logprobs[r], top))
+        first_row = {}
+        for r, i in enumerate(row_of):
+            first_row.setdefault(i, r)
+        for i, item in enumerate(items):
+            if item.draft_token_ids:
+                tokens = results[i]
+                num_accepted = accept_proposal([t.token_id for t in tokens], item.draft_token_ids)
+                for j in range(num_accepted):  # the accepted tokens are the proposed ones
+                    proposed = item.draft_token_ids[j]
+                    if tokens[j].token_id != proposed:  # (only under a rule other than accept_proposal's)
+                        r = first_row[i] + j
+                        tokens[j] = SampledToken(proposed, float(raw[r, proposed] - log_norm[r]))
+                results[i] = tokens[: num_accepted + 1]
+                if i in rewind:
+                    gen = self._generator(item, item.sample_index)
+                    gen.set_state(rewind[i])
+                    for _ in range(num_accepted + 1):
+                        torch.rand(1, generator=gen)
         return results
 
     def _choose(
@@ -167,6 +217,39 @@ class Sampler:
                 ids = torch.cat([ids, more[~torch.isin(more, ids)]])
             out[r] = ids
         return out
+
+
+def _position_view(item: ScheduledSequence, j: int) -> ScheduledSequence:
+    """A speculating sequence as it stands at its j-th verified position: the first j proposed
+    tokens are its newest output (what penalties and min_tokens see)."""
+    if j == 0:
+        return item
+    drafts = item.draft_token_ids[:j]
+    return dataclasses.replace(
+        item,
+        num_output_tokens=item.num_output_tokens + j,
+        output_token_ids=None if item.output_token_ids is None else item.output_token_ids + drafts,
+        token_bitmask=item.draft_token_bitmasks[j - 1] if item.draft_token_bitmasks is not None else None,
+        draft_token_ids=[],
+        draft_token_bitmasks=None,
+    )
+
+
+def accept_proposal(chosen: list[int], proposed: list[int]) -> int:
+    """How many proposed tokens to keep, given the target's own token at each verified position
+    (chosen[j] follows the proposal's first j tokens; len(chosen) = len(proposed) + 1): the
+    longest prefix on which they agree.
+
+    Greedy rows pick the argmax, so this is the longest prefix equal to the target's argmax.
+    Random rows drew chosen[j] from the target's distribution p_j, and a proposal is one token
+    x_j (q one-hot): keeping x_j exactly when the draw equals it accepts with probability
+    p_j(x_j) = min(1, p_j(x_j) / q_j(x_j)), and on a rejection the draw, conditioned on
+    differing from x_j, is a sample of the normalised residual max(0, p_j - q_j); after a full
+    acceptance chosen[k] is the bonus token. So the output has the target's distribution."""
+    n = 0
+    while n < len(proposed) and chosen[n] == proposed[n]:
+        n += 1
+    return n
 
 
 def filters_apply(top_k: list[int], top_p: list[float], min_p: list[float]) -> bool:

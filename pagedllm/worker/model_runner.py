@@ -115,7 +115,8 @@ class ModelRunner:
         starts = [0, *itertools.accumulate(query_lens)]  # host-side: no device sync
         rows: list[int] = []
         sampling = [(i, item) for i, item in enumerate(items) if item.num_samples > 0]
-        rows.extend(starts[i + 1] - 1 for i, _ in sampling)
+        for i, item in sampling:  # a speculating sequence: its last 1 + k positions
+            rows.extend(range(starts[i + 1] - 1 - len(item.draft_token_ids), starts[i + 1]))
         prompt_rows = []
         for i, item in enumerate(items):
             if item.prompt_logprob_targets:
@@ -132,9 +133,13 @@ class ModelRunner:
 
         result = ModelRunnerOutput()
         if sampling:
-            samples = self.sampler(logits[: len(sampling)], [item for _, item in sampling])
+            num_sampling_rows = len(sampling) + sum(len(item.draft_token_ids) for _, item in sampling)
+            samples = self.sampler(logits[:num_sampling_rows], [item for _, item in sampling])
             for (_, item), seq_samples in zip(sampling, samples):
-                result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples)
+                if item.draft_token_ids:  # the accepted proposed tokens, then the target's own
+                    result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples[-1:], accepted=seq_samples[:-1])
+                else:
+                    result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples)
         for item, first in prompt_rows:
             n = len(item.prompt_logprob_targets)
             entry = result.outputs.setdefault(item.seq_id, SequenceStepOutput())

@@ -1,4 +1,5 @@
-"""Random sequences of allocate / append / fork / free / preempt / swap against the block manager.
+"""Random sequences of allocate / append / speculate (and roll back) / fork / free / preempt / swap
+against the block manager.
 
 Besides the bookkeeping invariants (reference counts equal table references, the free queue
 holds exactly the unreferenced blocks, no leaks, no double frees), a simulated KV memory checks
@@ -157,6 +158,39 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert free_before - self.bm.num_free_blocks <= needed
         self._carry_out()
         self._compute(seq, 1)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 100), token=st.integers(0, 2), drafts=st.lists(st.integers(0, 2), min_size=1, max_size=7),
+          accepted=st.integers(0, 7), correction=st.integers(0, 2))
+    def speculate(self, i, token, drafts, accepted, correction):
+        """Speculative decoding: slots for the next token and k proposed ones, all written; the
+        model accepts the first `accepted` and adds its own token; the rejected slots roll back."""
+        seq = self.running[i % len(self.running)]
+        if seq.num_uncomputed_tokens == 0:
+            seq.append_token(token, 0.0)
+        if seq.num_uncomputed_tokens != 1:
+            return
+        accepted = min(accepted, len(drafts))
+        needed = self.bm.blocks_needed(seq, 1 + len(drafts))
+        if not self.bm.can_allocate(needed):
+            return
+        self.bm.allocate(seq, 1 + len(drafts))
+        self._carry_out()
+        start = seq.num_computed_tokens
+        written = [seq.last_token_id, *drafts]
+        for group, table in enumerate(self.bm.block_tables(seq.seq_id)):
+            for pos in range(start, start + len(written)):
+                self.device[table[pos // self.bs]][pos % self.bs] = (group, written[pos - start])
+        free_before = self.bm.num_free_blocks
+        seq.num_computed_tokens += 1 + accepted
+        freed = self.bm.rollback(seq, len(drafts) - accepted)
+        assert self.bm.num_free_blocks - free_before == freed
+        if freed:
+            event("rollback freed a block")
+        self.bm.commit(seq)
+        for t in drafts[:accepted]:
+            seq.append_token(t, 0.0)
+        seq.append_token(correction, 0.0)
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 100))

@@ -1,4 +1,5 @@
-"""Random add / step / abort sequences against the Scheduler and a real BlockManager: budgets, FCFS, KV contents, no hangs, no leaks.
+"""Random add / step / abort sequences against the Scheduler and a real BlockManager: budgets, FCFS, KV contents, no hangs, no leaks;
+with speculating sequences (proposed tokens verified, the rejected ones rolled back) in some runs.
 
 A little over 400 lines: the stand-in engine and simulated KV memory the machine needs, the
 machine, and its findings kept as fixed examples, which belong beside it."""
@@ -11,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core import BlockManager, Scheduler, SchedulerOutput, Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core.model_output import ModelRunnerOutput, SampledToken, SequenceStepOutput
 from pagedllm.sampling_params import SamplingParams
 
 # Stepping a drained-down machine this long without any token sampled, request finished or
@@ -20,10 +22,11 @@ MAX_STEPS_WITHOUT_PROGRESS = 200
 MAX_DRAIN_STEPS = 2000
 
 
-def sampled_token(seq: Sequence) -> int:
+def sampled_token(seq: Sequence, ahead: int = 0) -> int:
     """The stand-in model's choice: from the prompts' small alphabet, different per sample stream,
-    so parallel samples diverge (copy-on-write) and prompts often share prefixes (cache hits)."""
-    return (seq.sample_index + seq.num_output_tokens) % 3
+    so parallel samples diverge (copy-on-write) and prompts often share prefixes (cache hits).
+    `ahead`: its choice that many tokens later."""
+    return (seq.sample_index + seq.num_output_tokens + ahead) % 3
 
 
 class StandInEngine:
@@ -44,7 +47,13 @@ class StandInEngine:
         watermark: float = 0.0,
         swap_cost_per_block: float = 1.0,
         group_windows: tuple[int | None, ...] = (None,),
+        num_speculative_tokens: int = 0,
     ) -> None:
+        # Speculative decoding: each step, every decoding sequence proposes up to this many tokens,
+        # the model's own next tokens except one wrong token at a varying place (so acceptance
+        # varies from none to all), as the engine's proposer would set them.
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_accepted = 0
         self.bm = BlockManager(
             block_size, num_blocks, num_cpu_blocks, enable_prefix_caching=caching, watermark=watermark,
             group_windows=group_windows,
@@ -85,20 +94,48 @@ class StandInEngine:
 
     def step(self, inspect=None) -> SchedulerOutput:
         """One engine step; `inspect(output)` sees the control message before anything runs."""
+        self._propose()
         out = self.scheduler.schedule()
         for group in self.scheduler.take_failed():
             self.failed[group.request_id] = group
         if inspect is not None:
             inspect(out)
         self._carry_out(out)
+        result = ModelRunnerOutput()
         for item in out.seqs:
             self._write(item)
-        self.scheduler.on_step_computed(out, self.seqs)
+            if item.draft_token_ids:
+                seq = self.seqs[item.seq_id]
+                accepted = []
+                for j, token in enumerate(item.draft_token_ids):
+                    if token != sampled_token(seq, ahead=j):
+                        break
+                    accepted.append(SampledToken(token, -1.0))
+                result.outputs[item.seq_id] = SequenceStepOutput(accepted=accepted)
+        self.scheduler.on_step_computed(out, self.seqs, result)
         for item in out.seqs:
             if item.num_samples:
-                self._sample(self.groups[item.request_id], self.seqs[item.seq_id], item.num_samples)
+                seq = self.seqs[item.seq_id]
+                step = result.outputs.get(item.seq_id)
+                for token in step.accepted if step is not None else []:
+                    assert seq.num_output_tokens < self.groups[item.request_id].sampling_params.max_tokens - 1
+                    seq.append_token(token.token_id, -1.0)
+                    self.num_accepted += 1
+                self._sample(self.groups[item.request_id], seq, item.num_samples)
         self.scheduler.free_finished()
         return out
+
+    def _propose(self) -> None:
+        k = self.num_speculative_tokens
+        if not k:
+            return
+        for group in self.scheduler.running:
+            for seq in group.unfinished_seqs():
+                room = min(k, group.sampling_params.max_tokens - seq.num_output_tokens - 1)
+                if seq.num_uncomputed_tokens != 1 or room <= 0 or not (group.forked or group.sampling_params.best_of == 1):
+                    continue
+                wrong = (seq.seq_id + seq.num_output_tokens) % (k + 1)
+                seq.draft_token_ids = [(sampled_token(seq, j) + (j == wrong)) % 3 for j in range(room)]
 
     def running_ids(self) -> list[str]:
         return [g.request_id for g in self.scheduler.running]
@@ -166,9 +203,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         swap_cost_per_block=st.sampled_from([0.5, 0.5, 4.0]),  # auto: swap when blocks * cost < tokens
         # A plain model, every layer sliding (Mistral), and a hybrid of full and windowed layers.
         group_windows=st.sampled_from([(None,), (None,), (3,), (None, 2)]),
+        num_speculative_tokens=st.sampled_from([0, 0, 1, 3]),
     )
     def setup(self, block_size, num_blocks, num_cpu_blocks, mode, max_num_seqs, extra_budget, caching, watermark,
-              swap_cost_per_block, group_windows):
+              swap_cost_per_block, group_windows, num_speculative_tokens):
         self.engine = StandInEngine(
             block_size,
             num_blocks,
@@ -180,6 +218,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             watermark=watermark,
             swap_cost_per_block=swap_cost_per_block,
             group_windows=group_windows,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.bm = self.engine.bm
         self.sched = self.engine.scheduler
@@ -236,8 +275,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._check_budget(out)
             self._check_block_tables_cover_positions(out)
 
+        accepted = self.engine.num_accepted
         out = self.engine.step(inspect)
         for name, happened in (
+            ("speculating sequence", any(item.draft_token_ids for item in out.seqs)),
+            ("proposed tokens accepted", self.engine.num_accepted > accepted),
             ("swap out", out.blocks_to_swap_out),
             ("swap in", out.blocks_to_swap_in),
             ("copy-on-write", out.blocks_to_copy),
@@ -269,9 +311,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         for item in out.seqs:
             seq = self.engine.seqs[item.seq_id]
             end = item.start_position + item.num_tokens
-            assert item.num_tokens > 0
+            own = item.num_tokens - len(item.draft_token_ids)  # proposed tokens come after its own
+            assert own > 0
             assert item.start_position == seq.num_computed_tokens
-            assert item.token_ids == seq.token_ids[item.start_position : end]
+            assert item.token_ids[:own] == seq.token_ids[item.start_position : item.start_position + own]
+            assert item.token_ids[own:] == item.draft_token_ids == seq.draft_token_ids
+            assert not item.draft_token_ids or (own == 1 and item.num_samples == 1)
             assert len(item.block_table) * self.bs >= end, f"block table of {seq.seq_id} ends before position {end - 1}"
             assert item.block_tables == self.bm.block_tables(seq.seq_id)
 

@@ -120,6 +120,10 @@ def _counters(monitor: KVMonitor) -> dict:
             num_blocks_swapped_in=stats.num_blocks_swapped_in,
             num_blocks_swapped_out=stats.num_blocks_swapped_out,
             kv_breakdown=stats.kv_breakdown,
+            spec_decode_num_drafts=stats.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=stats.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=stats.spec_decode_num_accepted_tokens_per_pos,
         )
     return counters
 

@@ -25,6 +25,9 @@ _COUNTERS = {
     "num_preemptions": ("num_preemptions", "Requests preempted (swapped or recomputed)."),
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Sequence-steps that verified proposed tokens (speculative decoding)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Proposed tokens verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
 }
 
 
@@ -57,6 +60,12 @@ class PrometheusStatLogger:
             field: Counter(f"pagedllm:{name}", doc, labels, registry=self.registry).labels(model_name)
             for name, (field, doc) in _COUNTERS.items()
         }
+        self.accepted_per_pos = Counter(
+            "pagedllm:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by position in the proposal (0: the first).",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
         self.request_success = Counter(
             "pagedllm:request_success", "Requests finished, by finish reason.", ["model_name", "finished_reason"],
             registry=self.registry,
@@ -78,6 +87,12 @@ class PrometheusStatLogger:
         for field, counter in self.counters.items():
             # The engine's totals only grow; counters move by the difference since last time.
             delta = getattr(stats, field) - (getattr(self._last, field) if self._last else 0)
+            if delta > 0:
+                counter.inc(delta)
+        before = self._last.spec_decode_num_accepted_tokens_per_pos if self._last else []
+        for pos, total in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            delta = total - (before[pos] if pos < len(before) else 0)
+            counter = self.accepted_per_pos.labels(self.model_name, str(pos))
             if delta > 0:
                 counter.inc(delta)
         self._last = stats

@@ -1,0 +1,174 @@
+"""`pagedllm bench spec`: speculative decoding against the same engine without it, one request at
+a time (single stream), greedy, on two sets of chat prompts: input-grounded ones (repeat or edit
+code, summaries that quote their source, the README's examples), where the output copies the
+prompt, and ordinary chat, where it does not. The two engines (the same arguments, one with
+`--speculative-config`) run in one process and take turns on each prompt; each prompt's rate is
+its output tokens over the wall time of its whole request, the better of `--num-iters` runs.
+Greedy outputs must be identical, token for token: a difference is reported (and fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import time
+from pathlib import Path
+
+from pagedllm.bench.report import format_table, write_json
+from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
+
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+
+def _source_of(obj) -> str:
+    return inspect.getsource(obj)
+
+
+def _readme_example() -> str:
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    if readme.exists():
+        text = readme.read_text()
+        start = text.find("```python")
+        if start != -1:
+            end = text.find("```", start + 9)
+            return text[start + 9 : end].strip()
+    return 'from pagedllm import LLM, SamplingParams\n\nllm = LLM()\nprint(llm.generate("Hello")[0].outputs[0].text)'
+
+
+_ARTICLE = (
+    "PagedAttention stores the keys and values of each request in fixed-size blocks that need not be "
+    "contiguous in memory. A block table maps each request's logical blocks to physical blocks, as an "
+    "operating system maps virtual pages to frames. Because blocks are allocated on demand, a request "
+    "wastes at most one partly filled block, and requests can share blocks: the samples of one prompt "
+    "share the prompt's blocks, and a block is copied only when one of them writes into it. The authors "
+    "report that this lets a server batch two to four times more requests in the same memory, which "
+    "raises throughput by the same factor when memory is what limits the batch."
+)
+
+
+def grounded_prompts() -> list[tuple[str, str]]:
+    """(name, user message) pairs whose answer copies much of the message."""
+    from pagedllm.bench import report
+
+    code = _source_of(report.format_table)
+    code2 = _source_of(report.cpu_description)
+    return [
+        ("repeat-code", f"Repeat this Python function exactly, with no changes:\n\n```python\n{code}```"),
+        ("rename-code", f"Rewrite this function with the parameter `rows` renamed to `records`; change nothing else:\n\n```python\n{code}```"),
+        ("comment-code", f"Add a docstring line to this function and otherwise copy it unchanged:\n\n```python\n{code2}```"),
+        ("quote-summary", f"Summarize this text, quoting its key sentences word for word:\n\n{_ARTICLE}"),
+        ("readme-example", f"Copy this example and add a comment above each line:\n\n```python\n{_readme_example()}\n```"),
+        ("repeat-text", f"Repeat the following paragraph exactly:\n\n{_ARTICLE}"),
+    ]
+
+
+def chat_prompts() -> list[tuple[str, str]]:
+    return [
+        ("chat-capital", "What is the capital of France, and what is it known for?"),
+        ("chat-haiku", "Write a short poem about the sea."),
+        ("chat-recursion", "Explain recursion to a ten-year-old."),
+        ("chat-sleep", "Give me three tips for sleeping better."),
+        ("chat-email", "Write a polite email asking my manager for a day off next Friday."),
+        ("chat-history", "Tell me briefly about the history of the bicycle."),
+    ]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("spec", help="speculative decoding vs none, single stream, grounded and chat prompts")
+    add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--num-iters", type=int, default=2, help="runs per prompt and engine; the faster is kept")
+    p.add_argument("--sets", nargs="+", choices=("grounded", "chat"), default=["grounded", "chat"])
+    p.add_argument("--output-json", default="results/bench_spec.json")
+    p.set_defaults(func=run)
+
+
+def _time_one(llm, token_ids: list[int], params) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    out = llm.generate([token_ids], params, use_tqdm=False)[0].outputs[0]
+    return time.perf_counter() - start, list(out.token_ids)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm import LLM, SamplingParams
+
+    engine_args = engine_args_from(args)
+    spec_text = engine_args.speculative_config or DEFAULT_SPEC
+    spec = json.loads(spec_text) if isinstance(spec_text, str) else spec_text
+    base_kwargs = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
+    base_kwargs["speculative_config"] = None
+    model = base_kwargs.pop("model")
+    base_kwargs.pop("generation_config", None)
+    plain = LLM(model, **base_kwargs)
+    speculative = LLM(model, **{**base_kwargs, "speculative_config": spec})
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    sets = {"grounded": grounded_prompts(), "chat": chat_prompts()}
+    rows, mismatches = [], []
+    warm = plain.apply_chat_template([{"role": "user", "content": "Hi"}])
+    for llm in (plain, speculative):  # first-call costs stay out of the timings
+        _time_one(llm, warm, SamplingParams(temperature=0, max_tokens=8))
+    for set_name in args.sets:
+        for name, message in sets[set_name]:
+            token_ids = plain.apply_chat_template([{"role": "user", "content": message}])
+            best = {"plain": float("inf"), "spec": float("inf")}
+            outputs = {}
+            stats = speculative.llm_engine.speculator.stats
+            before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+            for _ in range(args.num_iters):
+                for label, llm in (("plain", plain), ("spec", speculative)):
+                    seconds, tokens = _time_one(llm, token_ids, params)
+                    best[label] = min(best[label], seconds)
+                    outputs[label] = tokens
+            drafted = stats.num_draft_tokens - before[0]
+            accepted = stats.num_accepted_tokens - before[1]
+            n = len(outputs["plain"])
+            same = outputs["plain"] == outputs["spec"]
+            if not same:
+                mismatches.append(name)
+            rows.append(
+                {
+                    "set": set_name,
+                    "prompt": name,
+                    "prompt_tokens": len(token_ids),
+                    "output_tokens": n,
+                    "plain_tok_s": n / best["plain"],
+                    "spec_tok_s": len(outputs["spec"]) / best["spec"],
+                    "speedup": (len(outputs["spec"]) / best["spec"]) / (n / best["plain"]),
+                    "accept_rate": accepted / drafted if drafted else 0.0,
+                    "identical": same,
+                }
+            )
+            print(format_table(rows[-1:]), flush=True)
+    summary = []
+    for set_name in args.sets:
+        mine = [r for r in rows if r["set"] == set_name]
+        plain_s = sum(r["output_tokens"] / r["plain_tok_s"] for r in mine)
+        spec_s = sum(r["output_tokens"] / r["spec_tok_s"] for r in mine)
+        tokens = sum(r["output_tokens"] for r in mine)
+        summary.append(
+            {
+                "set": set_name,
+                "prompts": len(mine),
+                "output_tokens": tokens,
+                "plain_tok_s": tokens / plain_s,
+                "spec_tok_s": tokens / spec_s,
+                "speedup": plain_s / spec_s,
+                "min_speedup": min(r["speedup"] for r in mine),
+            }
+        )
+    print()
+    print(format_table(rows))
+    print()
+    print(format_table(summary))
+    print(f"speculative_config: {json.dumps(spec)}; greedy, single stream, max_tokens {args.max_tokens}")
+    if mismatches:
+        print(f"OUTPUTS DIFFER with speculation on: {', '.join(mismatches)}")
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config["speculative_config"] = spec
+    path = write_json(args.output_json, "spec", config, {"prompts": rows, "summary": summary})
+    print(f"wrote {path}")
+    plain.llm_engine.shutdown()
+    speculative.llm_engine.shutdown()
+    return 1 if mismatches else 0

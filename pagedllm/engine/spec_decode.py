@@ -1,0 +1,375 @@
+"""Speculative decoding's engine side: proposals, the per-step choice of how many to verify, and
+the counters (docs/speculative-decoding.md).
+
+Before each step, every running sequence that decodes one token at a time (not beam search)
+gets a proposal (under a grammar, cut where the grammar forbids a token): with method "ngram", the tokens that followed the latest
+earlier occurrence of its last n tokens in its own prompt and output (`NgramProposer`, a numpy
+scan, longest n first); with method "draft_model", slots are reserved and the draft model
+(`engine/draft_model.py`) draws the tokens once the step is scheduled. The scheduler adds the proposal's tokens after the sequence's last token,
+the model scores every position in one pass, and the driver's sampler keeps the longest prefix the
+target agrees with (`pagedllm.sampling.sampler.accept_proposal`); the slots of the rest are
+rolled back (`BlockManager.rollback`).
+
+Never slower: verifying k more tokens is worth it only when the tokens expected to be accepted
+outweigh what the k extra query tokens add to the step. `SpecController` keeps, per sequence,
+the measured rate at which its proposed tokens match what the target produced (also for tokens
+proposed but not verified: the next token tells), and a cost model of a step's seconds as a
+linear function of its query tokens, fitted online to the measured model time of past steps
+(one line for steps of single-token decodes, one for steps with longer queries). Each step it
+picks the numbers of tokens that maximise expected output tokens per second of the step, down to
+none: a lone sequence copying its prompt verifies many, a full batch of chat verifies nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.core import Scheduler, Sequence, SequenceGroup
+from pagedllm.core.model_output import ModelRunnerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.sampling_params import SamplingType
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec_decode counters: steps in which a sequence verified proposed tokens, those
+    tokens, the accepted ones, and the accepted ones by position in the proposal."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a verifying sequence produced per step (accepted + the target's own)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+class NgramProposer:
+    """Prompt lookup over a sequence's own tokens, on a numpy copy kept per sequence."""
+
+    def __init__(self, max_n: int, min_n: int) -> None:
+        self.max_n, self.min_n = max_n, min_n
+        self._buffers: dict[int, tuple[np.ndarray, int]] = {}
+        # Where each sequence's last proposal came from: (its first token's position, the
+        # sequence's length then).
+        self._sources: dict[int, tuple[int, int]] = {}
+
+    def _tokens(self, seq: Sequence) -> np.ndarray:
+        buf, n = self._buffers.get(seq.seq_id, (None, 0))
+        total = seq.num_tokens
+        if buf is None or total > buf.shape[0] or total < n:
+            grown = np.empty(max(64, 2 * total), dtype=np.int64)
+            keep = min(n, total) if buf is not None else 0
+            if keep:
+                grown[:keep] = buf[:keep]
+            buf, n = grown, keep
+        if n < total:
+            buf[n:total] = seq.token_ids[n:total]
+        self._buffers[seq.seq_id] = (buf, total)
+        return buf[:total]
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k tokens following the latest earlier occurrence of the sequence's longest
+        matching suffix of max_n..min_n tokens; [] when none occurs."""
+        tokens = self._tokens(seq)
+        length = tokens.shape[0]
+        if k <= 0 or length <= self.min_n:
+            return []
+        # Candidates: earlier positions holding the last token, then extended backwards.
+        ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+        matched = 1
+        while ends.size and matched < self.max_n:
+            starts = ends - matched
+            ok = starts >= 0
+            ok[ok] = tokens[starts[ok]] == tokens[length - 1 - matched]
+            if not ok.any():
+                break
+            ends = ends[ok]
+            matched += 1
+        if matched < self.min_n or not ends.size:
+            return []
+        # Copying goes on where it was: the occurrence just past the last proposal's source, if
+        # it matches as long a suffix, else the latest occurrence.
+        end = int(ends[-1]) + 1
+        source = self._sources.get(seq.seq_id)
+        if source is not None:
+            expected = source[0] + length - source[1]
+            if expected != end and expected - 1 in set(ends[-64:].tolist()):
+                end = expected
+        self._sources[seq.seq_id] = (end, length)
+        return tokens[end : end + k].tolist()
+
+    def forget(self, live_seq_ids: set[int]) -> None:
+        for seq_id in [s for s in self._buffers if s not in live_seq_ids]:
+            del self._buffers[seq_id]
+            self._sources.pop(seq_id, None)
+
+
+class StepCost:
+    """Seconds of a step as a + b * (query tokens), fitted by exponentially weighted least squares;
+    the slope is shrunk towards a prior of `PRIOR_SLOPE` of a one-token step per token until
+    steps of different sizes were seen."""
+
+    DECAY = 0.97
+    PRIOR_SLOPE = 0.15
+    PRIOR_WEIGHT = 8.0  # in squared tokens
+
+    def __init__(self) -> None:
+        self.w = self.t = self.c = self.tt = self.tc = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.w > 0.5
+
+    def predict(self, tokens: int) -> float:
+        a, b = self.line()
+        return a + b * tokens
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if self.w > 3:  # one slow step (a neighbour's burst, a first call) moves the line little
+            seconds = min(seconds, 2 * self.predict(tokens))
+        d = self.DECAY
+        self.w, self.t, self.c = d * self.w + 1, d * self.t + tokens, d * self.c + seconds
+        self.tt, self.tc = d * self.tt + tokens * tokens, d * self.tc + tokens * seconds
+
+    def line(self) -> tuple[float, float]:
+        mean_t, mean_c = self.t / self.w, self.c / self.w
+        prior = self.PRIOR_SLOPE * mean_c / max(1.0, mean_t)
+        var = self.tt - self.t * mean_t
+        cov = self.tc - self.t * mean_c
+        slope = max(0.0, (cov + self.PRIOR_WEIGHT * prior) / (var + self.PRIOR_WEIGHT))
+        return max(mean_c - slope * mean_t, 0.0), slope
+
+
+@dataclass
+class _Acceptance:
+    """Decayed counts of proposed tokens that matched the target's and of first mismatches: a
+    geometric model whose rate is the chance that the next proposed token is accepted."""
+
+    matched: float = 0.0
+    mismatched: float = 0.0
+
+    DECAY = 0.9
+
+    def observe(self, matched: int, mismatch: bool) -> None:
+        self.matched = self.DECAY * self.matched + matched
+        self.mismatched = self.DECAY * self.mismatched + mismatch
+
+    def rate(self, prior: float) -> float:
+        return (self.matched + 2 * prior) / (self.matched + self.mismatched + 2)
+
+
+class SpecController:
+    """How many proposed tokens each sequence verifies this step (the module docstring)."""
+
+    def __init__(self, adaptive: bool = True) -> None:
+        self.adaptive = adaptive
+        self.decode_cost = StepCost()  # steps of single-token queries only
+        # Steps of decodes and verifications (no prompt chunk: a prompt's first step costs
+        # differently, and is never a choice this controller makes).
+        self.verify_cost = StepCost()
+        self.acceptance: dict[int, _Acceptance] = {}
+        self.overall = _Acceptance()
+
+    def cost(self, tokens: int, multi: bool) -> float:
+        """Predicted seconds of a step of `tokens` query tokens: of single-token decodes only,
+        or (`multi`) with longer queries. Until verifications were measured, as decodes (an
+        optimistic start, so that they are tried and measured)."""
+        model = self.verify_cost if multi and self.verify_cost.known else self.decode_cost
+        return model.predict(tokens) if model.known else 1.0
+
+    def rate(self, seq_id: int) -> float:
+        prior = min(0.9, max(0.3, self.overall.rate(0.5)))
+        acc = self.acceptance.get(seq_id)
+        return acc.rate(prior) if acc is not None else prior
+
+    def choose(self, proposals: dict[int, list[int]], base_tokens: int, base_outputs: int, base_multi: bool,
+               budget: int) -> dict[int, int]:
+        """Tokens to verify per sequence, given every proposal and the step's other work
+        (`base_tokens` query tokens producing `base_outputs` tokens). Greedy on the marginal
+        gain, which falls with each token a sequence adds (rate ** j), keeping the best total."""
+        if not self.adaptive:
+            chosen, left = {}, budget
+            for seq_id, proposal in proposals.items():
+                chosen[seq_id] = min(len(proposal), max(0, left))
+                left -= chosen[seq_id]
+            return chosen
+        rates = {seq_id: self.rate(seq_id) for seq_id in proposals}
+        heap = [(-rates[s], s, 1) for s, p in proposals.items() if p]
+        heapq.heapify(heap)
+        gain, extra = float(base_outputs), 0
+        best_value, best_extra = gain / self.cost(base_tokens, base_multi), 0
+        taken: list[int] = []
+        while heap and extra < budget:
+            neg, seq_id, j = heapq.heappop(heap)
+            gain += -neg
+            extra += 1
+            taken.append(seq_id)
+            value = gain / self.cost(base_tokens + extra, True)
+            if value > best_value:
+                best_value, best_extra = value, extra
+            if j < len(proposals[seq_id]):
+                heapq.heappush(heap, (-(rates[seq_id] ** (j + 1)), seq_id, j + 1))
+        chosen = dict.fromkeys(proposals, 0)
+        for seq_id in taken[:best_extra]:
+            chosen[seq_id] += 1
+        return chosen
+
+    def observe_step(self, tokens: int, multi: bool, seconds: float) -> None:
+        """A step of decodes (`multi`: and verifications) took `seconds`."""
+        (self.verify_cost if multi else self.decode_cost).observe(tokens, seconds)
+
+    def observe_tokens(self, seq_id: int, proposal: list[int], produced: list[int]) -> None:
+        """What the target produced after a proposal, verified or not, tells how far it matched."""
+        known = min(len(proposal), len(produced))
+        if not known:
+            return
+        matched = 0
+        while matched < known and proposal[matched] == produced[matched]:
+            matched += 1
+        mismatch = matched < known
+        self.acceptance.setdefault(seq_id, _Acceptance()).observe(matched, mismatch)
+        self.overall.observe(matched, mismatch)
+
+    def forget(self, live_seq_ids: set[int]) -> None:
+        for seq_id in [s for s in self.acceptance if s not in live_seq_ids]:
+            del self.acceptance[seq_id]
+
+
+def _allowed_prefix(seq: Sequence, proposal: list[int]) -> list[int]:
+    """A constrained sequence's proposal, cut where its grammar forbids the next token (the
+    sampler masks each verified position by the grammar's state there, so a forbidden token
+    would only be rejected)."""
+    constraint = seq.constraint.fork()
+    for n, token in enumerate(proposal):
+        if not constraint.accept_token(token):
+            return proposal[:n]
+    return proposal
+
+
+class Speculator:
+    """Proposes before each step and learns after it (`LLMEngine.step` calls both)."""
+
+    FORGET_EVERY = 64  # steps between pruning the state of sequences that are gone
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int, draft=None) -> None:
+        self.config = config
+        self.draft = draft  # a `DraftModel` for method "draft_model"; None: n-gram proposals
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+        self.controller = SpecController(config.adaptive)
+        self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+        self._proposals: dict[int, list[int]] = {}  # this step's full proposals, by sequence
+        self._steps = 0
+
+    def _room(self, group: SequenceGroup, seq: Sequence) -> int:
+        """Proposed tokens the sequence may verify: within num_speculative_tokens, its max_tokens
+        (the target's own token follows them) and the context."""
+        params = group.sampling_params
+        room = self.max_model_len - seq.num_tokens
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        return min(self.config.num_speculative_tokens, room)
+
+    @staticmethod
+    def _eligible(group: SequenceGroup) -> bool:
+        params = group.sampling_params
+        if params.sampling_type is SamplingType.BEAM:
+            return False  # beam search runs without speculation
+        return group.forked or params.best_of == 1
+
+    def propose(self, scheduler: Scheduler) -> None:
+        """Set `draft_token_ids` on the running sequences that will verify proposed tokens."""
+        self._proposals = {}
+        seqs: dict[int, Sequence] = {}
+        base_tokens = base_outputs = 0
+        for group in scheduler.running:
+            eligible = self._eligible(group)
+            for seq in group.unfinished_seqs():
+                seq.draft_token_ids = []
+                left = seq.num_uncomputed_tokens
+                base_tokens += left
+                if left != 1:
+                    continue
+                base_outputs += 1
+                if not eligible or (seq.constraint is not None and self.draft is not None):
+                    continue
+                room = self._room(group, seq)
+                if self.draft is not None:  # slots reserved now, tokens drawn after scheduling (`fill`)
+                    proposal = [0] * max(room, 0)
+                else:
+                    proposal = self.proposer.propose(seq, room) if room > 0 else []
+                    if proposal and seq.constraint is not None:
+                        proposal = _allowed_prefix(seq, proposal)
+                if proposal:
+                    self._proposals[seq.seq_id] = proposal
+                    seqs[seq.seq_id] = seq
+        base_multi = base_tokens > base_outputs
+        for group in scheduler.waiting:
+            base_tokens += sum(seq.num_uncomputed_tokens for seq in group.unfinished_seqs())
+            base_multi = True
+        budget = self.max_num_batched_tokens
+        base_tokens = min(base_tokens, budget)
+        if not self._proposals:
+            return
+        # Running sequences come first in the scheduler's budget, so without the adaptive choice
+        # proposals may take what waiting prompts would have had.
+        left = budget - (base_tokens if self.config.adaptive else base_outputs)
+        chosen = self.controller.choose(self._proposals, base_tokens, base_outputs, base_multi, left)
+        for seq_id, k in chosen.items():
+            if k:
+                seqs[seq_id].draft_token_ids = self._proposals[seq_id][:k]
+
+    def fill(self, scheduled: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
+        """With a draft model: draw the proposed tokens into the scheduled step (the draft runs
+        every step, to keep its KV cache level with the target's)."""
+        if self.draft is None or not scheduled.has_model_work:
+            return
+        self.draft.propose(scheduled, seqs)
+        self._proposals = {item.seq_id: item.draft_token_ids for item in scheduled.seqs if item.draft_token_ids}
+
+    def shutdown(self) -> None:
+        if self.draft is not None:
+            self.draft.shutdown()
+
+    def observe(self, scheduled: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
+        """After a step: its cost, the acceptance of each proposal, the counters."""
+        if self.draft is not None:
+            self.draft.observe(scheduled, result)
+        if all(len(item.token_ids) == 1 + len(item.draft_token_ids) for item in scheduled.seqs):  # no prompt chunk
+            multi = any(item.draft_token_ids for item in scheduled.seqs)
+            self.controller.observe_step(scheduled.num_batched_tokens, multi, seconds)
+        per_pos = self.stats.num_accepted_tokens_per_pos
+        live = set()
+        for item in scheduled.seqs:
+            live.add(item.seq_id)
+            step = result.outputs.get(item.seq_id)
+            if step is None or not step.samples:
+                continue
+            num_drafts = len(item.draft_token_ids)
+            if num_drafts:
+                num_accepted = len(step.accepted)
+                self.stats.num_drafts += 1
+                self.stats.num_draft_tokens += num_drafts
+                self.stats.num_accepted_tokens += num_accepted
+                for pos in range(num_accepted):
+                    per_pos[pos] += 1
+            proposal = self._proposals.get(item.seq_id)
+            if proposal:
+                produced = [t.token_id for t in step.accepted] + [step.samples[0].token_id]
+                self.controller.observe_tokens(item.seq_id, proposal, produced)
+        self._steps += 1
+        if self._steps % self.FORGET_EVERY == 0:
+            self.proposer.forget(live)
+            self.controller.forget(live)
