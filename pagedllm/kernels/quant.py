@@ -150,7 +150,3 @@ def int8_rows_that_pay() -> int:
     logger.info("int8 activations (%s): %s on a trial (%s)", int8_isa(),
                 f"used up to {pays} rows" if pays else "not faster than float32, not used", "; ".join(timings))
     return pays
-
-
-def usable(w: QuantizedMatrix | None, x: torch.Tensor) -> bool:
-    return w is not None and x.dtype == torch.float32 and x.device.type == "cpu"

@@ -40,6 +40,7 @@ try:  # the kernels (issue 34's kernels branch)
 except ImportError:  # pragma: no cover - until the kernels branch is merged
     from pagedllm.kernels import gguf_shim as gguf_kernels
 from pagedllm.kernels import onednn
+from pagedllm.model.weights import GGUFBlocks
 
 # Rows of a 16-bit weight widened to float32 at a time (a transient of ~4 MiB at 1024 columns).
 _HALF_ROWS = 1024
@@ -242,13 +243,27 @@ def _native(weight):
     return weight.load_native() if hasattr(weight, "load_native") else None
 
 
+def _packed(blocks: list[GGUFBlocks]) -> list:
+    """Packed weights of the parts, adjacent parts of one type packed together (a fused
+    projection of one type is one product)."""
+    groups: list[list[GGUFBlocks]] = []
+    for b in blocks:
+        if groups and groups[-1][0].qtype == b.qtype:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return [gguf_kernels.pack(g[0].qtype, g[0].raw if len(g) == 1 else torch.cat([b.raw for b in g]), g[0].in_features)
+            for g in groups]
+
+
 def _assemble(layer: nn.Module, parts: list[tuple[Any, int]]) -> None:
     """GGUF blocks when every part has them, one 16-bit tensor when every part is 16-bit of one
     dtype, else float in the model's dtype (parts dequantized)."""
     natives = [_native(w) for w, _ in parts]
-    if all(isinstance(n, gguf_kernels.PackedWeight) for n in natives):
-        method = GGUFLinear(natives)
-        install(layer, method, _flat_parameter(natives).data)
+    if all(isinstance(n, GGUFBlocks) for n in natives):
+        packed = _packed(natives)
+        del natives
+        install(layer, GGUFLinear(packed), _flat_parameter(packed).data)
         return
     if all(isinstance(n, torch.Tensor) for n in natives) and len({n.dtype for n in natives}) == 1:
         install(layer, HalfLinear(), natives[0] if len(natives) == 1 else torch.cat(natives))
@@ -257,8 +272,8 @@ def _assemble(layer: nn.Module, parts: list[tuple[Any, int]]) -> None:
     if param.dtype == torch.uint8 or param.dim() != 2:
         raise RuntimeError("a layer's weight was loaded twice in different forms")
     for (weight, offset), native in zip(parts, natives):
-        if isinstance(native, gguf_kernels.PackedWeight):
-            value = gguf_kernels.dequantize_rows(native)
+        if isinstance(native, GGUFBlocks):
+            value = weight.load()  # dequantized (another part has no kernel)
         elif native is not None:
             value = native
         else:

@@ -117,6 +117,14 @@ def gguf_tensors(path: Path, table: list, byte_order: str = "I") -> list[GGUFTen
     return tensors
 
 
+class GGUFBlocks(NamedTuple):
+    """Rows of a GGUF tensor's quantized blocks as the file stores them (to be packed)."""
+
+    qtype: str  # a key of gguf_kernels.GGUF_TYPES
+    raw: torch.Tensor  # uint8 [rows, bytes per row]
+    in_features: int
+
+
 class GGUFWeight:
     """One tensor of a GGUF file. Rows are sliced before dequantizing (rows are quantized
     independently); columns after. With `native`, the loader wants weights in the form the
@@ -143,8 +151,8 @@ class GGUFWeight:
 
     def load_native(self):
         """This 2-D slice as the kernels read it, when the loader wants that (`native`): a
-        `PackedWeight` of its blocks for a type with a kernel (columns cut at block boundaries),
-        or a 16-bit tensor for F16/BF16; else None (then `load` dequantizes it)."""
+        `GGUFBlocks` for a type with a kernel (columns cut at block boundaries), or a 16-bit
+        tensor for F16/BF16; else None (then `load` dequantizes it)."""
         from pagedllm.model.quantization import gguf_kernels
 
         if not self.native or len(self.ranges) != 2:
@@ -166,7 +174,7 @@ class GGUFWeight:
             return None
         data = self.tensor.data[rows.start : rows.stop, cols.start // block * block_bytes : cols.stop // block * block_bytes]
         raw = self._unpermuted(torch.from_numpy(np.array(data)), len(rows))  # a copy, off the memory map
-        return gguf_kernels.pack(qtype, raw, len(cols))
+        return GGUFBlocks(qtype, raw, len(cols))
 
     def _unpermuted(self, data: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Whole rows (quantized ones too: rows are independent) back in Hugging Face's order."""
