@@ -159,3 +159,29 @@ def set_isa(name: str | None) -> None:
     """Force a path (one of available_isas()); None: the best."""
     lib = _lib()
     _set_isa(lib, name if name is not None else ISAS[lib.gguf_best_isa()])
+
+
+# Where each type keeps its float16 scales (byte offset in a block, uniform range): random bytes
+# elsewhere are valid values, so random blocks with these scales are finite, sane weights.
+_SCALE_FIELDS = {
+    "Q4_0": [(0, -0.02, 0.02)],
+    "Q4_1": [(0, 0.001, 0.02), (2, -0.1, 0.1)],
+    "Q5_0": [(0, -0.02, 0.02)],
+    "Q5_1": [(0, 0.001, 0.01), (2, -0.1, 0.1)],
+    "Q8_0": [(0, -0.001, 0.001)],
+    "Q4_K": [(0, 0.0002, 0.002), (2, 0.0002, 0.002)],
+    "Q5_K": [(0, 0.0001, 0.001), (2, 0.0001, 0.001)],
+    "Q6_K": [(208, 0.00005, 0.0005)],
+}
+
+
+def random_weight(qtype: str, out_features: int, in_features: int, generator: torch.Generator | None = None) -> PackedWeight:
+    """A weight of random blocks (random values, float16 scales in a sane range): for tests and
+    the benchmark."""
+    weights, nbytes = _check_type(qtype)
+    num_blocks = out_features * (_row_bytes(qtype, in_features) // nbytes)
+    raw = torch.randint(0, 256, (num_blocks, nbytes), dtype=torch.uint8, generator=generator)
+    for offset, low, high in _SCALE_FIELDS[qtype]:
+        scale = torch.rand(num_blocks, generator=generator) * (high - low) + low
+        raw[:, offset:offset + 2] = scale.to(torch.float16).view(torch.uint8).view(num_blocks, 2)
+    return pack(qtype, raw.view(out_features, -1), in_features)
