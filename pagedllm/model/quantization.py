@@ -35,10 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # the kernels (issue 34's kernels branch)
-    from pagedllm.kernels import gguf as gguf_kernels
-except ImportError:  # pragma: no cover - until the kernels branch is merged
-    from pagedllm.kernels import gguf_shim as gguf_kernels
+from pagedllm.kernels import gguf as gguf_kernels
 from pagedllm.kernels import onednn
 from pagedllm.model.weights import GGUFBlocks
 
