@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.kernels import quant
 from pagedllm.kernels.quant import MAX_ROWS, int8_matmul, quantized_matmul
-from pagedllm.model.quantization import gguf_kernels, layer_of
+from pagedllm.model.quantization import KERNELS, layer_of
 from tests.test_quant_matmul import _quantized
 
 
@@ -99,12 +99,14 @@ def test_the_default_model_on_int8_activations_stays_close_to_float32(smollm_llm
         model = llm.llm_engine.executor.worker.model
         assert layer_of(model, model.layer_projections(0)["down_proj"]).quant_method.int8_rows == MAX_ROWS
         calls = []
-        original = gguf_kernels.matmul
-        gguf_kernels.matmul = lambda x, w, int8=False: calls.append(int8) or original(x, w, int8=int8)
+        originals = {kernels: kernels.matmul for kernels in KERNELS.values()}
+        for kernels, original in originals.items():
+            kernels.matmul = lambda x, w, int8=False, original=original: calls.append(int8) or original(x, w, int8=int8)
         try:
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         finally:
-            gguf_kernels.matmul = original
+            for kernels, original in originals.items():
+                kernels.matmul = original
         assert True in calls
     finally:
         llm.llm_engine.shutdown()

@@ -22,7 +22,7 @@ from pagedllm.attention import Attention
 
 from pagedllm.kernels import build
 from pagedllm.kernels.quant import MAX_ROWS
-from pagedllm.model.quantization import gguf_kernels
+from pagedllm.model.quantization import c_kernel
 from pagedllm.model.rotary import RotaryEmbedding
 
 _P = ctypes.c_void_p
@@ -35,7 +35,8 @@ _MAX_PARTS = 3  # decoder_layers.cpp's kMaxParts
 
 
 class _ProjectionPart(ctypes.Structure):
-    _fields_ = [("packed", _P), ("qtype_id", ctypes.c_int32), ("out_features", ctypes.c_int32)]
+    _fields_ = [("packed", _P), ("qtype_id", ctypes.c_int32), ("out_features", ctypes.c_int32),
+                        ("legacy", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
 class _Projection(ctypes.Structure):
@@ -64,8 +65,10 @@ class _Step(ctypes.Structure):
 def _projection(linear) -> _Projection:
     """The C++ view of a projection with a `GGUFLinear` method (its packed parts and bias)."""
     method = linear.quant_method
-    parts = [_ProjectionPart(p.data.data_ptr(), gguf_kernels.TYPE_IDS[p.qtype], p.out_features)
-             for p in method.fused_parts]
+    parts = []
+    for part in method.fused_parts:
+        qtype_id, legacy = c_kernel(part)
+        parts.append(_ProjectionPart(part.data.data_ptr(), qtype_id, part.out_features, int(legacy), 0))
     bias = getattr(linear, "bias", None)
     return _Projection((_ProjectionPart * _MAX_PARTS)(*parts), bias.data_ptr() if bias is not None else None,
                        len(parts), method.out_features, method.in_features, method.int8_rows)

@@ -28,6 +28,7 @@ batch-invariant mode (`to_float`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,11 +37,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import gguf as gguf_kernels
-from pagedllm.kernels import onednn
+from pagedllm.kernels import onednn, quant
 from pagedllm.model.weights import GGUFBlocks
 
 # Rows of a 16-bit weight widened to float32 at a time (a transient of ~4 MiB at 1024 columns).
 _HALF_ROWS = 1024
+# Which kernels multiply each GGUF type: kernels/quant.py's for Q4_1 and Q8_0 while they are
+# faster there (its docstring has the figures; PAGEDLLM_GGUF_LEGACY_KERNELS=0 turns that off),
+# kernels/gguf.py's for every type.
+KERNELS = {"gguf": gguf_kernels, "quant": quant}
+LEGACY_TYPES = () if os.environ.get("PAGEDLLM_GGUF_LEGACY_KERNELS") == "0" else tuple(quant.TYPE_IDS)
+
+
+def kernels_for(qtype: str) -> str:
+    """The name (a key of KERNELS) of the kernels that serve `qtype`."""
+    return "quant" if qtype in LEGACY_TYPES else "gguf"
+
+
+def _kernels_of(part):
+    return quant if isinstance(part, quant.LegacyPacked) else gguf_kernels
+
+
+def c_kernel(part) -> tuple[int, bool]:
+    """(the C ABI's qtype id, whether kernels/quant.py's entry point serves it) of a packed part."""
+    legacy = isinstance(part, quant.LegacyPacked)
+    return (quant if legacy else gguf_kernels).TYPE_IDS[part.qtype], legacy
 
 
 class LinearMethod:
@@ -158,17 +179,17 @@ class GGUFLinear(LinearMethod):
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise TypeError(f"GGUF-packed weights multiply float32 CPU activations, not {x.dtype} on {x.device}")
         int8 = x.shape[0] <= self.int8_rows
-        ys = [gguf_kernels.matmul(x, p, int8=int8) for p in self.parts]
+        ys = [_kernels_of(p).matmul(x, p, int8=int8) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y + bias if bias is not None else y
 
     def embed(self, layer, ids):
         (table,) = self.parts
         flat = ids.reshape(-1)
-        return gguf_kernels.dequantize_rows(table, flat.long()).view(*ids.shape, self.in_features)
+        return _kernels_of(table).dequantize_rows(table, flat.long()).view(*ids.shape, self.in_features)
 
     def to_float(self, layer):
-        return torch.cat([gguf_kernels.dequantize_rows(p) for p in self.parts])
+        return torch.cat([_kernels_of(p).dequantize_rows(p) for p in self.parts])
 
     @property
     def supports_int8(self) -> bool:
@@ -176,15 +197,15 @@ class GGUFLinear(LinearMethod):
 
     @property
     def fused_parts(self) -> list | None:
-        if len(self.parts) > 3 or any(p.qtype not in gguf_kernels.TYPE_IDS for p in self.parts):  # (kMaxParts)
+        if len(self.parts) > 3 or any(p.qtype not in _kernels_of(p).TYPE_IDS for p in self.parts):  # (kMaxParts)
             return None
         return self.parts
 
     @property
     def cache_description(self) -> dict:
         return {"method": "gguf", "parts": [
-            {"qtype": p.qtype, "out_features": p.out_features, "in_features": p.in_features,
-             "shape": list(p.data.shape), "nbytes": p.data.numel()} for p in self.parts]}
+            {"qtype": p.qtype, "kernels": "quant" if _kernels_of(p) is quant else "gguf", "out_features": p.out_features,
+             "in_features": p.in_features, "shape": list(p.data.shape), "nbytes": p.data.numel()} for p in self.parts]}
 
     def rebind(self, flat: torch.Tensor) -> None:
         """Point the parts at their bytes inside `flat` (the parameter's storage)."""
@@ -192,7 +213,7 @@ class GGUFLinear(LinearMethod):
         for p in self.parts:
             n = p.data.numel()
             data = flat[offset : offset + n].view(p.data.shape)
-            parts.append(gguf_kernels.from_data(p.qtype, p.out_features, p.in_features, data))
+            parts.append(_kernels_of(p).from_data(p.qtype, p.out_features, p.in_features, data))
             offset += n
         self.parts = parts
 
@@ -249,7 +270,8 @@ def _packed(blocks: list[GGUFBlocks]) -> list:
             groups[-1].append(b)
         else:
             groups.append([b])
-    return [gguf_kernels.pack(g[0].qtype, g[0].raw if len(g) == 1 else torch.cat([b.raw for b in g]), g[0].in_features)
+    return [KERNELS[kernels_for(g[0].qtype)].pack(g[0].qtype, g[0].raw if len(g) == 1 else torch.cat([b.raw for b in g]),
+                                                 g[0].in_features)
             for g in groups]
 
 
@@ -289,8 +311,8 @@ def from_cache(description: dict | None) -> LinearMethod:
     if description["method"] == "half":
         return HalfLinear()
     if description["method"] == "gguf":
-        parts = [gguf_kernels.from_data(p["qtype"], p["out_features"], p["in_features"],
-                                        torch.empty(p["shape"], dtype=torch.uint8))
+        parts = [KERNELS[p["kernels"]].from_data(p["qtype"], p["out_features"], p["in_features"],
+                                                 torch.zeros(p["nbytes"], dtype=torch.uint8).view(p["shape"]))
                  for p in description["parts"]]
         return GGUFLinear(parts)
     raise ValueError(f"unknown weight method {description['method']!r} in the weight cache")

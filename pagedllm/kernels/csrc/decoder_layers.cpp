@@ -17,6 +17,8 @@
 extern "C" {
 void gguf_matmul(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t rows, int64_t out_features,
                  int64_t in_features, int num_threads, int use_int8);
+void quant_matmul_packed(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t rows,
+                         int64_t out_features, int64_t in_features, int num_threads, int use_int8);
 void fused_add_rms_norm_f32(float* out, float* residual, const float* x, const float* weight, int num_rows, int dim,
                             float eps, int num_threads);
 void rotary_neox_f32(float* qk, int64_t row_stride, const int64_t* positions, const float* cos_cache,
@@ -44,7 +46,15 @@ struct ProjectionPart {
   const uint8_t* packed;
   int32_t qtype_id;      // gguf.TYPE_IDS
   int32_t out_features;
+  int32_t legacy;        // 1: kernels/quant.py's layout and kernels (quant_matmul_packed), 0: gguf_matmul's
+  int32_t pad;
 };
+
+void part_matmul(const ProjectionPart& part, float* y, const float* x, int64_t rows, int64_t in_features,
+                 int num_threads, int use_int8) {
+  auto kernel = part.legacy ? quant_matmul_packed : gguf_matmul;
+  kernel(part.qtype_id, y, x, part.packed, rows, part.out_features, in_features, num_threads, use_int8);
+}
 
 struct Projection {
   ProjectionPart parts[kMaxParts];
@@ -112,16 +122,14 @@ class Timer {
 void project(float* y, const float* x, const Projection& p, int rows, int num_threads) {
   const int use_int8 = rows <= p.int8_rows;
   if (p.num_parts == 1) {
-    gguf_matmul(p.parts[0].qtype_id, y, x, p.parts[0].packed, rows, p.out_features, p.in_features, num_threads,
-                use_int8);
+    part_matmul(p.parts[0], y, x, rows, p.in_features, num_threads, use_int8);
   } else {  // each part into its own rows, then side by side (what torch.cat of the parts' products gives)
     std::vector<float> part_y;
     int64_t column = 0;
     for (int i = 0; i < p.num_parts; ++i) {
       const ProjectionPart& part = p.parts[i];
       part_y.resize(static_cast<size_t>(rows) * part.out_features);
-      gguf_matmul(part.qtype_id, part_y.data(), x, part.packed, rows, part.out_features, p.in_features, num_threads,
-                  use_int8);
+      part_matmul(part, part_y.data(), x, rows, p.in_features, num_threads, use_int8);
       for (int r = 0; r < rows; ++r)
         std::memcpy(y + static_cast<int64_t>(r) * p.out_features + column, part_y.data() + static_cast<int64_t>(r) * part.out_features,
                     sizeof(float) * part.out_features);
