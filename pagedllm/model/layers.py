@@ -18,7 +18,7 @@ from pagedllm.distributed import TensorParallelGroup
 from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.kernels import quant
-from pagedllm.model.quantization import FloatLinear, load_part
+from pagedllm.model.quantization import FloatLinear, gguf_kernels, int8_rows_that_pay, load_part
 from pagedllm.model.weights import LazyWeight
 from pagedllm.utils import cdiv
 
@@ -65,9 +65,10 @@ def prepare_linear_weights(model: nn.Module) -> int:
 
 
 def use_int8_activations(model: nn.Module, mode: str) -> int:
-    """Let the GGUF-packed projections of `model` run on int8 activations (`kernels/quant.py`):
-    "on" up to `quant.MAX_ROWS` rows, "auto" up to the rows where the start-up trial finds them
-    faster, "off" never. Returns how many weights take them."""
+    """Let the GGUF-packed projections of `model` run on int8 activations (a property of their
+    method, `GGUFLinear.int8_rows`): "on" up to `quant.MAX_ROWS` rows, "auto" up to the rows where
+    the start-up trial of their types' kernels finds them faster, "off" never. Returns how many
+    weights take them."""
     if mode not in INT8_MODES:
         raise ValueError(f"int8_activations must be one of {', '.join(INT8_MODES)}, not {mode!r}")
     methods = [m.quant_method for m in _linear_layers(model) if m.quant_method.supports_int8]
@@ -76,12 +77,13 @@ def use_int8_activations(model: nn.Module, mode: str) -> int:
             logger.warning("int8_activations=%r changes nothing: the model has no quantized blocks here "
                            "(they serve GGUF weights on a CPU in float32)", mode)
         return 0
-    rows = quant.MAX_ROWS if mode == "on" else min(quant.int8_rows_that_pay(), quant.MAX_ROWS)
     for method in methods:
-        method.int8_rows = rows
-    logger.info("int8 activations (%s) for products of up to %d rows, on %d quantized weights",
-                quant.int8_isa(), rows, len(methods))
-    return len(methods) if rows else 0
+        trial = min(int8_rows_that_pay(q) for q in method.qtypes)  # (each type's kernels, once)
+        method.int8_rows = quant.MAX_ROWS if mode == "on" else min(trial, quant.MAX_ROWS)
+    taking = sum(m.int8_rows > 0 for m in methods)
+    logger.info("int8 activations (%s; %s) for products of up to %d rows, on %d quantized weights",
+                quant.int8_isa(), gguf_kernels.isa(), max(m.int8_rows for m in methods), taking)
+    return taking
 
 
 def _new_param(*shape: int, dtype: torch.dtype, loader) -> nn.Parameter:

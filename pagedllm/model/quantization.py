@@ -28,6 +28,8 @@ batch-invariant mode (`to_float`).
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,9 @@ from torch import nn
 from pagedllm.kernels import gguf as gguf_kernels
 from pagedllm.kernels import onednn, quant
 from pagedllm.model.weights import GGUFBlocks
+from pagedllm.utils import best_wall_time
+
+logger = logging.getLogger("pagedllm")
 
 # Rows of a 16-bit weight widened to float32 at a time (a transient of ~4 MiB at 1024 columns).
 _HALF_ROWS = 1024
@@ -321,6 +326,26 @@ def from_cache(description: dict | None) -> LinearMethod:
 def method_layers(model: nn.Module) -> dict[str, nn.Module]:
     """Every module that owns a weight through a method, by name (a tied head not again)."""
     return {name: m for name, m in model.named_modules() if "quant_method" in m.__dict__}
+
+
+@functools.cache
+def int8_rows_that_pay(qtype: str) -> int:
+    """The most rows up to which int8 activations beat float32's for `qtype`'s kernels, on a
+    trial once per process (kernels/quant.py's own trial for its types; for gguf.py's, random
+    blocks of a decode projection's shape, best of five at each of quant's trial row counts)."""
+    if kernels_for(qtype) == "quant":
+        return quant.int8_rows_that_pay()
+    gen = torch.Generator().manual_seed(0)
+    w = gguf_kernels.random_weight(qtype, 1536, 512, gen)
+    pays = 0
+    for rows in quant._TRIAL_ROWS:
+        x = torch.randn(rows, 512, generator=gen)
+        if best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), 5) >= best_wall_time(lambda: gguf_kernels.matmul(x, w), 5):
+            break
+        pays = rows
+    logger.info("int8 activations for %s (%s): %s on a trial", qtype, gguf_kernels.isa(),
+                f"used up to {pays} rows" if pays else "not faster than float32, not used")
+    return pays
 
 
 def layer_of(model: nn.Module, weight: torch.Tensor) -> nn.Module:
