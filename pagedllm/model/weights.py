@@ -3,6 +3,8 @@ only the slice the layer asks for, so a tensor-parallel rank reads just its own 
 
 A `LazyWeight` has a `shape`, `narrow(dim, start, length)` (returns another lazy weight), and
 `load()` (returns a float tensor). Sources: a tensor in memory, a safetensors file, a GGUF file.
+A GGUF weight may also offer `load_native()`: its slice as the kernels read it (the blocks, or a
+16-bit tensor), which the layer's method keeps instead of a float copy (`model/quantization.py`).
 """
 
 from __future__ import annotations
