@@ -77,7 +77,8 @@ def _code_digest() -> str:
     # Every model family's code (which parameters exist, how GGUF tensors map onto them), the
     # packed layout (the kernels' packing), and how a GGUF file's metadata becomes the architecture.
     files = sorted(Path(__file__).parent.glob("*.py"))
-    files += [Path(quantization.gguf_kernels.__file__), Path(pagedllm.transformers_utils.gguf_config.__file__)]
+    files += [Path(kernels.__file__) for kernels in quantization.KERNELS.values()]
+    files.append(Path(pagedllm.transformers_utils.gguf_config.__file__))
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.read_bytes())
