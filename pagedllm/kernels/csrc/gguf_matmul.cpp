@@ -154,9 +154,11 @@ struct V512 {
 };
 #endif
 
-// One block's weights as floats, W at a time (not bitwise gguf's: d q + m is one FMA here).
-template <class V, int T>
-inline void expand_block(const uint8_t* b, float* y) {
+// One block's weights as floats, W at a time (not bitwise gguf's: d q + m is one FMA here), each
+// vector handed to sink(k, w) with k its first weight's index in the block. The loops are
+// unrolled, so k is a constant where a sink keeps accumulators by it.
+template <class V, int T, class Sink>
+inline void expand_block(const uint8_t* b, Sink&& sink) {
   constexpr int W = V::W;
   using F = typename V::F;
   using I = typename V::I;
@@ -169,44 +171,44 @@ inline void expand_block(const uint8_t* b, float* y) {
     if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
     const uint8_t* qs = b + (has_min ? 4 : 2) + (five ? 4 : 0);
     const I vqh = V::set1i(static_cast<int>(qh));
-    for (int c = 0; c < 16; c += W) {
+    _Pragma("GCC unroll 16") for (int c = 0; c < 16; c += W) {
       const I q = V::u8(qs + c);
       I lo = V::mask(q, 0xF), hi = V::shr(q, 4);
       if (five) {
         lo = V::or_(lo, V::shl(V::mask(V::shrv(vqh, V::iota(c)), 1), 4));
         hi = V::or_(hi, V::shl(V::mask(V::shrv(vqh, V::iota(c + 16)), 1), 4));
       }
-      V::store(y + c, V::fma(V::cvt(lo), vd, vm));
-      V::store(y + 16 + c, V::fma(V::cvt(hi), vd, vm));
+      sink(c, V::fma(V::cvt(lo), vd, vm));
+      sink(16 + c, V::fma(V::cvt(hi), vd, vm));
     }
   } else if constexpr (T == kQ8_0) {
     const F vd = V::set1(half_to_float(b));
-    for (int c = 0; c < 32; c += W) V::store(y + c, V::mul(V::cvt(V::s8(b + 2 + c)), vd));
+    _Pragma("GCC unroll 16") for (int c = 0; c < 32; c += W) sink(c, V::mul(V::cvt(V::s8(b + 2 + c)), vd));
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    for (int i = 0; i < 8; ++i) {
+    _Pragma("GCC unroll 16") for (int i = 0; i < 8; ++i) {
       int sc, m;
       scale_min_k4(i, b + 4, &sc, &m);
       const F vd = V::set1(d * static_cast<float>(sc)), vm = V::set1(-dmin * static_cast<float>(m));
       const uint8_t* qs = b + (T == kQ4_K ? 16 : 48) + 32 * (i / 2);
-      for (int c = 0; c < 32; c += W) {
+      _Pragma("GCC unroll 16") for (int c = 0; c < 32; c += W) {
         const I q = V::u8(qs + c);
         I v = i & 1 ? V::shr(q, 4) : V::mask(q, 0xF);
         if (T == kQ5_K) v = V::or_(v, V::shl(V::mask(V::shr(V::u8(b + 16 + c), i), 1), 4));
-        V::store(y + 32 * i + c, V::fma(V::cvt(v), vd, vm));
+        sink(32 * i + c, V::fma(V::cvt(v), vd, vm));
       }
     }
   } else if constexpr (T == kQ6_K) {
     const float d = half_to_float(b + 208);
     for (int h = 0; h < 2; ++h)
       for (int s = 0; s < 4; ++s)
-        for (int c = 0; c < 32; c += W) {
+        _Pragma("GCC unroll 16") for (int c = 0; c < 32; c += W) {
           const int g = 2 * (4 * h + s) + c / 16;
           const float dg = d * static_cast<float>(static_cast<int8_t>(b[192 + g]));
           const I q = V::u8(b + 64 * h + 32 * (s & 1) + c);
           const I nibble = s < 2 ? V::mask(q, 0xF) : V::shr(q, 4);
           const I v = V::or_(nibble, V::shl(V::mask(V::shr(V::u8(b + 128 + 32 * h + c), 2 * s), 3), 4));
-          V::store(y + 32 * (4 * h + s) + c, V::fma(V::cvt(v), V::set1(dg), V::set1(-32.0f * dg)));
+          sink(32 * (4 * h + s) + c, V::fma(V::cvt(v), V::set1(dg), V::set1(-32.0f * dg)));
         }
   }
 }
@@ -214,7 +216,10 @@ inline void expand_block(const uint8_t* b, float* y) {
 template <class V, int T>
 inline void expand_blocks(const uint8_t* row, int64_t num_blocks, float* w) {
   const TypeSize t = type_size(T);
-  for (int64_t b = 0; b < num_blocks; ++b) expand_block<V, T>(row + b * t.bytes, w + b * t.weights);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    float* y = w + b * t.weights;
+    expand_block<V, T>(row + b * t.bytes, [y](int k, typename V::F v) { V::store(y + k, v); });
+  }
 }
 
 template <class V>
@@ -228,6 +233,72 @@ inline void expand_row(int qtype, const uint8_t* row, int64_t num_blocks, float*
     case kQ4_K: return expand_blocks<V, kQ4_K>(row, num_blocks, w);
     case kQ5_K: return expand_blocks<V, kQ5_K>(row, num_blocks, w);
     case kQ6_K: return expand_blocks<V, kQ6_K>(row, num_blocks, w);
+    default: return;
+  }
+}
+
+// y[r * y_stride] = w . x_r for R rows of x and one row of W whose blocks are expanded in
+// registers, never stored: two accumulators per row of x (by the vector's place in the block).
+template <class V, int T, int R>
+inline void fused_dot_rows(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const float* x,
+                           int64_t in_features) {
+  using F = typename V::F;
+  constexpr int A = 2;
+  const TypeSize t = type_size(T);
+  F acc[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < A; ++a) acc[r][a] = V::zero();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* xb = x + b * t.weights;
+    expand_block<V, T>(row + b * t.bytes, [&](int k, F w) {
+      const int a = (k / V::W) % A;
+      for (int r = 0; r < R; ++r) acc[r][a] = V::fma(w, V::load(xb + r * in_features + k), acc[r][a]);
+    });
+  }
+  for (int r = 0; r < R; ++r) {
+    F sum = acc[r][0];
+    for (int a = 1; a < A; ++a) sum = V::add(sum, acc[r][a]);
+    y[r * y_stride] = V::hsum(sum);
+  }
+}
+
+template <class V, int T>
+inline void fused_row_group(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const float* x,
+                            int64_t in_features, int rows) {
+  switch (rows) {
+    case 1: return fused_dot_rows<V, T, 1>(y, y_stride, row, num_blocks, x, in_features);
+    case 2: return fused_dot_rows<V, T, 2>(y, y_stride, row, num_blocks, x, in_features);
+    case 3: return fused_dot_rows<V, T, 3>(y, y_stride, row, num_blocks, x, in_features);
+    default: return fused_dot_rows<V, T, 4>(y, y_stride, row, num_blocks, x, in_features);
+  }
+}
+
+template <class V, int T>
+void fused_matmul(float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
+                  int64_t in_features, int num_threads) {
+  const TypeSize t = type_size(T);
+  const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t n = 0; n < out_features; ++n)
+    for (int64_t r0 = 0; r0 < num_rows; r0 += kRowGroup) {
+      const int rows = num_rows - r0 < kRowGroup ? static_cast<int>(num_rows - r0) : kRowGroup;
+      fused_row_group<V, T>(y + r0 * out_features + n, out_features, packed + n * row_bytes, num_blocks,
+                            x + r0 * in_features, in_features, rows);
+    }
+}
+
+template <class V>
+void fused_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
+                  int64_t in_features, int num_threads) {
+  switch (qtype) {
+    case kQ4_0: return fused_matmul<V, kQ4_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ4_1: return fused_matmul<V, kQ4_1>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ5_0: return fused_matmul<V, kQ5_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ5_1: return fused_matmul<V, kQ5_1>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ8_0: return fused_matmul<V, kQ8_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ4_K: return fused_matmul<V, kQ4_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ5_K: return fused_matmul<V, kQ5_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ6_K: return fused_matmul<V, kQ6_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
     default: return;
   }
 }
@@ -653,12 +724,14 @@ void run(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num
   if constexpr (ISA == kAvx2) {
     if (num_rows >= kTiledRows)
       return tiled_matmul<V256>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
+    return fused_matmul<V256>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
   }
 #endif
 #ifdef GGUF_AVX512
   if constexpr (ISA == kAvx512) {
     if (num_rows >= kTiledRows)
       return tiled_matmul<V512>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
+    return fused_matmul<V512>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
   }
 #endif
   rows_matmul<ISA>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
