@@ -50,7 +50,7 @@ constexpr int kBestIsa = kPortable;
 
 int g_isa = kBestIsa;
 
-constexpr int kTiledRows = 8;  // from this many rows of x on, the tiled float way
+constexpr int kTiledRows = 16;  // from this many rows of x on, the tiled float way
 constexpr int kTileW = 12;     // rows of W expanded together (tiled way)
 constexpr int kBlockRows = 128;  // rows of x transposed at a time (tiled way)
 constexpr int kRowGroup = 4;   // rows of x sharing each load of an expanded row of W
@@ -65,7 +65,7 @@ inline void* thread_buffer(int slot, int64_t bytes) {
     int64_t size = 0;
     ~Buffer() { std::free(data); }
   };
-  static thread_local Buffer buffers[6];
+  static thread_local Buffer buffers[7];
   Buffer& b = buffers[slot];
   if (b.size < bytes) {
     std::free(b.data);
@@ -251,8 +251,13 @@ inline void fused_dot_rows(float* y, int64_t y_stride, const uint8_t* row, int64
   for (int64_t b = 0; b < num_blocks; ++b) {
     const float* xb = x + b * t.weights;
     expand_block<V, T>(row + b * t.bytes, [&](int k, F w) {
-      const int a = (k / V::W) % A;
-      for (int r = 0; r < R; ++r) acc[r][a] = V::fma(w, V::load(xb + r * in_features + k), acc[r][a]);
+      // the accumulators rotate (constant indices: GCC keeps them in registers, where an index
+      // computed from k kept them in memory wherever a loop of expand_block stayed rolled)
+      for (int r = 0; r < R; ++r) {
+        const F sum = V::fma(w, V::load(xb + r * in_features + k), acc[r][0]);
+        for (int a = 0; a + 1 < A; ++a) acc[r][a] = acc[r][a + 1];
+        acc[r][A - 1] = sum;
+      }
     });
   }
   for (int r = 0; r < R; ++r) {
@@ -269,9 +274,21 @@ inline void fused_row_group(float* y, int64_t y_stride, const uint8_t* row, int6
     case 1: return fused_dot_rows<V, T, 1>(y, y_stride, row, num_blocks, x, in_features);
     case 2: return fused_dot_rows<V, T, 2>(y, y_stride, row, num_blocks, x, in_features);
     case 3: return fused_dot_rows<V, T, 3>(y, y_stride, row, num_blocks, x, in_features);
-    default: return fused_dot_rows<V, T, 4>(y, y_stride, row, num_blocks, x, in_features);
+    case 4: return fused_dot_rows<V, T, 4>(y, y_stride, row, num_blocks, x, in_features);
+    default: break;
+  }
+  if constexpr (V::W == 16) {  // 32 vector registers: up to 8 rows of x (16 accumulators)
+    switch (rows) {
+      case 5: return fused_dot_rows<V, T, 5>(y, y_stride, row, num_blocks, x, in_features);
+      case 6: return fused_dot_rows<V, T, 6>(y, y_stride, row, num_blocks, x, in_features);
+      case 7: return fused_dot_rows<V, T, 7>(y, y_stride, row, num_blocks, x, in_features);
+      default: return fused_dot_rows<V, T, 8>(y, y_stride, row, num_blocks, x, in_features);
+    }
   }
 }
+
+template <class V>
+constexpr int kFusedGroup = V::W == 16 ? 8 : 4;  // rows of x sharing each expanded block
 
 template <class V, int T>
 void fused_matmul(float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
@@ -280,8 +297,8 @@ void fused_matmul(float* y, const float* x, const uint8_t* packed, int64_t num_r
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t n = 0; n < out_features; ++n)
-    for (int64_t r0 = 0; r0 < num_rows; r0 += kRowGroup) {
-      const int rows = num_rows - r0 < kRowGroup ? static_cast<int>(num_rows - r0) : kRowGroup;
+    for (int64_t r0 = 0; r0 < num_rows; r0 += kFusedGroup<V>) {
+      const int rows = num_rows - r0 < kFusedGroup<V> ? static_cast<int>(num_rows - r0) : kFusedGroup<V>;
       fused_row_group<V, T>(y + r0 * out_features + n, out_features, packed + n * row_bytes, num_blocks,
                             x + r0 * in_features, in_features, rows);
     }
@@ -331,27 +348,27 @@ inline void dot_row_group(float* y, int64_t y_stride, const float* w, const floa
 
 // c[j * P + i] = w_j . x_i for J expanded rows of W and the P = 2 W rows of x of a transposed
 // panel (panel[k * P + i] = x_i[k]): each w_j[k] is broadcast to multiply the panel's column k.
-template <class V, int J>
+// XV: vectors of rows per panel column (2, or 1 for a narrow last panel: P = XV W).
+template <class V, int J, int XV>
 inline void broadcast_tile(float* c, const float* w, int64_t in_features, const float* panel) {
   using F = typename V::F;
-  constexpr int P = 2 * V::W;
-  F acc[J][2];
+  constexpr int P = XV * V::W;
+  F acc[J][XV];
 #pragma GCC unroll 12
-  for (int j = 0; j < J; ++j) acc[j][0] = acc[j][1] = V::zero();
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < XV; ++v) acc[j][v] = V::zero();
   for (int64_t k = 0; k < in_features; ++k) {
-    const F x0 = V::load(panel + k * P), x1 = V::load(panel + k * P + V::W);
+    F xv[XV];
+    for (int v = 0; v < XV; ++v) xv[v] = V::load(panel + k * P + v * V::W);
 #pragma GCC unroll 12
     for (int j = 0; j < J; ++j) {
       const F wj = V::set1(w[j * in_features + k]);
-      acc[j][0] = V::fma(wj, x0, acc[j][0]);
-      acc[j][1] = V::fma(wj, x1, acc[j][1]);
+      for (int v = 0; v < XV; ++v) acc[j][v] = V::fma(wj, xv[v], acc[j][v]);
     }
   }
 #pragma GCC unroll 12
-  for (int j = 0; j < J; ++j) {
-    V::store(c + j * P, acc[j][0]);
-    V::store(c + j * P + V::W, acc[j][1]);
-  }
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < XV; ++v) V::store(c + j * P + v * V::W, acc[j][v]);
 }
 
 // The tiled float way (see the top of the file).
@@ -375,12 +392,13 @@ void tiled_matmul(int qtype, float* y, const float* x, const uint8_t* packed, in
       for (int p = 0; p < num_panels; ++p) {
         float* panel = panels + static_cast<int64_t>(P) * p * in_features;
         const int here = rows - P * p < P ? rows - P * p : P;
-        for (int i = 0; i < P; ++i) {
+        const int width = here > V::W ? P : V::W;
+        for (int i = 0; i < width; ++i) {
           const float* xi = x + (m0 + P * p + i) * in_features;
           if (i < here)
-            for (int64_t k = 0; k < in_features; ++k) panel[k * P + i] = xi[k];
+            for (int64_t k = 0; k < in_features; ++k) panel[k * width + i] = xi[k];
           else
-            for (int64_t k = 0; k < in_features; ++k) panel[k * P + i] = 0.0f;
+            for (int64_t k = 0; k < in_features; ++k) panel[k * width + i] = 0.0f;
         }
       }
 #pragma omp for schedule(static)
@@ -391,11 +409,15 @@ void tiled_matmul(int qtype, float* y, const float* x, const uint8_t* packed, in
         if (tile_rows < kTileW) std::memset(w + tile_rows * in_features, 0, sizeof(float) * (kTileW - tile_rows) * in_features);
         for (int p = 0; p < num_panels; ++p) {
           const float* panel = panels + static_cast<int64_t>(P) * p * in_features;
-          for (int j0 = 0; j0 < kTileW; j0 += J) broadcast_tile<V, J>(c + j0 * P, w + j0 * in_features, in_features, panel);
           const int here = rows - P * p < P ? rows - P * p : P;
+          const int width = here > V::W ? P : V::W;
+          if (width == P)
+            for (int j0 = 0; j0 < kTileW; j0 += J) broadcast_tile<V, J, 2>(c + j0 * P, w + j0 * in_features, in_features, panel);
+          else
+            broadcast_tile<V, kTileW, 1>(c, w, in_features, panel);
           float* yp = y + (m0 + P * p) * out_features + n0;
           for (int i = 0; i < here; ++i)
-            for (int j = 0; j < tile_rows; ++j) yp[i * out_features + j] = c[j * P + i];
+            for (int j = 0; j < tile_rows; ++j) yp[i * out_features + j] = c[j * width + i];
         }
       }
     }
@@ -672,6 +694,180 @@ inline void int8_dot_group(float* y, int64_t y_stride, const uint8_t* u, const f
 #endif
 }
 
+#ifdef GGUF_AVX512
+// The int8 way on AVX-512 VNNI, a few rows of x at a time and no buffer for W: each 64 weights of
+// a block (a pair of legacy blocks) are decoded in registers into their unsigned values
+// (Q8_0's int8 + 128, so VPDPBUSD's unsigned operand holds them; its constant c is 128 d) and a
+// vector of 16 scales, one per 4 weights (per lane of VPDPBUSD's result), and every row of x
+// takes them: one VPDPBUSD, one conversion, one multiply by the activations' lane scales and one
+// FMA per 64 products. The constants c (per 16 weights) are kept per row of W and dotted with
+// the activations' sums at the end. sink(k, u, s): k the first weight's index in the row.
+template <int T, class Sink>
+inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c16, Sink&& sink) {
+  const TypeSize t = type_size(T);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+    constexpr bool has_min = T == kQ4_1 || T == kQ5_1, five = T == kQ5_0 || T == kQ5_1;
+    constexpr int qs_at = T == kQ8_0 ? 2 : (has_min ? 4 : 2) + (five ? 4 : 0), qh_at = has_min ? 4 : 2;
+    constexpr float offset = T == kQ8_0 ? 128.0f : T == kQ5_0 ? 16.0f : 8.0f;
+    const __m512i halves = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);  // [lo0 hi0 lo1 hi1] from [lo0 lo1], [hi0 hi1]
+    for (int64_t b = 0; b < num_blocks; b += 2) {
+      const bool pair = b + 1 < num_blocks;
+      const uint8_t* p0 = row + b * t.bytes;
+      const uint8_t* p1 = pair ? p0 + t.bytes : p0;  // a lone last block: its values meet zeros of x
+      const float d0 = half_to_float(p0), d1 = pair ? half_to_float(p1) : 0.0f;
+      const float c0 = has_min ? -half_to_float(p0 + 2) : offset * d0;
+      c16[2 * b] = c16[2 * b + 1] = c0;
+      if (pair) c16[2 * b + 2] = c16[2 * b + 3] = has_min ? -half_to_float(p1 + 2) : offset * d1;
+      __m512i u;
+      if constexpr (T == kQ8_0) {
+        u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + qs_at))),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + qs_at)), 1);
+        u = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
+      } else {
+        const __m256i both = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + qs_at)),
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + qs_at)));
+        const __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)));
+        const __m512i hi = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(both, 4), _mm256_set1_epi8(0x0F)));
+        u = _mm512_permutex2var_epi64(lo, halves, hi);
+        if constexpr (five) {
+          uint32_t h0, h1;
+          std::memcpy(&h0, p0 + qh_at, 4);
+          std::memcpy(&h1, p1 + qh_at, 4);
+          const __mmask64 bits = static_cast<uint64_t>(h0) | static_cast<uint64_t>(h1) << 32;
+          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)));
+        }
+      }
+      sink(b * 32, u, _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1));
+    }
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* p = row + b * t.bytes;
+      // the 6-bit scales and minimums as bytes (ggml's utmp unpacking)
+      uint32_t q[3], sc[2], mn[2];
+      std::memcpy(q, p + 4, 12);
+      sc[0] = q[0] & 0x3F3F3F3F;
+      sc[1] = (q[2] & 0x0F0F0F0F) | (((q[0] >> 6) & 0x03030303) << 4);
+      mn[0] = q[1] & 0x3F3F3F3F;
+      mn[1] = ((q[2] >> 4) & 0x0F0F0F0F) | (((q[1] >> 6) & 0x03030303) << 4);
+      const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
+      const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)))));
+      _mm512_storeu_ps(c16 + 16 * b, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(m8)));
+      const __m512 s512 = _mm512_castps256_ps512(s8);
+      const __m256i qh = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)) : _mm256_setzero_si256();
+      const uint8_t* qs = p + (T == kQ4_K ? 16 : 48);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        __m512i u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low4);
+        if constexpr (T == kQ5_K) {
+          const uint64_t lo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c))));
+          const uint64_t hi = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1))));
+          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(lo | hi << 32, _mm512_set1_epi8(16)));
+        }
+        const __m512i which = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * c)), _mm256_set1_epi32(2 * c + 1), 1);
+        sink(256 * b + 64 * c, u, _mm512_permutexvar_ps(which, s512));
+      }
+    }
+  } else if constexpr (T == kQ6_K) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* p = row + b * t.bytes;
+      const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(half_to_float(p + 208)),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)))));
+      _mm512_storeu_ps(c16 + 16 * b, _mm512_mul_ps(s16, _mm512_set1_ps(32.0f)));
+      const __m512i three = _mm512_set1_epi8(3);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+        const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        const __m512i u0 = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(qh2, three), 4));
+        const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh2, 4), three), 4));
+        const __m512i g0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        const __m512i first = _mm512_add_epi32(g0, _mm512_set1_epi32(8 * h));
+        sink(256 * b + 128 * h, u0, _mm512_permutexvar_ps(first, s16));
+        sink(256 * b + 128 * h + 64, u1, _mm512_permutexvar_ps(_mm512_add_epi32(first, _mm512_set1_epi32(4)), s16));
+      }
+    }
+  }
+}
+
+// y[r * y_stride] for R rows of x from r0 and one row of W; dxl: each row's scale per 4 weights.
+template <int T, int R>
+inline void int8_fused_rows(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const Int8Rows& a,
+                            const float* dxl, int64_t r0, float* c16) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t lanes = a.padded / 4, groups = a.padded / 16;
+  int8_chunks_avx512<T>(row, num_blocks, c16, [&](int64_t k, __m512i u, __m512 s) {
+    for (int r = 0; r < R; ++r) {
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.qx + (r0 + r) * a.padded + k));
+      const __m512 scale = _mm512_mul_ps(s, _mm512_loadu_ps(dxl + (r0 + r) * lanes + k / 4));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+    }
+  });
+  const int64_t used = num_blocks * type_size(T).weights / 16;
+  for (int r = 0; r < R; ++r) {
+    const float* xs = a.xs16 + (r0 + r) * groups;
+    float offsets = 0.0f;
+    for (int64_t g = 0; g < used; ++g) offsets += c16[g] * xs[g];
+    y[r * y_stride] = _mm512_reduce_add_ps(acc[r]) - offsets;
+  }
+}
+
+template <int T>
+void int8_matmul_avx512(float* y, const uint8_t* packed, int64_t num_rows, int64_t out_features, int64_t in_features,
+                        const Int8Rows& a, int num_threads) {
+  const TypeSize t = type_size(T);
+  const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
+  const int64_t lanes = a.padded / 4, groups = a.padded / 16;
+  float* dxl = static_cast<float*>(thread_buffer(6, sizeof(float) * num_rows * lanes));
+  for (int64_t r = 0; r < num_rows; ++r)
+    for (int64_t l = 0; l < lanes; ++l) dxl[r * lanes + l] = a.dx16[r * groups + l / 4];
+  constexpr int kGroup = 8;
+#pragma omp parallel num_threads(num_threads)
+  {
+    float* c16 = static_cast<float*>(thread_buffer(0, sizeof(float) * groups));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < out_features; ++n) {
+      const uint8_t* row = packed + n * row_bytes;
+      for (int64_t r0 = 0; r0 < num_rows; r0 += kGroup) {
+        float* yr = y + r0 * out_features + n;
+        switch (num_rows - r0 < kGroup ? num_rows - r0 : kGroup) {
+          case 1: int8_fused_rows<T, 1>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 2: int8_fused_rows<T, 2>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 3: int8_fused_rows<T, 3>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 4: int8_fused_rows<T, 4>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 5: int8_fused_rows<T, 5>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 6: int8_fused_rows<T, 6>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 7: int8_fused_rows<T, 7>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          default: int8_fused_rows<T, 8>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+        }
+      }
+    }
+  }
+}
+
+void int8_matmul_avx512(int qtype, float* y, const uint8_t* packed, int64_t num_rows, int64_t out_features,
+                        int64_t in_features, const Int8Rows& a, int num_threads) {
+  switch (qtype) {
+    case kQ4_0: return int8_matmul_avx512<kQ4_0>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ4_1: return int8_matmul_avx512<kQ4_1>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ5_0: return int8_matmul_avx512<kQ5_0>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ5_1: return int8_matmul_avx512<kQ5_1>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ8_0: return int8_matmul_avx512<kQ8_0>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ4_K: return int8_matmul_avx512<kQ4_K>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ5_K: return int8_matmul_avx512<kQ5_K>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ6_K: return int8_matmul_avx512<kQ6_K>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    default: return;
+  }
+}
+#endif
+
 template <int ISA, bool kSigned>
 void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
                  int64_t in_features, int num_threads) {
@@ -683,6 +879,9 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
   float* xs16 = static_cast<float*>(thread_buffer(5, sizeof(float) * num_rows * groups));
   quantize_activations(x, num_rows, in_features, padded, qx, dx16, xs16);
   const Int8Rows a{qx, dx16, xs16, padded};
+#ifdef GGUF_AVX512
+  if constexpr (ISA == kAvx512) return int8_matmul_avx512(qtype, y, packed, num_rows, out_features, in_features, a, num_threads);
+#endif
 #pragma omp parallel num_threads(num_threads)
   {
     uint8_t* u = static_cast<uint8_t*>(thread_buffer(0, padded + sizeof(float) * 2 * groups));
