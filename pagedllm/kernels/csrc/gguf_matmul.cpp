@@ -53,6 +53,7 @@ int g_isa = kBestIsa;
 constexpr int kTiledRows = 16;  // from this many rows of x on, the tiled float way
 constexpr int kTileW = 12;     // rows of W expanded together (tiled way)
 constexpr int kBlockRows = 128;  // rows of x transposed at a time (tiled way)
+constexpr int kSliceK = 1024;   // weights of k per pass of the tiled way (its slices in L1)
 constexpr int kRowGroup = 4;   // rows of x sharing each load of an expanded row of W
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -348,21 +349,23 @@ inline void dot_row_group(float* y, int64_t y_stride, const float* w, const floa
 
 // c[j * P + i] = w_j . x_i for J expanded rows of W and the P = 2 W rows of x of a transposed
 // panel (panel[k * P + i] = x_i[k]): each w_j[k] is broadcast to multiply the panel's column k.
-// XV: vectors of rows per panel column (2, or 1 for a narrow last panel: P = XV W).
+// XV: vectors of rows per panel column (2, or 1 for a narrow last panel: P = XV W). Over
+// k in [k0, k1) only, adding to c where k0 > 0 (the k range is split so that the panel's and the
+// tile's slices stay in L1).
 template <class V, int J, int XV>
-inline void broadcast_tile(float* c, const float* w, int64_t in_features, const float* panel) {
+inline void broadcast_tile(float* c, const float* w, int64_t w_stride, const float* panel, int64_t k0, int64_t k1) {
   using F = typename V::F;
   constexpr int P = XV * V::W;
   F acc[J][XV];
 #pragma GCC unroll 12
   for (int j = 0; j < J; ++j)
-    for (int v = 0; v < XV; ++v) acc[j][v] = V::zero();
-  for (int64_t k = 0; k < in_features; ++k) {
+    for (int v = 0; v < XV; ++v) acc[j][v] = k0 == 0 ? V::zero() : V::load(c + j * P + v * V::W);
+  for (int64_t k = k0; k < k1; ++k) {
     F xv[XV];
     for (int v = 0; v < XV; ++v) xv[v] = V::load(panel + k * P + v * V::W);
 #pragma GCC unroll 12
     for (int j = 0; j < J; ++j) {
-      const F wj = V::set1(w[j * in_features + k]);
+      const F wj = V::set1(w[j * w_stride + k]);
       for (int v = 0; v < XV; ++v) acc[j][v] = V::fma(wj, xv[v], acc[j][v]);
     }
   }
@@ -383,8 +386,11 @@ void tiled_matmul(int qtype, float* y, const float* x, const uint8_t* packed, in
   float* panels = static_cast<float*>(thread_buffer(0, sizeof(float) * kBlockRows * in_features));
 #pragma omp parallel num_threads(num_threads)
   {
-    float* w = static_cast<float*>(thread_buffer(1, sizeof(float) * kTileW * in_features));
-    alignas(64) float c[kTileW * P];
+    // rows of the tile 64 bytes more than in_features apart: at a multiple of 4 KiB, the 12 rows the
+    // broadcasts read at once would all fall in one set of the L1 cache
+    const int64_t w_stride = in_features + 16;
+    float* w = static_cast<float*>(thread_buffer(1, sizeof(float) * kTileW * w_stride));
+    alignas(64) float c[kBlockRows / P][kTileW * P];
     for (int64_t m0 = 0; m0 < num_rows; m0 += kBlockRows) {
       const int rows = num_rows - m0 < kBlockRows ? static_cast<int>(num_rows - m0) : kBlockRows;
       const int num_panels = (rows + P - 1) / P;
@@ -405,19 +411,26 @@ void tiled_matmul(int qtype, float* y, const float* x, const uint8_t* packed, in
       for (int64_t tile = 0; tile < num_tiles; ++tile) {
         const int64_t n0 = tile * kTileW;
         const int tile_rows = out_features - n0 < kTileW ? static_cast<int>(out_features - n0) : kTileW;
-        for (int j = 0; j < tile_rows; ++j) expand_row<V>(qtype, packed + (n0 + j) * row_bytes, num_blocks, w + j * in_features);
-        if (tile_rows < kTileW) std::memset(w + tile_rows * in_features, 0, sizeof(float) * (kTileW - tile_rows) * in_features);
+        for (int j = 0; j < tile_rows; ++j) expand_row<V>(qtype, packed + (n0 + j) * row_bytes, num_blocks, w + j * w_stride);
+        if (tile_rows < kTileW) std::memset(w + tile_rows * w_stride, 0, sizeof(float) * (kTileW - tile_rows) * w_stride);
+        for (int64_t k0 = 0; k0 < in_features; k0 += kSliceK) {
+          const int64_t k1 = k0 + kSliceK < in_features ? k0 + kSliceK : in_features;
+          for (int p = 0; p < num_panels; ++p) {
+            const float* panel = panels + static_cast<int64_t>(P) * p * in_features;
+            const int here = rows - P * p < P ? rows - P * p : P;
+            if (here > V::W)
+              for (int j0 = 0; j0 < kTileW; j0 += J)
+                broadcast_tile<V, J, 2>(c[p] + j0 * P, w + j0 * w_stride, w_stride, panel, k0, k1);
+            else
+              broadcast_tile<V, kTileW, 1>(c[p], w, w_stride, panel, k0, k1);
+          }
+        }
         for (int p = 0; p < num_panels; ++p) {
-          const float* panel = panels + static_cast<int64_t>(P) * p * in_features;
           const int here = rows - P * p < P ? rows - P * p : P;
           const int width = here > V::W ? P : V::W;
-          if (width == P)
-            for (int j0 = 0; j0 < kTileW; j0 += J) broadcast_tile<V, J, 2>(c + j0 * P, w + j0 * in_features, in_features, panel);
-          else
-            broadcast_tile<V, kTileW, 1>(c, w, in_features, panel);
           float* yp = y + (m0 + P * p) * out_features + n0;
           for (int i = 0; i < here; ++i)
-            for (int j = 0; j < tile_rows; ++j) yp[i * out_features + j] = c[j * width + i];
+            for (int j = 0; j < tile_rows; ++j) yp[i * out_features + j] = c[p][j * width + i];
         }
       }
     }
