@@ -724,14 +724,8 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
     constexpr int qs_at = T == kQ8_0 ? 2 : (has_min ? 4 : 2) + (five ? 4 : 0), qh_at = has_min ? 4 : 2;
     constexpr float offset = T == kQ8_0 ? 128.0f : T == kQ5_0 ? 16.0f : 8.0f;
     const __m512i halves = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);  // [lo0 hi0 lo1 hi1] from [lo0 lo1], [hi0 hi1]
-    for (int64_t b = 0; b < num_blocks; b += 2) {
-      const bool pair = b + 1 < num_blocks;
-      const uint8_t* p0 = row + b * t.bytes;
-      const uint8_t* p1 = pair ? p0 + t.bytes : p0;  // a lone last block: its values meet zeros of x
-      const float d0 = half_to_float(p0), d1 = pair ? half_to_float(p1) : 0.0f;
-      const float c0 = has_min ? -half_to_float(p0 + 2) : offset * d0;
-      c16[2 * b] = c16[2 * b + 1] = c0;
-      if (pair) c16[2 * b + 2] = c16[2 * b + 3] = has_min ? -half_to_float(p1 + 2) : offset * d1;
+    // The values of a pair of blocks at p0, p1 as 64 unsigned bytes.
+    const auto values = [&](const uint8_t* p0, const uint8_t* p1) {
       __m512i u;
       if constexpr (T == kQ8_0) {
         u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + qs_at))),
@@ -751,7 +745,43 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
           u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)));
         }
       }
-      sink(b * 32, u, _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1));
+      return u;
+    };
+    // Eight blocks at a time: their float16 scales (and minimums) converted in one instruction.
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    int64_t b = 0;
+    for (; b + 8 <= num_blocks; b += 8) {
+      const uint8_t* p = row + b * t.bytes;
+      __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        uint16_t v;
+        std::memcpy(&v, p + j * t.bytes, 2);
+        dh = _mm_insert_epi16(dh, v, j);
+        if constexpr (has_min) {
+          std::memcpy(&v, p + j * t.bytes + 2, 2);
+          mh = _mm_insert_epi16(mh, v, j);
+        }
+      }
+      const __m256 d8 = _mm256_cvtph_ps(dh);
+      const __m256 c8 = has_min ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(mh)) : _mm256_mul_ps(d8, _mm256_set1_ps(offset));
+      _mm512_storeu_ps(c16 + 2 * b, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(c8)));
+      const __m512 d512 = _mm512_castps256_ps512(d8);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i which = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)), _mm256_set1_epi32(2 * j + 1), 1);
+        sink((b + 2 * j) * 32, values(p + 2 * j * t.bytes, p + (2 * j + 1) * t.bytes), _mm512_permutexvar_ps(which, d512));
+      }
+    }
+    for (; b < num_blocks; b += 2) {
+      const bool pair = b + 1 < num_blocks;
+      const uint8_t* p0 = row + b * t.bytes;
+      const uint8_t* p1 = pair ? p0 + t.bytes : p0;  // a lone last block: its values meet zeros of x
+      const float d0 = half_to_float(p0), d1 = pair ? half_to_float(p1) : 0.0f;
+      const float c0 = has_min ? -half_to_float(p0 + 2) : offset * d0;
+      c16[2 * b] = c16[2 * b + 1] = c0;
+      if (pair) c16[2 * b + 2] = c16[2 * b + 3] = has_min ? -half_to_float(p1 + 2) : offset * d1;
+      sink(b * 32, values(p0, p1), _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1));
     }
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -823,13 +853,17 @@ inline void int8_fused_rows(float* y, int64_t y_stride, const uint8_t* row, int6
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
     }
   });
-  const int64_t used = num_blocks * type_size(T).weights / 16;
-  for (int r = 0; r < R; ++r) {
-    const float* xs = a.xs16 + (r0 + r) * groups;
-    float offsets = 0.0f;
-    for (int64_t g = 0; g < used; ++g) offsets += c16[g] * xs[g];
-    y[r * y_stride] = _mm512_reduce_add_ps(acc[r]) - offsets;
+  // the constants' term, sum_g c_g xs_g, two chains per row (c16 and xs16 are zero past the row)
+  __m512 off[R][2];
+  for (int r = 0; r < R; ++r) off[r][0] = off[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 m = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+    const __m512 cv = _mm512_maskz_loadu_ps(m, c16 + g);
+    for (int r = 0; r < R; ++r)
+      off[r][(g / 16) & 1] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(m, a.xs16 + (r0 + r) * groups + g), off[r][(g / 16) & 1]);
   }
+  for (int r = 0; r < R; ++r)
+    y[r * y_stride] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[r], _mm512_add_ps(off[r][0], off[r][1])));
 }
 
 template <int T>
@@ -845,6 +879,7 @@ void int8_matmul_avx512(float* y, const uint8_t* packed, int64_t num_rows, int64
 #pragma omp parallel num_threads(num_threads)
   {
     float* c16 = static_cast<float*>(thread_buffer(0, sizeof(float) * groups));
+    std::memset(c16, 0, sizeof(float) * groups);  // past the row's groups: zero, never written
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < out_features; ++n) {
       const uint8_t* row = packed + n * row_bytes;
