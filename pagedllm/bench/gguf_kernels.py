@@ -8,11 +8,15 @@ shapes (F.linear and, where it builds, the packed oneDNN product the engine's fl
 and for Q4_1/Q8_0 against the older tuned kernels (kernels/quant.py). The machine's memory read
 bandwidth (a sum over a buffer well past the caches) is measured in the same run, so the
 1-row products show their share of the physical bound: weight bytes / bandwidth over the time.
+
+`--clock cpu` (with `--threads 1`) times each call by the thread's CPU time instead of the wall
+clock: on a machine shared with other work, the time the thread was descheduled is left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +36,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
     p.add_argument("--isa", default=None, help="force an ISA path (portable, avx2, avx512); default: the best")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch and kernel threads (default: torch's)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: the thread's CPU time (needs --threads 1), robust to a loaded machine")
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="buffer read to measure memory bandwidth")
     p.add_argument("--output-json", default="results/bench_gguf_kernels.json")
     p.set_defaults(func=run)
 
 
-def read_bandwidth(megabytes: int, repeats: int = 5) -> float:
+def cpu_time(fn, repeats: int) -> float:
+    """The fastest of `repeats` calls by this thread's CPU time, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+def read_bandwidth(megabytes: int, timer, repeats: int = 5) -> float:
     """Bytes per second read by a sum over `megabytes` of float32 (reads only, one pass)."""
     buf = torch.ones(megabytes << 18, dtype=torch.float32)
-    return buf.numel() * 4 / best_time(lambda: buf.sum(), repeats)
+    return buf.numel() * 4 / timer(lambda: buf.sum(), repeats)
 
 
 def _float_baselines(shapes, gen) -> dict:
@@ -72,19 +90,25 @@ def _old_kernels(qtype: str, packed) -> dict:
 def run(args: argparse.Namespace) -> int:
     from pagedllm.kernels import gguf
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        raise SystemExit("--clock cpu times one thread: pass --threads 1")
+    timer = cpu_time if args.clock == "cpu" else best_time
     if args.isa:
         gguf.set_isa(args.isa)
     shapes = LLAMA_1B_SHAPES
     num_weights = sum(o * i for o, i in shapes)
-    bandwidth = read_bandwidth(args.bandwidth_mb)
+    bandwidth = read_bandwidth(args.bandwidth_mb, timer)
     print(f"{len(shapes)} projections of a Llama-3.2-1B layer, {num_weights / 1e6:.1f}M weights; "
-          f"ISA path {gguf.isa()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
+          f"ISA path {gguf.isa()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; "
+          f"{args.clock} clock")
     gen = torch.Generator().manual_seed(0)
     baselines = _float_baselines(shapes, gen)
     rows_out = []
     with torch.inference_mode():
         inputs = {n: {i: torch.randn(n, i, generator=gen) for i in {i for _, i in shapes}} for n in sorted(set(args.rows))}
-        base = {n: {name: best_time(lambda: fn(xs), args.repeats) for name, fn in baselines.items()} for n, xs in inputs.items()}
+        base = {n: {name: timer(lambda: fn(xs), args.repeats) for name, fn in baselines.items()} for n, xs in inputs.items()}
         del baselines
         for qtype in args.types:
             packed = [gguf.random_weight(qtype, o, i, gen) for o, i in shapes]
@@ -97,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             for n in inputs:
                 xs = inputs[n]
                 row = {"type": qtype, "rows": n, "MB": weight_bytes / 1e6}
-                times = {name: best_time(lambda: fn(xs), args.repeats) for name, fn in fns.items()} | base[n]
+                times = {name: timer(lambda: fn(xs), args.repeats) for name, fn in fns.items()} | base[n]
                 for name, t in times.items():
                     row[f"{name}_ms"] = t * 1e3
                     row[f"{name}_GFLOPs"] = 2 * n * num_weights / t / 1e9

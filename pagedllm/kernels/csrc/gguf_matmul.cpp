@@ -158,16 +158,17 @@ struct V512 {
 // One block's weights as floats, W at a time (not bitwise gguf's: d q + m is one FMA here), each
 // vector handed to sink(k, w) with k its first weight's index in the block. The loops are
 // unrolled, so k is a constant where a sink keeps accumulators by it.
+// A legacy block's scale and minimum may come converted already (d, m: see expand_row_blocks).
 template <class V, int T, class Sink>
-inline void expand_block(const uint8_t* b, Sink&& sink) {
+inline void expand_block(const uint8_t* b, Sink&& sink, const float* d_in = nullptr, const float* m_in = nullptr) {
   constexpr int W = V::W;
   using F = typename V::F;
   using I = typename V::I;
   if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1) {
     constexpr bool has_min = T == kQ4_1 || T == kQ5_1, five = T == kQ5_0 || T == kQ5_1;
-    const float d = half_to_float(b);
+    const float d = d_in ? *d_in : half_to_float(b);
     const F vd = V::set1(d);
-    const F vm = V::set1(has_min ? half_to_float(b + 2) : (five ? -16.0f : -8.0f) * d);
+    const F vm = V::set1(has_min ? (m_in ? *m_in : half_to_float(b + 2)) : (five ? -16.0f : -8.0f) * d);
     uint32_t qh = 0;
     if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
     const uint8_t* qs = b + (has_min ? 4 : 2) + (five ? 4 : 0);
@@ -183,7 +184,7 @@ inline void expand_block(const uint8_t* b, Sink&& sink) {
       sink(16 + c, V::fma(V::cvt(hi), vd, vm));
     }
   } else if constexpr (T == kQ8_0) {
-    const F vd = V::set1(half_to_float(b));
+    const F vd = V::set1(d_in ? *d_in : half_to_float(b));
     _Pragma("GCC unroll 16") for (int c = 0; c < 32; c += W) sink(c, V::mul(V::cvt(V::s8(b + 2 + c)), vd));
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
@@ -214,13 +215,42 @@ inline void expand_block(const uint8_t* b, Sink&& sink) {
   }
 }
 
+// Every block of a row through expand_block, sink(b, k, w); the legacy types' float16 scales
+// (and minimums) converted eight blocks at a time (one VCVTPH2PS, not eight).
+template <class V, int T, class Sink>
+inline void expand_row_blocks(const uint8_t* row, int64_t num_blocks, Sink&& sink) {
+  const TypeSize t = type_size(T);
+  int64_t b = 0;
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+    constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
+    for (; b + 8 <= num_blocks; b += 8) {
+      const uint8_t* p = row + b * t.bytes;
+      __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        uint16_t v;
+        std::memcpy(&v, p + j * t.bytes, 2);
+        dh = _mm_insert_epi16(dh, v, j);
+        if constexpr (has_min) {
+          std::memcpy(&v, p + j * t.bytes + 2, 2);
+          mh = _mm_insert_epi16(mh, v, j);
+        }
+      }
+      alignas(32) float d[8], m[8];
+      _mm256_store_ps(d, _mm256_cvtph_ps(dh));
+      _mm256_store_ps(m, _mm256_cvtph_ps(mh));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        expand_block<V, T>(p + j * t.bytes, [&](int k, typename V::F v) { sink(b + j, k, v); }, d + j, m + j);
+    }
+  }
+  for (; b < num_blocks; ++b) expand_block<V, T>(row + b * t.bytes, [&](int k, typename V::F v) { sink(b, k, v); });
+}
+
 template <class V, int T>
 inline void expand_blocks(const uint8_t* row, int64_t num_blocks, float* w) {
   const TypeSize t = type_size(T);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    float* y = w + b * t.weights;
-    expand_block<V, T>(row + b * t.bytes, [y](int k, typename V::F v) { V::store(y + k, v); });
-  }
+  expand_row_blocks<V, T>(row, num_blocks, [&](int64_t b, int k, typename V::F v) { V::store(w + b * t.weights + k, v); });
 }
 
 template <class V>
@@ -249,18 +279,16 @@ inline void fused_dot_rows(float* y, int64_t y_stride, const uint8_t* row, int64
   F acc[R][A];
   for (int r = 0; r < R; ++r)
     for (int a = 0; a < A; ++a) acc[r][a] = V::zero();
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  expand_row_blocks<V, T>(row, num_blocks, [&](int64_t b, int k, F w) {
+    // the accumulators rotate (constant indices: GCC keeps them in registers, where an index
+    // computed from k kept them in memory wherever a loop of expand_block stayed rolled)
     const float* xb = x + b * t.weights;
-    expand_block<V, T>(row + b * t.bytes, [&](int k, F w) {
-      // the accumulators rotate (constant indices: GCC keeps them in registers, where an index
-      // computed from k kept them in memory wherever a loop of expand_block stayed rolled)
-      for (int r = 0; r < R; ++r) {
-        const F sum = V::fma(w, V::load(xb + r * in_features + k), acc[r][0]);
-        for (int a = 0; a + 1 < A; ++a) acc[r][a] = acc[r][a + 1];
-        acc[r][A - 1] = sum;
-      }
-    });
-  }
+    for (int r = 0; r < R; ++r) {
+      const F sum = V::fma(w, V::load(xb + r * in_features + k), acc[r][0]);
+      for (int a = 0; a + 1 < A; ++a) acc[r][a] = acc[r][a + 1];
+      acc[r][A - 1] = sum;
+    }
+  });
   for (int r = 0; r < R; ++r) {
     F sum = acc[r][0];
     for (int a = 1; a < A; ++a) sum = V::add(sum, acc[r][a]);
