@@ -118,6 +118,11 @@ def run(args: argparse.Namespace) -> int:
                 "gguf_int8": lambda xs: [gguf.matmul(xs[w.in_features], w, int8=True) for w in packed],
                 **_old_kernels(qtype, packed),
             }
+            # a fresh weight's first products run slower for a while (measured: 2-3x for tens
+            # of calls on the shared test machine), so each type warms up before it is timed
+            for _ in range(20):
+                fns["gguf"](inputs[min(inputs)])
+                fns["gguf_int8"](inputs[min(inputs)])
             for n in inputs:
                 xs = inputs[n]
                 row = {"type": qtype, "rows": n, "MB": weight_bytes / 1e6}

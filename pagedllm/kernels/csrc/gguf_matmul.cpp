@@ -58,6 +58,16 @@ constexpr int kRowGroup = 4;   // rows of x sharing each load of an expanded row
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+// Software prefetch of the weight stream, kPrefetchAhead bytes ahead of the bytes [p, p + n)
+// being decoded: one decode is too short to hide a memory access behind (measured: a 1-row
+// product read 5.8 GB/s of a 9.9 GB/s stream without).
+constexpr int kPrefetchAhead = 2048;
+inline void prefetch_ahead(const uint8_t* p, int n) {
+#if defined(__SSE__)
+  for (int off = 0; off < n; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + off), _MM_HINT_T0);
+#endif
+}
+
 // A 64-byte aligned buffer of at least `bytes` that the calling thread keeps between calls (one
 // per slot): fresh pages on every call would fault in.
 inline void* thread_buffer(int slot, int64_t bytes) {
@@ -225,6 +235,7 @@ inline void expand_row_blocks(const uint8_t* row, int64_t num_blocks, Sink&& sin
     constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
     for (; b + 8 <= num_blocks; b += 8) {
       const uint8_t* p = row + b * t.bytes;
+      prefetch_ahead(p, 8 * t.bytes);
       __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -244,7 +255,10 @@ inline void expand_row_blocks(const uint8_t* row, int64_t num_blocks, Sink&& sin
         expand_block<V, T>(p + j * t.bytes, [&](int k, typename V::F v) { sink(b + j, k, v); }, d + j, m + j);
     }
   }
-  for (; b < num_blocks; ++b) expand_block<V, T>(row + b * t.bytes, [&](int k, typename V::F v) { sink(b, k, v); });
+  for (; b < num_blocks; ++b) {
+    if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K) prefetch_ahead(row + b * t.bytes, t.bytes);
+    expand_block<V, T>(row + b * t.bytes, [&](int k, typename V::F v) { sink(b, k, v); });
+  }
 }
 
 template <class V, int T>
@@ -780,6 +794,7 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
     int64_t b = 0;
     for (; b + 8 <= num_blocks; b += 8) {
       const uint8_t* p = row + b * t.bytes;
+      prefetch_ahead(p, 8 * t.bytes);
       __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -815,6 +830,7 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
     const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     for (int64_t b = 0; b < num_blocks; ++b) {
       const uint8_t* p = row + b * t.bytes;
+      prefetch_ahead(p, t.bytes);
       // the 6-bit scales and minimums as bytes (ggml's utmp unpacking)
       uint32_t q[3], sc[2], mn[2];
       std::memcpy(q, p + 4, 12);
@@ -846,6 +862,7 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
   } else if constexpr (T == kQ6_K) {
     for (int64_t b = 0; b < num_blocks; ++b) {
       const uint8_t* p = row + b * t.bytes;
+      prefetch_ahead(p, t.bytes);
       const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(half_to_float(p + 208)),
                                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)))));
       _mm512_storeu_ps(c16 + 16 * b, _mm512_mul_ps(s16, _mm512_set1_ps(32.0f)));
