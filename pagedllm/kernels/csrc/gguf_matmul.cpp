@@ -649,6 +649,7 @@ inline void int8_row_avx2(const uint8_t* row, int64_t num_blocks, uint8_t* u, fl
   constexpr int bw = T == kQ4_K || T == kQ5_K || T == kQ6_K ? 256 : 32;
   const TypeSize t = type_size(T);
   for (int64_t b = 0; b < num_blocks; ++b) {
+    prefetch_ahead(row + b * t.bytes, t.bytes);
     int8_values_avx2<T>(row + b * t.bytes, u + b * bw);
     int8_scales(T, row + b * t.bytes, s16 + b * (bw / 16), c16 + b * (bw / 16));
   }
