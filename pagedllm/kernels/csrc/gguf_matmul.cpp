@@ -26,6 +26,7 @@
 #include <omp.h>
 
 #include "gguf_blocks.h"
+#include "gguf_matmul.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GGUF_AVX2 1
