@@ -3,17 +3,20 @@
 // as they are (kernels/gguf.py's PackedWeight.data): no float copy is kept.
 //
 // Three ways through, by the number of rows of x and the activations:
-// - float, a few rows (below kTiledRows: decoding): each row of W is expanded into floats in a
-//   per-thread buffer (a few KiB, in L1) and every row of x takes it, four rows of x sharing
-//   each load of it. Bound by reading the weights.
+// - float, a few rows (below kTiledRows: decoding): each block of a row of W is expanded in
+//   registers (w = d q - m, one FMA per vector) and multiplies up to 8 rows of x (4 on AVX2)
+//   before the next is read; nothing is stored. Bound by reading the weights (software prefetch
+//   keeps the stream ahead).
 // - float, more rows (prompts): x is transposed into panels of 2 vectors of rows (32 rows on
 //   AVX-512, 16 on AVX2); 12 rows of W at a time are expanded into a float buffer and each expanded
 //   weight is broadcast to multiply a panel's column (24 or 12 accumulators), the core's FMA rate.
 // - int8 (use_int8): each row of x is quantized per block of 32 (llama.cpp's Q8_0 way: a scale
-//   max|x| / 127 and 32 int8), each row of W decoded into its unsigned values (gguf_blocks.h's
-//   int8_values: 0..63; Q8_0's signed int8) and per 16 weights a scale s and a constant c
-//   (w = s u - c); a group's dot product is s dx sum(u qx) - c sum(x), sum(u qx) on 8-bit integers
-//   (AVX-512 VNNI's VPDPBUSD, 64 products an instruction, or AVX2's VPMADDUBSW).
+//   max|x| / 127 and 32 int8); a weight is s u - c over each 16 (u its unsigned value, 0..63, or
+//   Q8_0's int8 + 128), so a group's dot product is s dx sum(u qx) - c sum(x), sum(u qx) on 8-bit
+//   integers. AVX-512 VNNI decodes each 64 weights in registers for up to 8 rows of x (VPDPBUSD,
+//   64 products an instruction); AVX2 and the portable path decode a row into a buffer
+//   (gguf_blocks.h's int8_values, Q8_0 signed) and multiply from it (AVX2: VPMADDUBSW). It pays at
+//   decode sizes; from about 16 rows on the float way is faster.
 // The ISA path (portable C++, AVX2, AVX-512) is chosen at run time (gguf_set_isa) among those
 // this build has, so tests run every one the machine can. Rows of W are split across OpenMP
 // threads. Math in float32.
