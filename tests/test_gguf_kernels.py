@@ -154,6 +154,17 @@ def test_isa_paths_are_selectable():
         kernels.set_isa("neon")
 
 
+def test_the_environment_variable_forces_a_path():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAGEDLLM_GGUF_ISA": "portable"}
+    out = subprocess.run([sys.executable, "-c", "from pagedllm.kernels import gguf; print(gguf.isa())"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "portable"
+
+
 def test_bad_inputs_name_the_field():
     with pytest.raises(ValueError, match="qtype"):
         kernels.pack("Q3_K", torch.zeros(1, 110, dtype=torch.uint8), 256)
