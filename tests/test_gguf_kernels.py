@@ -15,14 +15,15 @@ from pagedllm.kernels import gguf as kernels
 TYPES = list(kernels.GGUF_TYPES)
 ISAS = kernels.available_isas()
 # 1..64 rows (decode steps) and a prompt; out_features not a multiple of 16; legacy types with a
-# row of 96 weights (not a multiple of 64), K-quants with two super-blocks.
+# row of 11 blocks (the kernels take 8 at a time, then pairs, then a lone one; 352 weights, not a
+# multiple of 64), K-quants with two super-blocks.
 ROWS = list(range(1, 65)) + [300]
 OUT_FEATURES = 45
 EPS32 = float(np.finfo(np.float32).eps)
 
 
 def in_features(qtype: str) -> int:
-    return 512 if qtype.endswith("_K") else 96
+    return 512 if qtype.endswith("_K") else 352
 
 
 def gguf_dense(w: kernels.PackedWeight) -> np.ndarray:
@@ -51,39 +52,44 @@ def weight(qtype: str, seed: int = 0) -> kernels.PackedWeight:
     return kernels.random_weight(qtype, OUT_FEATURES, in_features(qtype), torch.Generator().manual_seed(seed))
 
 
-def assert_close_to(y: torch.Tensor, x64: np.ndarray, w64: np.ndarray, extra: np.ndarray | float = 0.0) -> None:
-    """y against x64 @ w64.T: within float32 accumulation's error (a multiple of eps times the sum
-    of |w x|), plus `extra`."""
-    expected = x64 @ w64.T
-    bound = 64 * EPS32 * (np.abs(x64) @ np.abs(w64).T) + extra + 1e-30
-    err = np.abs(y.double().numpy() - expected)
-    assert (err <= bound).all(), f"worst error {err.max():.3e} at bound {bound.flat[err.argmax()]:.3e}"
+class Reference:
+    """x64 @ w64.T and its float32-accumulation bound (a multiple of eps times the sum of |w x|),
+    computed once for the most rows; a product of the first `rows` rows compares to its rows."""
+
+    def __init__(self, x64: np.ndarray, w64: np.ndarray):
+        self.expected = x64 @ w64.T
+        self.bound = 64 * EPS32 * (np.abs(x64) @ np.abs(w64).T) + 1e-30
+
+    def check(self, y: torch.Tensor, extra: np.ndarray | float = 0.0) -> None:
+        rows = y.shape[0]
+        err = np.abs(y.double().numpy() - self.expected[:rows])
+        bound = self.bound[:rows] + (extra if np.isscalar(extra) else extra[:rows])
+        assert (err <= bound).all(), f"{rows} rows: worst error {err.max():.3e} at bound {bound.flat[err.argmax()]:.3e}"
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_float_product_matches_gguf_dequantize_then_float64(qtype, isa):
     w = weight(qtype)
-    w64 = gguf_dense(w).astype(np.float64)
-    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(max(ROWS), w.in_features, generator=torch.Generator().manual_seed(1))
+    reference = Reference(x.double().numpy(), gguf_dense(w).astype(np.float64))
     for rows in ROWS:
-        x = torch.randn(rows, w.in_features, generator=gen)
-        assert_close_to(kernels.matmul(x, w), x.double().numpy(), w64)
+        reference.check(kernels.matmul(x[:rows], w))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_int8_product_is_the_float64_product_of_its_quantized_activations(qtype, isa):
     w = weight(qtype, seed=2)
     w64 = gguf_dense(w).astype(np.float64)
-    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(max(ROWS), w.in_features, generator=torch.Generator().manual_seed(3))
+    q, d = kernels.quantize_activations(x)  # per row: the first rows of x quantize alike
+    xq = (q.double().numpy().reshape(len(x), -1, 32) * d.double().numpy()[..., None]).reshape(len(x), -1)
+    quantized, exact = Reference(xq, w64), Reference(x.double().numpy(), w64)
+    # each activation moves by at most half its block's step
+    half_steps = 1.001 * np.repeat(d.double().numpy() / 2, 32, axis=1) @ np.abs(w64).T
     for rows in ROWS:
-        x = torch.randn(rows, w.in_features, generator=gen)
-        q, d = kernels.quantize_activations(x)
-        xq = (q.double().numpy().reshape(rows, -1, 32) * d.double().numpy()[..., None]).reshape(rows, -1)
-        y = kernels.matmul(x, w, int8=True)
-        assert_close_to(y, xq, w64)
-        # and near the float product: each activation moves by at most half its block's step
-        half_step = np.repeat(d.double().numpy() / 2, 32, axis=1)
-        assert_close_to(y, x.double().numpy(), w64, extra=1.001 * half_step @ np.abs(w64).T)
+        y = kernels.matmul(x[:rows], w, int8=True)
+        quantized.check(y)
+        exact.check(y, extra=half_steps)
 
 
 def test_activations_are_quantized_per_block_of_32_to_127_steps():
@@ -111,9 +117,8 @@ def test_blocks_from_gguf_quantizer(qtype, isa):
     dense = torch.randn(OUT_FEATURES, 96, generator=gen).numpy()
     raw = quants.quantize(dense, getattr(GGMLQuantizationType, qtype))
     w = kernels.pack(qtype, torch.from_numpy(raw), 96)
-    w64 = gguf_dense(w).astype(np.float64)
     x = torch.randn(5, 96, generator=gen)
-    assert_close_to(kernels.matmul(x, w), x.double().numpy(), w64)
+    Reference(x.double().numpy(), gguf_dense(w).astype(np.float64)).check(kernels.matmul(x, w))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -147,6 +152,17 @@ def test_isa_paths_are_selectable():
         kernels.set_isa(None)
     with pytest.raises(ValueError, match="isa"):
         kernels.set_isa("neon")
+
+
+def test_the_environment_variable_forces_a_path():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAGEDLLM_GGUF_ISA": "portable"}
+    out = subprocess.run([sys.executable, "-c", "from pagedllm.kernels import gguf; print(gguf.isa())"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "portable"
 
 
 def test_bad_inputs_name_the_field():

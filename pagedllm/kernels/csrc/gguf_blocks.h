@@ -19,6 +19,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace gguf {
 
@@ -44,10 +47,13 @@ inline TypeSize type_size(int qtype) {
   }
 }
 
-// IEEE half to float, exact.
+// IEEE half to float, exact (F16C's VCVTPH2PS where the CPU has it).
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
   uint32_t bits;

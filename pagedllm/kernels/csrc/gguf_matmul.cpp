@@ -3,17 +3,20 @@
 // as they are (kernels/gguf.py's PackedWeight.data): no float copy is kept.
 //
 // Three ways through, by the number of rows of x and the activations:
-// - float, a few rows (below kTiledRows: decoding): each row of W is expanded into floats in a
-//   per-thread buffer (a few KiB, in L1) and every row of x takes it, four rows of x sharing
-//   each load of it. Bound by reading the weights.
+// - float, a few rows (below kTiledRows: decoding): each block of a row of W is expanded in
+//   registers (w = d q - m, one FMA per vector) and multiplies up to 8 rows of x (4 on AVX2)
+//   before the next is read; nothing is stored. Bound by reading the weights (software prefetch
+//   keeps the stream ahead).
 // - float, more rows (prompts): x is transposed into panels of 2 vectors of rows (32 rows on
 //   AVX-512, 16 on AVX2); 12 rows of W at a time are expanded into a float buffer and each expanded
 //   weight is broadcast to multiply a panel's column (24 or 12 accumulators), the core's FMA rate.
 // - int8 (use_int8): each row of x is quantized per block of 32 (llama.cpp's Q8_0 way: a scale
-//   max|x| / 127 and 32 int8), each row of W decoded into its unsigned values (gguf_blocks.h's
-//   int8_values: 0..63; Q8_0's signed int8) and per 16 weights a scale s and a constant c
-//   (w = s u - c); a group's dot product is s dx sum(u qx) - c sum(x), sum(u qx) on 8-bit integers
-//   (AVX-512 VNNI's VPDPBUSD, 64 products an instruction, or AVX2's VPMADDUBSW).
+//   max|x| / 127 and 32 int8); a weight is s u - c over each 16 (u its unsigned value, 0..63, or
+//   Q8_0's int8 + 128), so a group's dot product is s dx sum(u qx) - c sum(x), sum(u qx) on 8-bit
+//   integers. AVX-512 VNNI decodes each 64 weights in registers for up to 8 rows of x (VPDPBUSD,
+//   64 products an instruction); AVX2 and the portable path decode a row into a buffer
+//   (gguf_blocks.h's int8_values, Q8_0 signed) and multiply from it (AVX2: VPMADDUBSW). It pays at
+//   decode sizes; from about 16 rows on the float way is faster.
 // The ISA path (portable C++, AVX2, AVX-512) is chosen at run time (gguf_set_isa) among those
 // this build has, so tests run every one the machine can. Rows of W are split across OpenMP
 // threads. Math in float32.
@@ -26,6 +29,7 @@
 #include <omp.h>
 
 #include "gguf_blocks.h"
+#include "gguf_matmul.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GGUF_AVX2 1
@@ -50,12 +54,23 @@ constexpr int kBestIsa = kPortable;
 
 int g_isa = kBestIsa;
 
-constexpr int kTiledRows = 8;  // from this many rows of x on, the tiled float way
+constexpr int kTiledRows = 16;  // from this many rows of x on, the tiled float way
 constexpr int kTileW = 12;     // rows of W expanded together (tiled way)
 constexpr int kBlockRows = 128;  // rows of x transposed at a time (tiled way)
+constexpr int kSliceK = 1024;   // weights of k per pass of the tiled way (its slices in L1)
 constexpr int kRowGroup = 4;   // rows of x sharing each load of an expanded row of W
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Software prefetch of the weight stream, kPrefetchAhead bytes ahead of the bytes [p, p + n)
+// being decoded: one decode is too short to hide a memory access behind (measured: a 1-row
+// product read 5.8 GB/s of a 9.9 GB/s stream without).
+constexpr int kPrefetchAhead = 2048;
+inline void prefetch_ahead(const uint8_t* p, int n) {
+#if defined(__SSE__)
+  for (int off = 0; off < n; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + off), _MM_HINT_T0);
+#endif
+}
 
 // A 64-byte aligned buffer of at least `bytes` that the calling thread keeps between calls (one
 // per slot): fresh pages on every call would fault in.
@@ -65,7 +80,7 @@ inline void* thread_buffer(int slot, int64_t bytes) {
     int64_t size = 0;
     ~Buffer() { std::free(data); }
   };
-  static thread_local Buffer buffers[6];
+  static thread_local Buffer buffers[7];
   Buffer& b = buffers[slot];
   if (b.size < bytes) {
     std::free(b.data);
@@ -154,67 +169,106 @@ struct V512 {
 };
 #endif
 
-// One block's weights as floats, W at a time (not bitwise gguf's: d q + m is one FMA here).
-template <class V, int T>
-inline void expand_block(const uint8_t* b, float* y) {
+// One block's weights as floats, W at a time (not bitwise gguf's: d q + m is one FMA here), each
+// vector handed to sink(k, w) with k its first weight's index in the block. The loops are
+// unrolled, so k is a constant where a sink keeps accumulators by it.
+// A legacy block's scale and minimum may come converted already (d, m: see expand_row_blocks).
+template <class V, int T, class Sink>
+inline void expand_block(const uint8_t* b, Sink&& sink, const float* d_in = nullptr, const float* m_in = nullptr) {
   constexpr int W = V::W;
   using F = typename V::F;
   using I = typename V::I;
   if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1) {
     constexpr bool has_min = T == kQ4_1 || T == kQ5_1, five = T == kQ5_0 || T == kQ5_1;
-    const float d = half_to_float(b);
+    const float d = d_in ? *d_in : half_to_float(b);
     const F vd = V::set1(d);
-    const F vm = V::set1(has_min ? half_to_float(b + 2) : (five ? -16.0f : -8.0f) * d);
+    const F vm = V::set1(has_min ? (m_in ? *m_in : half_to_float(b + 2)) : (five ? -16.0f : -8.0f) * d);
     uint32_t qh = 0;
     if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
     const uint8_t* qs = b + (has_min ? 4 : 2) + (five ? 4 : 0);
     const I vqh = V::set1i(static_cast<int>(qh));
-    for (int c = 0; c < 16; c += W) {
+    _Pragma("GCC unroll 16") for (int c = 0; c < 16; c += W) {
       const I q = V::u8(qs + c);
       I lo = V::mask(q, 0xF), hi = V::shr(q, 4);
       if (five) {
         lo = V::or_(lo, V::shl(V::mask(V::shrv(vqh, V::iota(c)), 1), 4));
         hi = V::or_(hi, V::shl(V::mask(V::shrv(vqh, V::iota(c + 16)), 1), 4));
       }
-      V::store(y + c, V::fma(V::cvt(lo), vd, vm));
-      V::store(y + 16 + c, V::fma(V::cvt(hi), vd, vm));
+      sink(c, V::fma(V::cvt(lo), vd, vm));
+      sink(16 + c, V::fma(V::cvt(hi), vd, vm));
     }
   } else if constexpr (T == kQ8_0) {
-    const F vd = V::set1(half_to_float(b));
-    for (int c = 0; c < 32; c += W) V::store(y + c, V::mul(V::cvt(V::s8(b + 2 + c)), vd));
+    const F vd = V::set1(d_in ? *d_in : half_to_float(b));
+    _Pragma("GCC unroll 16") for (int c = 0; c < 32; c += W) sink(c, V::mul(V::cvt(V::s8(b + 2 + c)), vd));
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    for (int i = 0; i < 8; ++i) {
+    _Pragma("GCC unroll 16") for (int i = 0; i < 8; ++i) {
       int sc, m;
       scale_min_k4(i, b + 4, &sc, &m);
       const F vd = V::set1(d * static_cast<float>(sc)), vm = V::set1(-dmin * static_cast<float>(m));
       const uint8_t* qs = b + (T == kQ4_K ? 16 : 48) + 32 * (i / 2);
-      for (int c = 0; c < 32; c += W) {
+      _Pragma("GCC unroll 16") for (int c = 0; c < 32; c += W) {
         const I q = V::u8(qs + c);
         I v = i & 1 ? V::shr(q, 4) : V::mask(q, 0xF);
         if (T == kQ5_K) v = V::or_(v, V::shl(V::mask(V::shr(V::u8(b + 16 + c), i), 1), 4));
-        V::store(y + 32 * i + c, V::fma(V::cvt(v), vd, vm));
+        sink(32 * i + c, V::fma(V::cvt(v), vd, vm));
       }
     }
   } else if constexpr (T == kQ6_K) {
     const float d = half_to_float(b + 208);
     for (int h = 0; h < 2; ++h)
       for (int s = 0; s < 4; ++s)
-        for (int c = 0; c < 32; c += W) {
+        _Pragma("GCC unroll 16") for (int c = 0; c < 32; c += W) {
           const int g = 2 * (4 * h + s) + c / 16;
           const float dg = d * static_cast<float>(static_cast<int8_t>(b[192 + g]));
           const I q = V::u8(b + 64 * h + 32 * (s & 1) + c);
           const I nibble = s < 2 ? V::mask(q, 0xF) : V::shr(q, 4);
           const I v = V::or_(nibble, V::shl(V::mask(V::shr(V::u8(b + 128 + 32 * h + c), 2 * s), 3), 4));
-          V::store(y + 32 * (4 * h + s) + c, V::fma(V::cvt(v), V::set1(dg), V::set1(-32.0f * dg)));
+          sink(32 * (4 * h + s) + c, V::fma(V::cvt(v), V::set1(dg), V::set1(-32.0f * dg)));
         }
+  }
+}
+
+// Every block of a row through expand_block, sink(b, k, w); the legacy types' float16 scales
+// (and minimums) converted eight blocks at a time (one VCVTPH2PS, not eight).
+template <class V, int T, class Sink>
+inline void expand_row_blocks(const uint8_t* row, int64_t num_blocks, Sink&& sink) {
+  const TypeSize t = type_size(T);
+  int64_t b = 0;
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+    constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
+    for (; b + 8 <= num_blocks; b += 8) {
+      const uint8_t* p = row + b * t.bytes;
+      prefetch_ahead(p, 8 * t.bytes);
+      __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        uint16_t v;
+        std::memcpy(&v, p + j * t.bytes, 2);
+        dh = _mm_insert_epi16(dh, v, j);
+        if constexpr (has_min) {
+          std::memcpy(&v, p + j * t.bytes + 2, 2);
+          mh = _mm_insert_epi16(mh, v, j);
+        }
+      }
+      alignas(32) float d[8], m[8];
+      _mm256_store_ps(d, _mm256_cvtph_ps(dh));
+      _mm256_store_ps(m, _mm256_cvtph_ps(mh));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        expand_block<V, T>(p + j * t.bytes, [&](int k, typename V::F v) { sink(b + j, k, v); }, d + j, m + j);
+    }
+  }
+  for (; b < num_blocks; ++b) {
+    if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K) prefetch_ahead(row + b * t.bytes, t.bytes);
+    expand_block<V, T>(row + b * t.bytes, [&](int k, typename V::F v) { sink(b, k, v); });
   }
 }
 
 template <class V, int T>
 inline void expand_blocks(const uint8_t* row, int64_t num_blocks, float* w) {
   const TypeSize t = type_size(T);
-  for (int64_t b = 0; b < num_blocks; ++b) expand_block<V, T>(row + b * t.bytes, w + b * t.weights);
+  expand_row_blocks<V, T>(row, num_blocks, [&](int64_t b, int k, typename V::F v) { V::store(w + b * t.weights + k, v); });
 }
 
 template <class V>
@@ -228,6 +282,87 @@ inline void expand_row(int qtype, const uint8_t* row, int64_t num_blocks, float*
     case kQ4_K: return expand_blocks<V, kQ4_K>(row, num_blocks, w);
     case kQ5_K: return expand_blocks<V, kQ5_K>(row, num_blocks, w);
     case kQ6_K: return expand_blocks<V, kQ6_K>(row, num_blocks, w);
+    default: return;
+  }
+}
+
+// y[r * y_stride] = w . x_r for R rows of x and one row of W whose blocks are expanded in
+// registers, never stored: two accumulators per row of x (by the vector's place in the block).
+template <class V, int T, int R>
+inline void fused_dot_rows(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const float* x,
+                           int64_t in_features) {
+  using F = typename V::F;
+  constexpr int A = 2;
+  const TypeSize t = type_size(T);
+  F acc[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < A; ++a) acc[r][a] = V::zero();
+  expand_row_blocks<V, T>(row, num_blocks, [&](int64_t b, int k, F w) {
+    // the accumulators rotate (constant indices: GCC keeps them in registers, where an index
+    // computed from k kept them in memory wherever a loop of expand_block stayed rolled)
+    const float* xb = x + b * t.weights;
+    for (int r = 0; r < R; ++r) {
+      const F sum = V::fma(w, V::load(xb + r * in_features + k), acc[r][0]);
+      for (int a = 0; a + 1 < A; ++a) acc[r][a] = acc[r][a + 1];
+      acc[r][A - 1] = sum;
+    }
+  });
+  for (int r = 0; r < R; ++r) {
+    F sum = acc[r][0];
+    for (int a = 1; a < A; ++a) sum = V::add(sum, acc[r][a]);
+    y[r * y_stride] = V::hsum(sum);
+  }
+}
+
+template <class V, int T>
+inline void fused_row_group(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const float* x,
+                            int64_t in_features, int rows) {
+  switch (rows) {
+    case 1: return fused_dot_rows<V, T, 1>(y, y_stride, row, num_blocks, x, in_features);
+    case 2: return fused_dot_rows<V, T, 2>(y, y_stride, row, num_blocks, x, in_features);
+    case 3: return fused_dot_rows<V, T, 3>(y, y_stride, row, num_blocks, x, in_features);
+    case 4: return fused_dot_rows<V, T, 4>(y, y_stride, row, num_blocks, x, in_features);
+    default: break;
+  }
+  if constexpr (V::W == 16) {  // 32 vector registers: up to 8 rows of x (16 accumulators)
+    switch (rows) {
+      case 5: return fused_dot_rows<V, T, 5>(y, y_stride, row, num_blocks, x, in_features);
+      case 6: return fused_dot_rows<V, T, 6>(y, y_stride, row, num_blocks, x, in_features);
+      case 7: return fused_dot_rows<V, T, 7>(y, y_stride, row, num_blocks, x, in_features);
+      default: return fused_dot_rows<V, T, 8>(y, y_stride, row, num_blocks, x, in_features);
+    }
+  }
+}
+
+template <class V>
+constexpr int kFusedGroup = V::W == 16 ? 8 : 4;  // rows of x sharing each expanded block
+
+template <class V, int T>
+void fused_matmul(float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
+                  int64_t in_features, int num_threads) {
+  const TypeSize t = type_size(T);
+  const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t n = 0; n < out_features; ++n)
+    for (int64_t r0 = 0; r0 < num_rows; r0 += kFusedGroup<V>) {
+      const int rows = num_rows - r0 < kFusedGroup<V> ? static_cast<int>(num_rows - r0) : kFusedGroup<V>;
+      fused_row_group<V, T>(y + r0 * out_features + n, out_features, packed + n * row_bytes, num_blocks,
+                            x + r0 * in_features, in_features, rows);
+    }
+}
+
+template <class V>
+void fused_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
+                  int64_t in_features, int num_threads) {
+  switch (qtype) {
+    case kQ4_0: return fused_matmul<V, kQ4_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ4_1: return fused_matmul<V, kQ4_1>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ5_0: return fused_matmul<V, kQ5_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ5_1: return fused_matmul<V, kQ5_1>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ8_0: return fused_matmul<V, kQ8_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ4_K: return fused_matmul<V, kQ4_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ5_K: return fused_matmul<V, kQ5_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ6_K: return fused_matmul<V, kQ6_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
     default: return;
   }
 }
@@ -260,27 +395,29 @@ inline void dot_row_group(float* y, int64_t y_stride, const float* w, const floa
 
 // c[j * P + i] = w_j . x_i for J expanded rows of W and the P = 2 W rows of x of a transposed
 // panel (panel[k * P + i] = x_i[k]): each w_j[k] is broadcast to multiply the panel's column k.
-template <class V, int J>
-inline void broadcast_tile(float* c, const float* w, int64_t in_features, const float* panel) {
+// XV: vectors of rows per panel column (2, or 1 for a narrow last panel: P = XV W). Over
+// k in [k0, k1) only, adding to c where k0 > 0 (the k range is split so that the panel's and the
+// tile's slices stay in L1).
+template <class V, int J, int XV>
+inline void broadcast_tile(float* c, const float* w, int64_t w_stride, const float* panel, int64_t k0, int64_t k1) {
   using F = typename V::F;
-  constexpr int P = 2 * V::W;
-  F acc[J][2];
+  constexpr int P = XV * V::W;
+  F acc[J][XV];
 #pragma GCC unroll 12
-  for (int j = 0; j < J; ++j) acc[j][0] = acc[j][1] = V::zero();
-  for (int64_t k = 0; k < in_features; ++k) {
-    const F x0 = V::load(panel + k * P), x1 = V::load(panel + k * P + V::W);
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < XV; ++v) acc[j][v] = k0 == 0 ? V::zero() : V::load(c + j * P + v * V::W);
+  for (int64_t k = k0; k < k1; ++k) {
+    F xv[XV];
+    for (int v = 0; v < XV; ++v) xv[v] = V::load(panel + k * P + v * V::W);
 #pragma GCC unroll 12
     for (int j = 0; j < J; ++j) {
-      const F wj = V::set1(w[j * in_features + k]);
-      acc[j][0] = V::fma(wj, x0, acc[j][0]);
-      acc[j][1] = V::fma(wj, x1, acc[j][1]);
+      const F wj = V::set1(w[j * w_stride + k]);
+      for (int v = 0; v < XV; ++v) acc[j][v] = V::fma(wj, xv[v], acc[j][v]);
     }
   }
 #pragma GCC unroll 12
-  for (int j = 0; j < J; ++j) {
-    V::store(c + j * P, acc[j][0]);
-    V::store(c + j * P + V::W, acc[j][1]);
-  }
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < XV; ++v) V::store(c + j * P + v * V::W, acc[j][v]);
 }
 
 // The tiled float way (see the top of the file).
@@ -295,8 +432,11 @@ void tiled_matmul(int qtype, float* y, const float* x, const uint8_t* packed, in
   float* panels = static_cast<float*>(thread_buffer(0, sizeof(float) * kBlockRows * in_features));
 #pragma omp parallel num_threads(num_threads)
   {
-    float* w = static_cast<float*>(thread_buffer(1, sizeof(float) * kTileW * in_features));
-    alignas(64) float c[kTileW * P];
+    // rows of the tile 64 bytes more than in_features apart: at a multiple of 4 KiB, the 12 rows the
+    // broadcasts read at once would all fall in one set of the L1 cache
+    const int64_t w_stride = in_features + 16;
+    float* w = static_cast<float*>(thread_buffer(1, sizeof(float) * kTileW * w_stride));
+    alignas(64) float c[kBlockRows / P][kTileW * P];
     for (int64_t m0 = 0; m0 < num_rows; m0 += kBlockRows) {
       const int rows = num_rows - m0 < kBlockRows ? static_cast<int>(num_rows - m0) : kBlockRows;
       const int num_panels = (rows + P - 1) / P;
@@ -304,27 +444,39 @@ void tiled_matmul(int qtype, float* y, const float* x, const uint8_t* packed, in
       for (int p = 0; p < num_panels; ++p) {
         float* panel = panels + static_cast<int64_t>(P) * p * in_features;
         const int here = rows - P * p < P ? rows - P * p : P;
-        for (int i = 0; i < P; ++i) {
+        const int width = here > V::W ? P : V::W;
+        for (int i = 0; i < width; ++i) {
           const float* xi = x + (m0 + P * p + i) * in_features;
           if (i < here)
-            for (int64_t k = 0; k < in_features; ++k) panel[k * P + i] = xi[k];
+            for (int64_t k = 0; k < in_features; ++k) panel[k * width + i] = xi[k];
           else
-            for (int64_t k = 0; k < in_features; ++k) panel[k * P + i] = 0.0f;
+            for (int64_t k = 0; k < in_features; ++k) panel[k * width + i] = 0.0f;
         }
       }
 #pragma omp for schedule(static)
       for (int64_t tile = 0; tile < num_tiles; ++tile) {
         const int64_t n0 = tile * kTileW;
         const int tile_rows = out_features - n0 < kTileW ? static_cast<int>(out_features - n0) : kTileW;
-        for (int j = 0; j < tile_rows; ++j) expand_row<V>(qtype, packed + (n0 + j) * row_bytes, num_blocks, w + j * in_features);
-        if (tile_rows < kTileW) std::memset(w + tile_rows * in_features, 0, sizeof(float) * (kTileW - tile_rows) * in_features);
+        for (int j = 0; j < tile_rows; ++j) expand_row<V>(qtype, packed + (n0 + j) * row_bytes, num_blocks, w + j * w_stride);
+        if (tile_rows < kTileW) std::memset(w + tile_rows * w_stride, 0, sizeof(float) * (kTileW - tile_rows) * w_stride);
+        for (int64_t k0 = 0; k0 < in_features; k0 += kSliceK) {
+          const int64_t k1 = k0 + kSliceK < in_features ? k0 + kSliceK : in_features;
+          for (int p = 0; p < num_panels; ++p) {
+            const float* panel = panels + static_cast<int64_t>(P) * p * in_features;
+            const int here = rows - P * p < P ? rows - P * p : P;
+            if (here > V::W)
+              for (int j0 = 0; j0 < kTileW; j0 += J)
+                broadcast_tile<V, J, 2>(c[p] + j0 * P, w + j0 * w_stride, w_stride, panel, k0, k1);
+            else
+              broadcast_tile<V, kTileW, 1>(c[p], w, w_stride, panel, k0, k1);
+          }
+        }
         for (int p = 0; p < num_panels; ++p) {
-          const float* panel = panels + static_cast<int64_t>(P) * p * in_features;
-          for (int j0 = 0; j0 < kTileW; j0 += J) broadcast_tile<V, J>(c + j0 * P, w + j0 * in_features, in_features, panel);
           const int here = rows - P * p < P ? rows - P * p : P;
+          const int width = here > V::W ? P : V::W;
           float* yp = y + (m0 + P * p) * out_features + n0;
           for (int i = 0; i < here; ++i)
-            for (int j = 0; j < tile_rows; ++j) yp[i * out_features + j] = c[j * P + i];
+            for (int j = 0; j < tile_rows; ++j) yp[i * out_features + j] = c[p][j * width + i];
         }
       }
     }
@@ -501,6 +653,7 @@ inline void int8_row_avx2(const uint8_t* row, int64_t num_blocks, uint8_t* u, fl
   constexpr int bw = T == kQ4_K || T == kQ5_K || T == kQ6_K ? 256 : 32;
   const TypeSize t = type_size(T);
   for (int64_t b = 0; b < num_blocks; ++b) {
+    prefetch_ahead(row + b * t.bytes, t.bytes);
     int8_values_avx2<T>(row + b * t.bytes, u + b * bw);
     int8_scales(T, row + b * t.bytes, s16 + b * (bw / 16), c16 + b * (bw / 16));
   }
@@ -601,6 +754,218 @@ inline void int8_dot_group(float* y, int64_t y_stride, const uint8_t* u, const f
 #endif
 }
 
+#ifdef GGUF_AVX512
+// The int8 way on AVX-512 VNNI, a few rows of x at a time and no buffer for W: each 64 weights of
+// a block (a pair of legacy blocks) are decoded in registers into their unsigned values
+// (Q8_0's int8 + 128, so VPDPBUSD's unsigned operand holds them; its constant c is 128 d) and a
+// vector of 16 scales, one per 4 weights (per lane of VPDPBUSD's result), and every row of x
+// takes them: one VPDPBUSD, one conversion, one multiply by the activations' lane scales and one
+// FMA per 64 products. The constants c (per 16 weights) are kept per row of W and dotted with
+// the activations' sums at the end. sink(k, u, s): k the first weight's index in the row.
+template <int T, class Sink>
+inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c16, Sink&& sink) {
+  const TypeSize t = type_size(T);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+    constexpr bool has_min = T == kQ4_1 || T == kQ5_1, five = T == kQ5_0 || T == kQ5_1;
+    constexpr int qs_at = T == kQ8_0 ? 2 : (has_min ? 4 : 2) + (five ? 4 : 0), qh_at = has_min ? 4 : 2;
+    constexpr float offset = T == kQ8_0 ? 128.0f : T == kQ5_0 ? 16.0f : 8.0f;
+    const __m512i halves = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);  // [lo0 hi0 lo1 hi1] from [lo0 lo1], [hi0 hi1]
+    // The values of a pair of blocks at p0, p1 as 64 unsigned bytes.
+    const auto values = [&](const uint8_t* p0, const uint8_t* p1) {
+      __m512i u;
+      if constexpr (T == kQ8_0) {
+        u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + qs_at))),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + qs_at)), 1);
+        u = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
+      } else {
+        const __m256i both = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + qs_at)),
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + qs_at)));
+        const __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)));
+        const __m512i hi = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(both, 4), _mm256_set1_epi8(0x0F)));
+        u = _mm512_permutex2var_epi64(lo, halves, hi);
+        if constexpr (five) {
+          uint32_t h0, h1;
+          std::memcpy(&h0, p0 + qh_at, 4);
+          std::memcpy(&h1, p1 + qh_at, 4);
+          const __mmask64 bits = static_cast<uint64_t>(h0) | static_cast<uint64_t>(h1) << 32;
+          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)));
+        }
+      }
+      return u;
+    };
+    // Eight blocks at a time: their float16 scales (and minimums) converted in one instruction.
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    int64_t b = 0;
+    for (; b + 8 <= num_blocks; b += 8) {
+      const uint8_t* p = row + b * t.bytes;
+      prefetch_ahead(p, 8 * t.bytes);
+      __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        uint16_t v;
+        std::memcpy(&v, p + j * t.bytes, 2);
+        dh = _mm_insert_epi16(dh, v, j);
+        if constexpr (has_min) {
+          std::memcpy(&v, p + j * t.bytes + 2, 2);
+          mh = _mm_insert_epi16(mh, v, j);
+        }
+      }
+      const __m256 d8 = _mm256_cvtph_ps(dh);
+      const __m256 c8 = has_min ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(mh)) : _mm256_mul_ps(d8, _mm256_set1_ps(offset));
+      _mm512_storeu_ps(c16 + 2 * b, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(c8)));
+      const __m512 d512 = _mm512_castps256_ps512(d8);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i which = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)), _mm256_set1_epi32(2 * j + 1), 1);
+        sink((b + 2 * j) * 32, values(p + 2 * j * t.bytes, p + (2 * j + 1) * t.bytes), _mm512_permutexvar_ps(which, d512));
+      }
+    }
+    for (; b < num_blocks; b += 2) {
+      const bool pair = b + 1 < num_blocks;
+      const uint8_t* p0 = row + b * t.bytes;
+      const uint8_t* p1 = pair ? p0 + t.bytes : p0;  // a lone last block: its values meet zeros of x
+      const float d0 = half_to_float(p0), d1 = pair ? half_to_float(p1) : 0.0f;
+      const float c0 = has_min ? -half_to_float(p0 + 2) : offset * d0;
+      c16[2 * b] = c16[2 * b + 1] = c0;
+      if (pair) c16[2 * b + 2] = c16[2 * b + 3] = has_min ? -half_to_float(p1 + 2) : offset * d1;
+      sink(b * 32, values(p0, p1), _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1));
+    }
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* p = row + b * t.bytes;
+      prefetch_ahead(p, t.bytes);
+      // the 6-bit scales and minimums as bytes (ggml's utmp unpacking)
+      uint32_t q[3], sc[2], mn[2];
+      std::memcpy(q, p + 4, 12);
+      sc[0] = q[0] & 0x3F3F3F3F;
+      sc[1] = (q[2] & 0x0F0F0F0F) | (((q[0] >> 6) & 0x03030303) << 4);
+      mn[0] = q[1] & 0x3F3F3F3F;
+      mn[1] = ((q[2] >> 4) & 0x0F0F0F0F) | (((q[1] >> 6) & 0x03030303) << 4);
+      const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
+      const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)))));
+      _mm512_storeu_ps(c16 + 16 * b, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(m8)));
+      const __m512 s512 = _mm512_castps256_ps512(s8);
+      const __m256i qh = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)) : _mm256_setzero_si256();
+      const uint8_t* qs = p + (T == kQ4_K ? 16 : 48);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        __m512i u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low4);
+        if constexpr (T == kQ5_K) {
+          const uint64_t lo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c))));
+          const uint64_t hi = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1))));
+          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(lo | hi << 32, _mm512_set1_epi8(16)));
+        }
+        const __m512i which = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * c)), _mm256_set1_epi32(2 * c + 1), 1);
+        sink(256 * b + 64 * c, u, _mm512_permutexvar_ps(which, s512));
+      }
+    }
+  } else if constexpr (T == kQ6_K) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* p = row + b * t.bytes;
+      prefetch_ahead(p, t.bytes);
+      const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(half_to_float(p + 208)),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)))));
+      _mm512_storeu_ps(c16 + 16 * b, _mm512_mul_ps(s16, _mm512_set1_ps(32.0f)));
+      const __m512i three = _mm512_set1_epi8(3);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+        const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        const __m512i u0 = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(qh2, three), 4));
+        const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh2, 4), three), 4));
+        const __m512i g0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        const __m512i first = _mm512_add_epi32(g0, _mm512_set1_epi32(8 * h));
+        sink(256 * b + 128 * h, u0, _mm512_permutexvar_ps(first, s16));
+        sink(256 * b + 128 * h + 64, u1, _mm512_permutexvar_ps(_mm512_add_epi32(first, _mm512_set1_epi32(4)), s16));
+      }
+    }
+  }
+}
+
+// y[r * y_stride] for R rows of x from r0 and one row of W; dxl: each row's scale per 4 weights.
+template <int T, int R>
+inline void int8_fused_rows(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const Int8Rows& a,
+                            const float* dxl, int64_t r0, float* c16) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t lanes = a.padded / 4, groups = a.padded / 16;
+  int8_chunks_avx512<T>(row, num_blocks, c16, [&](int64_t k, __m512i u, __m512 s) {
+    for (int r = 0; r < R; ++r) {
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.qx + (r0 + r) * a.padded + k));
+      const __m512 scale = _mm512_mul_ps(s, _mm512_loadu_ps(dxl + (r0 + r) * lanes + k / 4));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+    }
+  });
+  // the constants' term, sum_g c_g xs_g, two chains per row (c16 and xs16 are zero past the row)
+  __m512 off[R][2];
+  for (int r = 0; r < R; ++r) off[r][0] = off[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 m = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+    const __m512 cv = _mm512_maskz_loadu_ps(m, c16 + g);
+    for (int r = 0; r < R; ++r)
+      off[r][(g / 16) & 1] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(m, a.xs16 + (r0 + r) * groups + g), off[r][(g / 16) & 1]);
+  }
+  for (int r = 0; r < R; ++r)
+    y[r * y_stride] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[r], _mm512_add_ps(off[r][0], off[r][1])));
+}
+
+template <int T>
+void int8_matmul_avx512(float* y, const uint8_t* packed, int64_t num_rows, int64_t out_features, int64_t in_features,
+                        const Int8Rows& a, int num_threads) {
+  const TypeSize t = type_size(T);
+  const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
+  const int64_t lanes = a.padded / 4, groups = a.padded / 16;
+  float* dxl = static_cast<float*>(thread_buffer(6, sizeof(float) * num_rows * lanes));
+  for (int64_t r = 0; r < num_rows; ++r)
+    for (int64_t l = 0; l < lanes; ++l) dxl[r * lanes + l] = a.dx16[r * groups + l / 4];
+  constexpr int kGroup = 8;
+#pragma omp parallel num_threads(num_threads)
+  {
+    float* c16 = static_cast<float*>(thread_buffer(0, sizeof(float) * groups));
+    std::memset(c16, 0, sizeof(float) * groups);  // past the row's groups: zero, never written
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < out_features; ++n) {
+      const uint8_t* row = packed + n * row_bytes;
+      for (int64_t r0 = 0; r0 < num_rows; r0 += kGroup) {
+        float* yr = y + r0 * out_features + n;
+        switch (num_rows - r0 < kGroup ? num_rows - r0 : kGroup) {
+          case 1: int8_fused_rows<T, 1>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 2: int8_fused_rows<T, 2>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 3: int8_fused_rows<T, 3>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 4: int8_fused_rows<T, 4>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 5: int8_fused_rows<T, 5>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 6: int8_fused_rows<T, 6>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 7: int8_fused_rows<T, 7>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          default: int8_fused_rows<T, 8>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+        }
+      }
+    }
+  }
+}
+
+void int8_matmul_avx512(int qtype, float* y, const uint8_t* packed, int64_t num_rows, int64_t out_features,
+                        int64_t in_features, const Int8Rows& a, int num_threads) {
+  switch (qtype) {
+    case kQ4_0: return int8_matmul_avx512<kQ4_0>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ4_1: return int8_matmul_avx512<kQ4_1>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ5_0: return int8_matmul_avx512<kQ5_0>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ5_1: return int8_matmul_avx512<kQ5_1>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ8_0: return int8_matmul_avx512<kQ8_0>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ4_K: return int8_matmul_avx512<kQ4_K>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ5_K: return int8_matmul_avx512<kQ5_K>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    case kQ6_K: return int8_matmul_avx512<kQ6_K>(y, packed, num_rows, out_features, in_features, a, num_threads);
+    default: return;
+  }
+}
+#endif
+
 template <int ISA, bool kSigned>
 void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
                  int64_t in_features, int num_threads) {
@@ -612,6 +977,9 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
   float* xs16 = static_cast<float*>(thread_buffer(5, sizeof(float) * num_rows * groups));
   quantize_activations(x, num_rows, in_features, padded, qx, dx16, xs16);
   const Int8Rows a{qx, dx16, xs16, padded};
+#ifdef GGUF_AVX512
+  if constexpr (ISA == kAvx512) return int8_matmul_avx512(qtype, y, packed, num_rows, out_features, in_features, a, num_threads);
+#endif
 #pragma omp parallel num_threads(num_threads)
   {
     uint8_t* u = static_cast<uint8_t*>(thread_buffer(0, padded + sizeof(float) * 2 * groups));
@@ -653,12 +1021,14 @@ void run(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num
   if constexpr (ISA == kAvx2) {
     if (num_rows >= kTiledRows)
       return tiled_matmul<V256>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
+    return fused_matmul<V256>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
   }
 #endif
 #ifdef GGUF_AVX512
   if constexpr (ISA == kAvx512) {
     if (num_rows >= kTiledRows)
       return tiled_matmul<V512>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
+    return fused_matmul<V512>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
   }
 #endif
   rows_matmul<ISA>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
