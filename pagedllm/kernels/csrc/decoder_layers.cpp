@@ -14,9 +14,9 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_matmul.h"
+
 extern "C" {
-void gguf_matmul(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t rows, int64_t out_features,
-                 int64_t in_features, int num_threads, int use_int8);
 void quant_matmul_packed(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t rows,
                          int64_t out_features, int64_t in_features, int num_threads, int use_int8);
 void fused_add_rms_norm_f32(float* out, float* residual, const float* x, const float* weight, int num_rows, int dim,
