@@ -102,11 +102,7 @@ def write_gguf(folder: Path, family: str, path: Path, tokenizer: dict | None = N
         writer.add_rope_dimension_count(rotary)
         writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", cfg.original_max_position_embeddings))
         writer.add_sliding_window(cfg.sliding_window or 0)
-    for key, value in (tokenizer or {}).items():
-        add = {"tokenizer.ggml.model": writer.add_tokenizer_model, "tokenizer.ggml.pre": writer.add_tokenizer_pre,
-               "tokenizer.ggml.tokens": writer.add_token_list, "tokenizer.ggml.token_type": writer.add_token_types,
-               "tokenizer.ggml.merges": writer.add_token_merges}[key]
-        add(value)
+    _add_tokenizer(writer, tokenizer or {})
     if not tokenizer:  # the vocabulary's size is read from its token list
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list([f"tok{i}" for i in range(cfg.vocab_size)])
@@ -139,6 +135,14 @@ def write_gguf(folder: Path, family: str, path: Path, tokenizer: dict | None = N
     return path
 
 
+def _add_tokenizer(writer, tokenizer: dict) -> None:
+    for key, value in tokenizer.items():
+        add = {"tokenizer.ggml.model": writer.add_tokenizer_model, "tokenizer.ggml.pre": writer.add_tokenizer_pre,
+               "tokenizer.ggml.tokens": writer.add_token_list, "tokenizer.ggml.token_type": writer.add_token_types,
+               "tokenizer.ggml.merges": writer.add_token_merges}[key]
+        add(value)
+
+
 def _longrope_attention_factor(cfg) -> float:
     import math
 
@@ -151,3 +155,90 @@ def tokenizer_fields(gguf_path: Path) -> dict:
     """A real GGUF file's tokenizer metadata, to give a written file a working tokenizer."""
     reader = gguf.GGUFReader(str(gguf_path))
     return {key: reader.fields[key].contents() for key in TOKENIZER_KEYS if key in reader.fields}
+
+
+# The projections of a Llama layer as llama.cpp names them, and the top-level tensors.
+LLAMA_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+# The types with a minimum (bytes 2-3 of a block, after the scale d): the minimum as a multiple
+# of d that centres random values q (0..15, 0..31) about 0 (K-quants subtract it, Q4_1/Q5_1 add it).
+_CENTRED_MINIMUM = {"Q4_K": 7.5, "Q5_K": 15.5, "Q4_1": -7.5, "Q5_1": -15.5}
+
+
+def _random_tensor(name: str, rows: int, cols: int, qtype: str, generator) -> tuple[np.ndarray, object]:
+    """(data, raw_dtype) of a random `rows` x `cols` weight of `qtype`: random blocks with sane
+    scales for the block types (`kernels.gguf.random_weight`: no encoder needed), small normal
+    values for F32/F16/BF16."""
+    import torch
+
+    from pagedllm.kernels import gguf as gguf_kernels
+
+    if qtype in gguf_kernels.GGUF_TYPES:
+        blocks = gguf_kernels.random_weight(qtype, rows, cols, generator).data.numpy().copy()
+        if qtype in _CENTRED_MINIMUM:  # a row then averages about 0
+            block = blocks.reshape(-1, gguf_kernels.GGUF_TYPES[qtype][1])
+            d = block[:, 0:2].copy().view(np.float16).astype(np.float32)
+            block[:, 2:4] = (d * _CENTRED_MINIMUM[qtype]).astype(np.float16).view(np.uint8)
+        return blocks, gguf.GGMLQuantizationType[qtype]
+    values = (torch.randn(rows, cols, generator=generator) * 0.05).numpy()
+    if qtype == "F16":
+        return values.astype(np.float16), None
+    if qtype == "BF16":
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+    return values, None
+
+
+def write_random_llama(path: Path, types: dict[str, str], hidden: int = 256, intermediate: int = 512,
+                       layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 512,
+                       tied: bool = True, seed: int = 0, tokenizer: dict | None = None) -> Path:
+    """A llama GGUF of random weights, each tensor in the type `types` names for it (keys: the
+    names in LLAMA_PROJECTIONS, "token_embd", "output"; "default" for the rest), norms in F32.
+    Block types hold random blocks: the model is whatever they decode to, the same for every
+    reader of the file (no weights are round-tripped through an encoder)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(vocab)
+    if tokenizer:  # a working one (`tokenizer_fields`), for the engine; its vocabulary must be `vocab`
+        _add_tokenizer(writer, tokenizer)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([f"tok{i}" for i in range(vocab)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    kind = lambda role: types.get(role, types["default"])  # noqa: E731
+    head_dim = hidden // heads
+    shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
+              "ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
+
+    def add(name: str, role: str, rows: int, cols: int) -> None:
+        data, raw_dtype = _random_tensor(name, rows, cols, kind(role), generator)
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+
+    add("token_embd.weight", "token_embd", vocab, hidden)
+    for i in range(layers):
+        norms = 1 + 0.1 * torch.randn(2, hidden, generator=generator).numpy()
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", norms[0].astype(np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", norms[1].astype(np.float32))
+        for role in LLAMA_PROJECTIONS:
+            add(f"blk.{i}.{role}.weight", role, *shapes[role])
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    if not tied:
+        add("output.weight", "output", vocab, hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

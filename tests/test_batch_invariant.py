@@ -10,6 +10,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import onednn
 from pagedllm.model import invariance
+from pagedllm.model.quantization import FloatLinear
 from tests.helpers import random_prompts
 
 # Contexts past 256 tokens, so they span several of the mode's fixed attention partitions.
@@ -108,12 +109,13 @@ def test_projections_fall_back_to_fixed_tiles_where_onednn_varies(tiny_llama, mo
     tiles of one size; each row's result is then the same at every row count and position."""
     monkeypatch.setattr(invariance, "_row_invariant", lambda packed, in_features: False)
     llm = _llm(tiny_llama)
-    weight = llm.llm_engine.executor.worker.model.lm_head.weight
-    assert weight.row_tile == invariance.FIXED_ROW_TILE and weight.quantized is None
-    x = torch.randn(40, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    full = onednn.packed_linear(x, weight.packed, None, weight.row_tile)
+    head = llm.llm_engine.executor.worker.model.lm_head
+    method = head.quant_method
+    assert isinstance(method, FloatLinear) and method.row_tile == invariance.FIXED_ROW_TILE
+    x = torch.randn(40, head.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    full = onednn.packed_linear(x, method.packed, None, method.row_tile)
     for rows, start in [(1, 0), (5, 3), (17, 9), (33, 7)]:
-        part = onednn.packed_linear(x[start : start + rows], weight.packed, None, weight.row_tile)
+        part = onednn.packed_linear(x[start : start + rows], method.packed, None, method.row_tile)
         assert torch.equal(part, full[start : start + rows])
 
 

@@ -177,16 +177,18 @@ def test_quantized_gguf_keeps_the_blocks_of_its_projections(tiny_models, tmp_pat
     """Q8_0 projections keep their blocks for the quantized kernel (a fused checkpoint's too);
     stacked experts are dequantized to float; the logits stay those of the model (most rows:
     the rounding may change a router's pick of experts for a token)."""
+    from pagedllm.model.quantization import GGUFLinear, layer_of
+
     monkeypatch.setenv("PAGEDLLM_MODEL_CACHE", "0")
     path = tiny_models(family, **({"query_pre_attn_scalar": 32} if family == "gemma2" else {}))
     model = _load(str(write_gguf(path, family, tmp_path / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)))
     for layer in range(model.cfg.num_layers):
         for name, weight in model.layer_projections(layer).items():
-            quantized = getattr(weight, "quantized", None)
             if name.startswith("experts"):
-                assert weight.dim() == 3 and weight.dtype == torch.float32 and quantized is None
+                assert weight.dim() == 3 and weight.dtype == torch.float32
             else:
-                assert quantized is not None and quantized.qtype == "Q8_0", name
+                method = layer_of(model, weight).quant_method
+                assert isinstance(method, GGUFLinear) and set(method.qtypes) == {"Q8_0"}, name
     prompt = random_prompts(1, [24], seed=9)[0]
     ours = PagedSequences(model, block_size=4).run([prompt])[0]
     cosine = torch.nn.functional.cosine_similarity(ours, _hf_logits(load_hf(path), prompt), dim=-1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm.transformers_utils import resolve_model
+from pagedllm.model.quantization import dense_weight
 from pagedllm.model.weights import GGUFWeight, unpermute_rotary_rows
 
 
@@ -49,11 +50,11 @@ def test_gguf_row_and_column_slices_equal_slices_of_the_full_tensor(gguf_reader)
 def test_gguf_weights_equal_transformers_load(smollm_hf, smollm_llm):
     ours = smollm_llm.llm_engine.executor.worker.model
     layer, ref = ours.layer_projections(3), smollm_hf.model.layers[3]
-    qkv = layer["qkv_proj"]
+    qkv = dense_weight(ours, layer["qkv_proj"])  # dequantized from the packed blocks
     torch.testing.assert_close(qkv[:576], ref.self_attn.q_proj.weight, atol=0, rtol=0)
     torch.testing.assert_close(qkv[576:768], ref.self_attn.k_proj.weight, atol=0, rtol=0)
     torch.testing.assert_close(qkv[768:], ref.self_attn.v_proj.weight, atol=0, rtol=0)
-    gate_up = layer["gate_up_proj"]
+    gate_up = dense_weight(ours, layer["gate_up_proj"])
     torch.testing.assert_close(gate_up[:1536], ref.mlp.gate_proj.weight, atol=0, rtol=0)
-    torch.testing.assert_close(ours.embedding_weight, smollm_hf.model.embed_tokens.weight, atol=0, rtol=0)
+    torch.testing.assert_close(dense_weight(ours, ours.embedding_weight), smollm_hf.model.embed_tokens.weight, atol=0, rtol=0)
     assert ours.cfg.tie_word_embeddings and ours.lm_head.weight is ours.embedding_weight

@@ -28,7 +28,8 @@ class PagedSequences:
         backend = model.attention_layers[0].backend
         specs = model.kv_cache_spec()
         shape = backend.kv_cache_shape(num_blocks, block_size, specs[0].num_kv_heads, specs[0].head_dim)
-        dtype = model.lm_head.weight.dtype
+        floats = {p.dtype for p in model.parameters() if p.is_floating_point()}  # (packed GGUF weights are bytes)
+        dtype = torch.float32 if torch.float32 in floats else floats.pop()
         self.keys = [torch.zeros(shape, dtype=dtype) for _ in specs]
         self.values = [torch.zeros(shape, dtype=dtype) for _ in specs]
         model.bind_kv_cache(self.keys, self.values)

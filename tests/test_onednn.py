@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from pagedllm.attention.reference import ReferenceAttentionBackend
 from pagedllm.kernels import onednn
 from pagedllm.model.layers import linear
+from pagedllm.model.quantization import layer_of
 from pagedllm.model.loader import load_model
 from pagedllm.transformers_utils import resolve_model
 
@@ -75,13 +76,13 @@ def test_packed_bfloat16_linear_equals_a_float32_product_within_bfloat16_roundin
 
 def test_loaded_models_pack_every_projection_and_linear_uses_it(tiny_llama, monkeypatch):
     model = load_model(resolve_model(str(tiny_llama)), 64, ReferenceAttentionBackend(), torch.float32, torch.device("cpu"))
-    weights = [*model.layer_projections(0).values(), model.lm_head.weight]
-    assert all(w.packed is not None for w in weights)
-    x = torch.randn(5, weights[0].shape[1])
+    layers = [layer_of(model, w) for w in [*model.layer_projections(0).values(), model.lm_head.weight]]
+    assert all(m.quant_method.packed is not None for m in layers)
+    x = torch.randn(5, layers[0].weight.shape[1])
     calls = []
-    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append(args) or F.linear(x, weights[0]))
-    linear(x, weights[0])
-    assert len(calls) == 1 and calls[0][1] is weights[0].packed
+    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append(args) or F.linear(x, layers[0].weight))
+    linear(x, layers[0])
+    assert len(calls) == 1 and calls[0][1] is layers[0].quant_method.packed
 
 
 def test_row_counts_run_at_a_bounded_set_of_buckets_with_little_padding():

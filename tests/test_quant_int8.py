@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.kernels import quant
 from pagedllm.kernels.quant import MAX_ROWS, int8_matmul, quantized_matmul
+from pagedllm.model.quantization import KERNELS, layer_of
 from tests.test_quant_matmul import _quantized
 
 
@@ -95,16 +96,18 @@ def test_the_default_model_on_int8_activations_stays_close_to_float32(smollm_llm
     reference = [o.outputs[0].token_ids for o in smollm_llm.generate(prompts, params, use_tqdm=False)]
     llm = LLM(int8_activations="on", max_model_len=256, kv_cache_memory=64 << 20)
     try:
-        weight = llm.llm_engine.executor.worker.model.layer_projections(0)["down_proj"]
-        assert weight.quantized.int8_rows == MAX_ROWS
+        model = llm.llm_engine.executor.worker.model
+        assert layer_of(model, model.layer_projections(0)["down_proj"]).quant_method.int8_rows == MAX_ROWS
         calls = []
-        original = quant._product
-        quant._product = lambda kernel, x, w: calls.append(kernel) or original(kernel, x, w)
+        originals = {kernels: kernels.matmul for kernels in KERNELS.values()}
+        for kernels, original in originals.items():
+            kernels.matmul = lambda x, w, int8=False, original=original: calls.append(int8) or original(x, w, int8=int8)
         try:
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         finally:
-            quant._product = original
-        assert "quant_matmul_int8" in calls
+            for kernels, original in originals.items():
+                kernels.matmul = original
+        assert True in calls
     finally:
         llm.llm_engine.shutdown()
     shared = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(reference, got)]

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.kernels.quant import MAX_ROWS, QuantizedMatrix, quantized_matmul, usable
+from pagedllm.kernels.quant import MAX_ROWS, QuantizedMatrix, quantized_matmul
+from pagedllm.model.quantization import GGUFLinear, layer_of
 
 
 def _quantized(qtype: str, out_features: int, in_features: int, seed: int):
@@ -43,24 +44,26 @@ def test_the_tiled_way_gives_a_row_the_same_result_in_any_batch(qtype):
         assert torch.equal(quantized_matmul(x[start : start + rows], matrix), full[start : start + rows])
 
 
-def test_float32_cpu_products_of_any_row_count_use_it():
-    matrix, _ = _quantized("Q8_0", 8, 32, seed=0)
-    assert usable(matrix, torch.zeros(1, 32)) and usable(matrix, torch.zeros(4 * MAX_ROWS, 32))  # prompts too
-    assert not usable(matrix, torch.zeros(1, 32, dtype=torch.bfloat16))
-    assert not usable(None, torch.zeros(1, 32))
-
-
 def test_the_default_model_keeps_its_quantized_blocks(smollm_llm):
+    """Every projection and the tied table stay GGUF-packed (no float copy), and the packed
+    products agree with the dequantized weights (and q/k row order)."""
     model = smollm_llm.llm_engine.executor.worker.model
-    layer = model.layer_projections(0)
-    assert layer["qkv_proj"].quantized.qtype == "Q4_1"
-    assert layer["qkv_proj"].quantized.out_features == 576 + 2 * 192
-    assert layer["gate_up_proj"].quantized.out_features == 2 * 1536
-    assert layer["down_proj"].quantized.in_features == 1536
-    assert model.lm_head.weight.quantized.qtype == "Q8_0"  # the tied embedding table
-    # Unpacked for the kernel at load time, not during the first request's step.
-    assert layer["down_proj"].quantized.is_unpacked and model.lm_head.weight.quantized.is_unpacked
-    # Quantized and float paths agree on every layer's projections (and q/k row order).
+    layer = {name: layer_of(model, w) for name, w in model.layer_projections(0).items()}
+    qkv = layer["qkv_proj"].quant_method
+    assert isinstance(qkv, GGUFLinear) and qkv.qtypes == ["Q4_1"]
+    assert qkv.out_features == 576 + 2 * 192
+    assert layer["gate_up_proj"].quant_method.out_features == 2 * 1536
+    assert layer["down_proj"].quant_method.in_features == 1536
+    assert model.lm_head.quant_method.qtypes == ["Q8_0"]  # the tied embedding table
+    assert model.lm_head.quant_method is model.model.embed_tokens.quant_method
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
-    for param in (layer["qkv_proj"], layer["gate_up_proj"], model.lm_head.weight):
-        torch.testing.assert_close(quantized_matmul(x, param.quantized), x @ param.T, atol=5e-4, rtol=1e-4)
+    for module in (layer["qkv_proj"], layer["gate_up_proj"], model.lm_head):
+        assert module.weight.dtype == torch.uint8 and module.weight.dim() == 1  # the packed bytes only
+        dense = module.quant_method.to_float(module)
+        torch.testing.assert_close(module.quant_method.apply(module, x), x @ dense.T, atol=5e-4, rtol=1e-4)
+
+
+def test_packed_weights_refuse_activations_they_cannot_multiply(smollm_llm):
+    model = smollm_llm.llm_engine.executor.worker.model
+    with pytest.raises(TypeError, match="float32 CPU activations"):
+        model.lm_head.quant_method.apply(model.lm_head, torch.zeros(1, 576, dtype=torch.bfloat16))

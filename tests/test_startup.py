@@ -23,6 +23,7 @@ from pagedllm.attention.reference import ReferenceAttentionBackend
 from pagedllm.kernels import onednn
 from pagedllm.model import load_model, loader, weight_cache
 from pagedllm.model.memory import memory_budget
+from pagedllm.model.quantization import GGUFLinear, method_layers
 from pagedllm.transformers_utils import arch as arch_module
 from pagedllm.transformers_utils import file_cache
 from pagedllm.transformers_utils.source import ModelSource
@@ -33,9 +34,9 @@ CPU = torch.device("cpu")
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 256
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A two-layer llama GGUF file with random weights: projections in Q4_1, the (tied)
-    embedding in Q8_0, norms in F32, q/k rows permuted as llama.cpp stores them."""
+def write_tiny_gguf(path: Path, seed: int = 0, projections=gguf.GGMLQuantizationType.Q4_1) -> Path:
+    """A two-layer llama GGUF file with random weights: projections in Q4_1 (or `projections`),
+    the (tied) embedding in Q8_0, norms in F32, q/k rows permuted as llama.cpp stores them."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
@@ -54,9 +55,12 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
-    def quantized(name: str, rows: int, cols: int, qtype=gguf.GGMLQuantizationType.Q4_1) -> None:
+    def quantized(name: str, rows: int, cols: int, qtype=projections) -> None:
         dense = (rng.standard_normal((rows, cols)) * 0.3).astype(np.float32)
-        writer.add_tensor(name, gguf.quants.quantize(dense, qtype), raw_dtype=qtype)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, dense)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(dense, qtype), raw_dtype=qtype)
 
     head_dim = HIDDEN // HEADS
     quantized("token_embd.weight", VOCAB, HIDDEN, gguf.GGMLQuantizationType.Q8_0)
@@ -122,14 +126,10 @@ def assert_same_weights(a, b) -> None:
     for name, pa in params_a.items():
         pb = params_b[name]
         assert torch.equal(pa, pb), name
-        qa, qb = getattr(pa, "quantized", None), getattr(pb, "quantized", None)
-        assert (qa is None) == (qb is None), name
-        if qa is not None:
-            assert (qa.qtype, qa.in_features, qa.is_unpacked) == (qb.qtype, qb.in_features, qb.is_unpacked)
-            assert torch.equal(qa.data, qb.data)
-            ua, ub = qa.unpack(), qb.unpack()
-            assert torch.equal(ua.values, ub.values) and torch.equal(ua.scales, ub.scales)
-            assert (ua.mins is None and ub.mins is None) or torch.equal(ua.mins, ub.mins)
+    methods_a, methods_b = method_layers(a), method_layers(b)
+    assert methods_a.keys() == methods_b.keys()
+    for name, layer in methods_a.items():
+        assert layer.quant_method.cache_description == methods_b[name].quant_method.cache_description, name
 
 
 def greedy_run(model, prompt_len: int = 20, steps: int = 6) -> tuple[torch.Tensor, list[int]]:
@@ -337,20 +337,41 @@ def present_pages(tensor: torch.Tensor) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not onednn.available(), reason="Linux and oneDNN")
-def test_a_warm_model_keeps_one_copy_of_each_projection(cache, tiny_gguf):
-    """oneDNN reads its packed copy; the float pages it was packed from go back to the file and
-    stay there through prefill and decode (the embedding table, read by row, is left alone)."""
-    load(tiny_gguf)
+def test_a_warm_model_keeps_one_copy_of_each_projection(cache, tmp_path):
+    """oneDNN reads its packed copy of a float (F32 GGUF) projection; the float pages it was
+    packed from go back to the file and stay there through prefill and decode (the embedding
+    table, read by row, is left alone)."""
+    source = ModelSource("tiny-f32", "gguf", write_tiny_gguf(tmp_path / "f32.gguf", projections=gguf.GGMLQuantizationType.F32))
+    load(source)
     forget_this_process()
-    model = load(tiny_gguf)
-    packed = [p for p in model.parameters() if getattr(p, "packed", None) is not None]
-    projections = [p for p in packed if p is not model.embedding_weight]
+    model = load(source)
+    layers = [m for m in method_layers(model).values() if getattr(m.quant_method, "packed", None) is not None]
+    projections = [m.weight for m in layers if m.weight is not model.embedding_weight]
+    assert projections
     total = sum(p.numel() * p.element_size() for p in projections) // mmap.PAGESIZE
     assert sum(present_pages(p) for p in projections) == 0
     greedy_run(model)
     # Reading the norms and embedding rows beside them maps a few neighbouring pages too (the
     # kernel's fault-around), but the projections themselves are never read.
     assert sum(present_pages(p) for p in projections) < total // 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux")
+def test_a_warm_quantized_model_maps_the_packed_blocks_from_a_file_of_the_gguf_size(cache, tiny_gguf):
+    """The weight cache of a quantized GGUF holds the packed blocks the kernels read (about the
+    file's bytes, not float32's), and a warm start computes from them in the mapped file."""
+    load(tiny_gguf)
+    forget_this_process()
+    model = load(tiny_gguf)
+    (entry,) = entries(cache)
+    gguf_size = tiny_gguf.path.stat().st_size
+    float32_size = 4 * sum(n for n in (VOCAB * HIDDEN, LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTERMEDIATE)))
+    assert (entry / weight_cache.WEIGHTS_FILE).stat().st_size < 1.3 * gguf_size < float32_size / 4
+    spans = weight_cache.cache_file_mappings()
+    for layer in method_layers(model).values():
+        assert isinstance(layer.quant_method, GGUFLinear)
+        start = layer.weight.data_ptr()
+        assert any(lo <= start < hi for lo, hi, _ in spans)
 
 
 def test_the_budget_adds_up(cache, tiny_gguf):

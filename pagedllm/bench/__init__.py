@@ -7,7 +7,10 @@ import argparse
 import importlib
 
 # The benchmarks, each a module of this package with a `register(subparsers)` of its own.
-BENCHMARKS = ("throughput", "sharing", "preemption", "kernel", "matmul", "latency", "dtype", "serve", "paper", "structured", "windows", "spec")
+BENCHMARKS = (
+    "throughput", "sharing", "preemption", "kernel", "matmul", "latency", "dtype", "serve", "paper", "structured",
+    "windows", "spec", "gguf_kernels",
+)
 
 
 def register_benchmark(sub: argparse._SubParsersAction, name: str) -> None:

@@ -3,7 +3,7 @@ layer's fused qkv, o, gate_up and down, and the LM head), on its real weights, f
 input row counts (sequences decoding together), through the three paths a layer can take
 (`pagedllm.model.layers.linear`):
 
-- the quantized kernel (`kernels/quant.py`) reads the GGUF blocks (Q4_1: 0.75 bytes per weight,
+- the quantized kernel (`kernels/gguf.py`) reads the GGUF blocks (Q4_1: 0.75 bytes per weight,
   against 4 for float32). With few rows a step is bound by reading the weights, so it wins; with
   many, its tiled way (expanded weights broadcast against transposed panels of x) runs at the float
   products' rate or above. It serves every float32 product of a model that has the blocks; the
@@ -40,27 +40,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def step_weights(model) -> list[torch.nn.Parameter]:
-    """The projection weights of one decode step, in the order the model applies them."""
-    return model.step_projection_weights()
+def step_layers(model) -> list[torch.nn.Module]:
+    """The projection layers of one decode step, in the order the model applies them."""
+    from pagedllm.model.quantization import layer_of
+
+    return [layer_of(model, w) for w in model.step_projection_weights()]
 
 
-def path_fns(weights) -> dict:
+def path_fns(layers) -> dict:
     """Each path as fn(inputs by in_features) -> None running every projection once; the
-    quantized kernel is called directly."""
+    quantized kernel is called directly. The float paths multiply by dequantized copies made
+    here (a GGUF-packed model holds none)."""
     from pagedllm.kernels import onednn
-    from pagedllm.kernels.quant import float_matmul, int8_matmul
+    from pagedllm.model.quantization import GGUFLinear, gguf_kernels
 
-    def step(product):
-        return lambda xs: [product(xs[w.shape[1]], w) for w in weights]
+    floats = [m.quant_method.to_float(m).contiguous() for m in layers]
+    in_features = [w.shape[1] for w in floats]
 
-    fns = {"linear": step(F.linear)}
-    if all(getattr(w, "quantized", None) is not None for w in weights):
-        fns["quant"] = step(lambda x, w: float_matmul(x, w.quantized))
-        fns["int8"] = step(lambda x, w: int8_matmul(x, w.quantized))
-    if all(getattr(w, "packed", None) is not None for w in weights):
-        fns["onednn"] = step(lambda x, w: onednn.packed_linear(x, w.packed))
-    return fns
+    def step(product, weights):
+        return lambda xs: [product(xs[k], w) for k, w in zip(in_features, weights)]
+
+    fns = {"linear": step(F.linear, floats)}
+    if all(isinstance(m.quant_method, GGUFLinear) and len(m.quant_method.parts) == 1 for m in layers):
+        packed = [m.quant_method.parts[0] for m in layers]
+        fns["quant"] = step(lambda x, w: gguf_kernels.matmul(x, w), packed)
+        fns["int8"] = step(lambda x, w: gguf_kernels.matmul(x, w, int8=True), packed)
+    reordered = onednn.pack_all(floats)
+    if all(w is not None for w in reordered):
+        fns["onednn"] = step(onednn.packed_linear, reordered)
+    return fns, floats
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,10 +78,10 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.transformers_utils import resolve_model
 
     model = load_model(resolve_model(args.model), 64, ReferenceAttentionBackend(), torch.float32, torch.device("cpu"))
-    weights = step_weights(model)
-    fns = path_fns(weights)
+    layers = step_layers(model)
+    fns, weights = path_fns(layers)
     flops_per_row = 2 * sum(w.numel() for w in weights)
-    qtypes = sorted({w.quantized.qtype for w in weights if getattr(w, "quantized", None) is not None})
+    qtypes = sorted({q for m in layers for q in getattr(m.quant_method, "qtypes", [])})
     print(f"{len(weights)} projections per step, {flops_per_row / 2e6:.1f}M weights ({', '.join(qtypes) or 'not quantized'}); "
           f"paths: {', '.join(p for p in PATHS if p in fns)}" + (f"; int8 on {quant.int8_isa()}" if "int8" in fns else ""))
 
@@ -109,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         print("the quantized kernel is fastest at every row count measured (it serves every float32 product)")
     else:
         print(f"the quantized kernel stops being fastest at {crossover} rows (it serves every float32 product: "
-              "see quant.usable)")
+              "see quantization.GGUFLinear)")
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config.update(quant_overtaken_at=crossover, int8_isa=quant.int8_isa(),
                   num_projections=len(weights), flops_per_row=flops_per_row)

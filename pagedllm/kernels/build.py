@@ -113,6 +113,15 @@ def load() -> ctypes.CDLL:
     lib.quant_matmul_int8.restype = None
     lib.quant_int8_isa.argtypes = []
     lib.quant_int8_isa.restype = ctypes.c_int
+    # kernels/gguf.py: the native GGUF block types
+    lib.gguf_matmul.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.gguf_dequantize_rows.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.gguf_quantize_activations.argtypes = [_P, _P, _P, ctypes.c_int64, ctypes.c_int64]
+    for name in ("gguf_matmul", "gguf_dequantize_rows", "gguf_quantize_activations"):
+        getattr(lib, name).restype = None
+    lib.gguf_set_isa.argtypes = [ctypes.c_int]
+    for name in ("gguf_isa", "gguf_best_isa", "gguf_set_isa"):
+        getattr(lib, name).restype = ctypes.c_int
     lib.decoder_layers_f32.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P]
     lib.decoder_layers_f32.restype = None
     lib.decoder_layers_num_parts.restype = ctypes.c_int

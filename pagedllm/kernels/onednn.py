@@ -11,9 +11,9 @@ other CPUs oneDNN refuses 16-bit reorders, and `F.linear` serves them.
 far from the machine's peak for the skinny products of decoding (`pagedllm bench matmul`
 compares the two on the default model's shapes).
 
-The packed tensor is opaque (an MKLDNN tensor); it sits beside the plain weight as
-`weight.packed`, which every other user of the weight (the embedding, tensor parallel loading,
-tests) keeps reading.
+The packed tensor is opaque (an MKLDNN tensor); it sits beside the plain weight in the layer's
+`FloatLinear` method (`pagedllm.model.quantization`), and every other user of the weight (the
+embedding, tensor parallel loading, tests) keeps reading the plain one.
 
 oneDNN builds (JIT-compiles) and caches one primitive per distinct shape of product, about 0.6 MB
 each, up to its cache's 1024 entries. A server sees every row count (each decode batch size,
@@ -31,7 +31,6 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagedllm.utils import best_wall_time
 
@@ -145,11 +144,9 @@ def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return out[:rows] if bucket != rows else out
 
 
-def pack_weights(params: list[nn.Parameter]) -> int:
-    """Attach `packed` to each parameter that can take it; returns how many did. oneDNN's
-    reorder runs on one core and releases the GIL, so the weights are packed on as many threads
-    as torch computes with (half the time on two cores, a second or more of start-up)."""
+def pack_all(weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """`pack` of each weight (None where it does not apply). oneDNN's reorder runs on one core
+    and releases the GIL, so the weights are packed on as many threads as torch computes with
+    (half the time on two cores, a second or more of start-up)."""
     with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="pagedllm-pack") as pool:
-        for param, packed in zip(params, pool.map(pack, params)):
-            param.packed = packed
-    return sum(param.packed is not None for param in params)
+        return list(pool.map(pack, weights))

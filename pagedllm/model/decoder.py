@@ -21,7 +21,13 @@ from torch import nn
 from pagedllm.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.kv_spec import AttentionSpec
-from pagedllm.model.layers import MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, default_weight_loader
+from pagedllm.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
 from pagedllm.model.weights import LazyWeight
 from pagedllm.transformers_utils.arch import ModelArchConfig
 
@@ -68,7 +74,7 @@ class DecoderForCausalLM(nn.Module):
         self.model = self.build_model(max_position, backend, tp, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, self.embedding_weight.shape[1], tp, dtype)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embedding_weight
+            self.lm_head.tie(self.embedding_module)
 
     def build_model(self, max_position: int, backend: AttentionBackend, tp: TensorParallelGroup,
                     dtype: torch.dtype) -> nn.Module:
@@ -134,6 +140,16 @@ class DecoderForCausalLM(nn.Module):
     def embedding_weight(self) -> nn.Parameter:
         return self.model.embed_tokens.weight
 
+    @property
+    def embedding_module(self) -> VocabParallelEmbedding:
+        """The token embedding (whose table a tied LM head multiplies by)."""
+        return next(m for m in self.modules() if isinstance(m, VocabParallelEmbedding)
+                    and not isinstance(m, ParallelLMHead) and m.weight is self.embedding_weight)
+
+    def tie_weights(self) -> None:
+        """A tied head shares the table again after loading replaced it (a GGUF table's blocks)."""
+        self.lm_head.retie()
+
     def fused_decoder_plan(self):
         """What `pagedllm.model.fused_layers` needs to run every layer in one C++ call, or None
         where this model's layers are not the shape that call computes (the default)."""
@@ -178,17 +194,14 @@ class DecoderForCausalLM(nn.Module):
         missing = sorted(f"{n}:{s}" if s is not None else n for n, s in self._expected_shards(params, tied) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
+        self.tie_weights()
 
     def _expected_shards(self, params: dict[str, nn.Parameter], tied: bool) -> set[tuple[str, Any]]:
-        owners: dict[int, nn.Module] = {}
-        for module in self.modules():
-            for param in module.parameters(recurse=False):
-                owners[id(param)] = module
         expected = set()
         for name, param in params.items():
             if name == "lm_head.weight" and tied:
                 continue
-            owner = owners[id(param)]
+            owner = self.get_submodule(name.rpartition(".")[0])  # (loading may have replaced the parameter)
             if isinstance(owner, QKVParallelLinear):
                 shards = ("q", "k", "v")
             elif isinstance(owner, MergedColumnParallelLinear):

@@ -1,6 +1,6 @@
 """Every decoder layer in one C++ call (`kernels/csrc/decoder_layers.cpp`) for the steps where
 Python's layer loop costs more than its arithmetic: a float32 model on a CPU whose projections
-have GGUF-quantized blocks, at up to `quant.MAX_ROWS` tokens (decode steps of a handful of
+are GGUF-packed (`quantization.GGUFLinear`, any type: the C++ side calls `gguf_matmul`), at up to `quant.MAX_ROWS` tokens (decode steps of a handful of
 sequences), with the C++ attention backend. The call runs the very kernels the loop runs, in
 the same order on the same inputs, so its output is bitwise the loop's (tests/test_fused_layers.py);
 every other step (prompts, bfloat16, GPUs, tensor parallelism, batch-invariant mode) takes the
@@ -22,6 +22,7 @@ from pagedllm.attention import Attention
 
 from pagedllm.kernels import build
 from pagedllm.kernels.quant import MAX_ROWS
+from pagedllm.model.quantization import c_kernel
 from pagedllm.model.rotary import RotaryEmbedding
 
 _P = ctypes.c_void_p
@@ -30,10 +31,17 @@ _P = ctypes.c_void_p
 PARTS = ("norms", "projections", "rotary", "kv_write", "attention", "mlp_activation", "copies")
 
 
+_MAX_PARTS = 3  # decoder_layers.cpp's kMaxParts
+
+
+class _ProjectionPart(ctypes.Structure):
+    _fields_ = [("packed", _P), ("qtype_id", ctypes.c_int32), ("out_features", ctypes.c_int32),
+                        ("legacy", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
 class _Projection(ctypes.Structure):
-    _fields_ = [("values", _P), ("scales", _P), ("mins", _P), ("bias", _P),
-                ("out_features", ctypes.c_int32), ("in_features", ctypes.c_int32),
-                ("int8_rows", ctypes.c_int32), ("pad", ctypes.c_int32)]
+    _fields_ = [("parts", _ProjectionPart * _MAX_PARTS), ("bias", _P), ("num_parts", ctypes.c_int32),
+                ("out_features", ctypes.c_int32), ("in_features", ctypes.c_int32), ("int8_rows", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -55,18 +63,21 @@ class _Step(ctypes.Structure):
 
 
 def _projection(linear) -> _Projection:
-    matrix = linear.weight.quantized
-    u = matrix.unpack()
+    """The C++ view of a projection with a `GGUFLinear` method (its packed parts and bias)."""
+    method = linear.quant_method
+    parts = []
+    for part in method.fused_parts:
+        qtype_id, legacy = c_kernel(part)
+        parts.append(_ProjectionPart(part.data.data_ptr(), qtype_id, part.out_features, int(legacy), 0))
     bias = getattr(linear, "bias", None)
-    return _Projection(u.values.data_ptr(), u.scales.data_ptr(), u.mins.data_ptr() if u.mins is not None else None,
-                       bias.data_ptr() if bias is not None else None, matrix.out_features, matrix.in_features,
-                       matrix.int8_rows, 0)
+    return _Projection((_ProjectionPart * _MAX_PARTS)(*parts), bias.data_ptr() if bias is not None else None,
+                       len(parts), method.out_features, method.in_features, method.int8_rows)
 
 
 @dataclass
 class FusedLayer:
     """One decoder layer as the C++ call reads it: its two norms' weights, its four projections
-    (modules with `.weight.quantized` and an optional `.bias`) and its attention."""
+    (modules with a GGUF-packed `quant_method` and an optional `.bias`) and its attention."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
@@ -111,13 +122,14 @@ class FusedDecoderLayers:
         self.hidden_size = first.input_norm.shape[0]
         self.num_heads, self.num_kv_heads = first.attn.num_heads, first.attn.num_kv_heads
         self.head_dim = first.attn.head_dim
-        self.intermediate_size = first.down.weight.shape[1]
+        self.intermediate_size = first.down.quant_method.in_features
         self.eps, self.scale = plan.eps, first.attn.scale
 
     @staticmethod
     def supported(plan: FusedDecoderPlan, backend) -> bool:
         """Whether every layer of `plan` (float32 on a CPU) can run fused with `backend`: the C++
-        attention outside batch-invariant mode, quantized blocks on every projection."""
+        attention outside batch-invariant mode, every projection GGUF-packed in a type the C
+        kernel serves (`LinearMethod.fused_parts`)."""
         from pagedllm.attention.cpu import CPUAttentionBackend
 
         if not isinstance(backend, CPUAttentionBackend) or backend.batch_invariant:
@@ -127,7 +139,7 @@ class FusedDecoderLayers:
         if any(layer.attn.logits_soft_cap is not None for layer in plan.layers):
             return False  # (no Llama-shaped family caps its logits)
         projections = [p for layer in plan.layers for p in layer.projections]
-        return all(getattr(p.weight, "quantized", None) is not None for p in projections)
+        return all(p.quant_method.fused_parts is not None for p in projections)
 
     def applies(self, hidden: torch.Tensor, metadata) -> bool:
         """A step of at most MAX_ROWS tokens, none of them a prompt without cached context (those

@@ -8,8 +8,9 @@ checked at start-up on every weight shape of the model, at every row count a pro
 (`onednn.row_bucket`) and at every position in the batch. Where it fails, products run in tiles
 of a fixed row count instead (one kernel for all), which is invariant by construction.
 
-The quantized kernel is dropped: it serves only small row counts, so a decode step would
-otherwise change kernels with the batch size.
+Whether a layer's products are invariant is its method's property (`LinearMethod.batch_invariant`):
+a GGUF-packed weight is dequantized to float32 here (`quantization.use_float`: the quantized
+kernels pick their way by row count), so this mode holds float copies of a GGUF model.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import onednn
+from pagedllm.model import quantization
+from pagedllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, prepare_linear_weights
+from pagedllm.model.quantization import FloatLinear
 
 logger = logging.getLogger("pagedllm")
 
@@ -48,22 +52,31 @@ def make_batch_invariant(model: nn.Module) -> None:
             "batch_invariant=True is not supported for mixture-of-experts models: their expert products run on "
             "each expert's tokens, so a row's reduction order follows the batch. Drop batch_invariant."
         )
-    params = {id(p): p for name, p in model.named_parameters() if name.endswith("weight") and p.dim() == 2}
-    projections = [p for p in params.values() if hasattr(p, "packed")]
-    missing = [p for p in projections if p.packed is None]
-    if not projections or missing:
+    layers = list(quantization.method_layers(model).values())
+    for layer in layers:
+        if not isinstance(layer.quant_method, FloatLinear) and "tied_embedding" not in layer.__dict__:
+            quantization.use_float(layer)  # (a tied head follows its table: tie_weights)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    prepare_linear_weights(model)
+    projections = {id(m.quant_method): m for m in layers if _is_projection(m)}
+    if not projections or not all(m.quant_method.batch_invariant for m in projections.values()):
         raise ValueError(
             "batch_invariant=True needs every projection in oneDNN's packed float32 form (dtype float32 on a CPU "
             "whose torch has oneDNN); this model's are not. Use dtype='float32' or drop batch_invariant."
         )
     shapes: dict[tuple[int, int], bool] = {}
-    for param in projections:
-        param.quantized = None
-        shape = tuple(param.shape)
+    for layer in projections.values():
+        method = layer.quant_method
+        shape = tuple(layer.weight.shape)
         if shape not in shapes:
-            shapes[shape] = _row_invariant(param.packed, shape[1])
-        param.row_tile = None if shapes[shape] else FIXED_ROW_TILE
+            shapes[shape] = _row_invariant(method.packed, shape[1])
+        method.row_tile = None if shapes[shape] else FIXED_ROW_TILE
     tiled = sorted(shape for shape, ok in shapes.items() if not ok)
     if tiled:
         logger.info("Batch-invariant: oneDNN's products vary with the row count for shapes %s here; those run in "
                     "tiles of %d rows", tiled, FIXED_ROW_TILE)
+
+
+def _is_projection(layer: nn.Module) -> bool:
+    return isinstance(layer, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))

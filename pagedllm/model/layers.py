@@ -18,7 +18,7 @@ from pagedllm.distributed import TensorParallelGroup
 from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.kernels import quant
-from pagedllm.kernels.quant import QuantizedMatrix, quantized_matmul, usable
+from pagedllm.model.quantization import FloatLinear, gguf_kernels, int8_rows_that_pay, load_part
 from pagedllm.model.weights import LazyWeight
 from pagedllm.utils import cdiv
 
@@ -35,76 +35,55 @@ def default_weight_loader(param: nn.Parameter, weight: LazyWeight) -> None:
     _copy_into(param, weight.load())
 
 
-def _keep_quantized(param: nn.Parameter, weight: LazyWeight, part: int = 0, num_parts: int = 1) -> None:
-    """Keep the checkpoint's quantized blocks beside the float weight (`param.quantized`), for
-    the quantized matmul kernel. A fused parameter gets them once every part has arrived, in
-    part order; if any part has none, the parameter has none."""
-    quantized = weight.load_quantized() if hasattr(weight, "load_quantized") else None
-    if num_parts == 1:
-        param.quantized = quantized
-        return
-    parts = param.__dict__.setdefault("quantized_parts", {})
-    parts[part] = quantized
-    if len(parts) < num_parts:
-        return
-    ordered = [parts[i] for i in range(num_parts)]
-    del param.quantized_parts
-    if any(q is None for q in ordered) or len({q.qtype for q in ordered}) != 1:
-        param.quantized = None
-        return
-    param.quantized = QuantizedMatrix(ordered[0].qtype, torch.cat([q.data for q in ordered]), ordered[0].in_features)
+def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b by the layer's method (`pagedllm.model.quantization`)."""
+    return layer.quant_method.apply(layer, x, bias)
 
 
-def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b: from the quantized blocks when the weight has them (float32 on a CPU), else
-    from the oneDNN-packed weight when it has one (`prepare_linear_weights`), else `F.linear`."""
-    quantized = getattr(weight, "quantized", None)
-    if usable(quantized, x):
-        y = quantized_matmul(x, quantized)
-        return y + bias if bias is not None else y
-    packed = getattr(weight, "packed", None)
-    if packed is not None and x.dtype == weight.dtype:
-        return onednn.packed_linear(x, packed, bias, getattr(weight, "row_tile", None))
-    return F.linear(x, weight, bias)
+def _linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules whose weight is a projection (the LM head included), each method once."""
+    linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    layers: dict[int, nn.Module] = {}
+    for module in model.modules():
+        if isinstance(module, linears):
+            layers.setdefault(id(module.quant_method), module)
+    return list(layers.values())
 
 
 def prepare_linear_weights(model: nn.Module) -> int:
     """Lay out every projection weight of `model` for its kernels, once the weights are loaded
-    and placed: reordered for oneDNN (on a CPU: float32, and 16-bit where it pays), and quantized
-    blocks unpacked for the quantized kernel. Returns how many weights were packed for oneDNN.
-
-    Each form is kept only where a kernel reads it: the quantized kernel serves float32 on a
-    CPU, so on other devices and dtypes the blocks are dropped rather than held unused."""
-    linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-    params = {id(m.weight): m.weight for m in model.modules() if isinstance(m, linears)}
-    for param in params.values():
-        if getattr(param, "quantized", None) is None:
-            continue
-        if param.dtype == torch.float32 and param.device.type == "cpu":
-            param.quantized.unpack()
-        else:
-            param.quantized = None
-    return onednn.pack_weights(list(params.values()))
+    and placed (`LinearMethod.process_weights_after_loading`): float weights reordered for
+    oneDNN on a CPU (float32, and 16-bit where it pays). Returns how many weights were packed."""
+    layers = _linear_layers(model)
+    floats = [m for m in layers if isinstance(m.quant_method, FloatLinear)]
+    unpacked = [m for m in floats if m.quant_method.packed is None]
+    for module, packed in zip(unpacked, onednn.pack_all([m.weight for m in unpacked])):
+        module.quant_method.packed = packed
+    for module in layers:
+        module.quant_method.process_weights_after_loading(module)
+    return sum(m.quant_method.packed is not None for m in floats)
 
 
 def use_int8_activations(model: nn.Module, mode: str) -> int:
-    """Let the quantized projections of `model` run on int8 activations (`kernels/quant.py`):
-    "on" up to `quant.MAX_ROWS` rows, "auto" up to the rows where the start-up trial finds them
-    faster, "off" never. Returns how many weights take them."""
+    """Let the GGUF-packed projections of `model` run on int8 activations (a property of their
+    method, `GGUFLinear.int8_rows`): "on" up to `quant.MAX_ROWS` rows, "auto" up to the rows where
+    the start-up trial of their types' kernels finds them faster, "off" never. Returns how many
+    weights take them."""
     if mode not in INT8_MODES:
         raise ValueError(f"int8_activations must be one of {', '.join(INT8_MODES)}, not {mode!r}")
-    matrices = [m for m in (getattr(p, "quantized", None) for p in model.parameters()) if m is not None]
-    if mode == "off" or not matrices:
+    methods = [m.quant_method for m in _linear_layers(model) if m.quant_method.supports_int8]
+    if mode == "off" or not methods:
         if mode != "off":
             logger.warning("int8_activations=%r changes nothing: the model has no quantized blocks here "
-                           "(they serve GGUF Q4_1/Q8_0 weights on a CPU in float32)", mode)
+                           "(they serve GGUF weights on a CPU in float32)", mode)
         return 0
-    rows = quant.MAX_ROWS if mode == "on" else min(quant.int8_rows_that_pay(), quant.MAX_ROWS)
-    for matrix in matrices:
-        matrix.int8_rows = rows
-    logger.info("int8 activations (%s) for products of up to %d rows, on %d quantized weights",
-                quant.int8_isa(), rows, len(matrices))
-    return len(matrices) if rows else 0
+    for method in methods:
+        trial = min(int8_rows_that_pay(q) for q in method.qtypes)  # (each type's kernels, once)
+        method.int8_rows = quant.MAX_ROWS if mode == "on" else min(trial, quant.MAX_ROWS)
+    taking = sum(m.int8_rows > 0 for m in methods)
+    logger.info("int8 activations (%s; %s) for products of up to %d rows, on %d quantized weights",
+                quant.int8_isa(), gguf_kernels.isa(), max(m.int8_rows for m in methods), taking)
+    return taking
 
 
 def _new_param(*shape: int, dtype: torch.dtype, loader) -> nn.Parameter:
@@ -148,16 +127,18 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = tp.split(out_features, "output features")
         self.weight = _new_param(self.out_per_rank, in_features, dtype=dtype, loader=self.weight_loader)
         self.bias = _new_param(self.out_per_rank, dtype=dtype, loader=self.weight_loader) if bias else None
+        self.quant_method = FloatLinear()  # chosen again when the weight arrives (quantization.load_part)
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
         start = self.tp.rank * self.out_per_rank
         shard = weight.narrow(0, start, self.out_per_rank)
-        _copy_into(param, shard.load())
         if param is self.weight:
-            _keep_quantized(param, shard)
+            load_part(self, shard, 0)
+        else:
+            _copy_into(param, shard.load())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -173,9 +154,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.per_rank_sizes[shard_id]
         offset = sum(self.per_rank_sizes[:shard_id])
         shard = weight.narrow(0, self.tp.rank * size, size)
-        _copy_into(param.data.narrow(0, offset, size), shard.load())
         if param is self.weight:
-            _keep_quantized(param, shard, shard_id, len(self.out_sizes))
+            load_part(self, shard, offset, shard_id, len(self.out_sizes))
+        else:
+            _copy_into(param.data.narrow(0, offset, size), shard.load())
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -214,6 +196,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.out_per_rank = out
         self.weight = _new_param(out, hidden_size, dtype=dtype, loader=self.weight_loader)
         self.bias = _new_param(out, dtype=dtype, loader=self.weight_loader) if bias else None
+        self.quant_method = FloatLinear()
 
     @property
     def q_size(self) -> int:
@@ -231,9 +214,10 @@ class QKVParallelLinear(ColumnParallelLinear):
             size = self.kv_size
             start = (self.tp.rank // self.replication) * self.kv_size
         shard = weight.narrow(0, start, size)
-        _copy_into(param.data.narrow(0, offset, size), shard.load())
         if param is self.weight:
-            _keep_quantized(param, shard, "qkv".index(shard_id), 3)
+            load_part(self, shard, offset, "qkv".index(shard_id), 3)
+        else:
+            _copy_into(param.data.narrow(0, offset, size), shard.load())
 
 
 class RowParallelLinear(nn.Module):
@@ -246,19 +230,20 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = tp.split(in_features, "input features")
         self.weight = _new_param(out_features, self.in_per_rank, dtype=dtype, loader=self.weight_loader)
         self.bias = _new_param(out_features, dtype=dtype, loader=default_weight_loader) if bias else None
+        self.quant_method = FloatLinear()
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
-        shard = weight.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank)
-        _copy_into(param, shard.load())
-        _keep_quantized(param, shard)
+        load_part(self, weight.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank), 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self))
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows; rows beyond the vocabulary pad the last shard."""
+    """Embedding table split by vocabulary rows; rows beyond the vocabulary pad the last shard
+    (a float table's; a GGUF-packed table holds the vocabulary's rows only). Rows are looked up
+    by the table's method: a quantized table dequantizes just the rows looked up."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup, dtype: torch.dtype):
         super().__init__()
@@ -268,28 +253,41 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
         self.weight = _new_param(self.rows_per_rank, hidden_size, dtype=dtype, loader=self.weight_loader)
+        self.quant_method = FloatLinear()
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
         rows = self.vocab_end - self.vocab_start
-        shard = weight.narrow(0, self.vocab_start, rows)
-        param.data.zero_()
-        _copy_into(param.data.narrow(0, 0, rows), shard.load())
-        _keep_quantized(param, shard)  # used when this table is also the output projection
+        load_part(self, weight.narrow(0, self.vocab_start, rows), 0)
+        if isinstance(self.quant_method, FloatLinear) and rows < self.rows_per_rank:
+            self.weight.data[rows:].zero_()  # the padding rows
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(token_ids, self.weight)
+            return self.quant_method.embed(self, token_ids)
         outside = (token_ids < self.vocab_start) | (token_ids >= self.vocab_end)
         local = (token_ids - self.vocab_start).masked_fill(outside, 0)
-        y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        y = self.quant_method.embed(self, local).masked_fill(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary, split like the embedding; logits gathered on rank 0."""
+    """Output projection to the vocabulary, split like the embedding; logits gathered on rank 0.
+    Tied to the embedding (`tie`), it multiplies by the table in the table's own form (a
+    quantized table from its blocks)."""
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        """Share `embedding`'s weight and method; `retie` after the embedding's weight is replaced."""
+        self.__dict__["tied_embedding"] = embedding  # not a submodule: the table is the embedding's
+        self.retie()
+
+    def retie(self) -> None:
+        embedding = self.__dict__.get("tied_embedding")
+        if embedding is not None:
+            self.weight = embedding.weight
+            self.quant_method = embedding.quant_method
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local = linear(hidden, self.weight)
+        local = linear(hidden, self)
         if local.shape[-1] < self.rows_per_rank:  # the quantized blocks hold no padding rows
             local = F.pad(local, (0, self.rows_per_rank - local.shape[-1]))
         logits = self.tp.gather(local, dim=-1)

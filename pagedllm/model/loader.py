@@ -18,6 +18,7 @@ from pagedllm.attention import AttentionBackend
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model import weight_cache
 from pagedllm.model.layers import prepare_linear_weights
+from pagedllm.model.memory import process_rss
 from pagedllm.model.interface import CausalLM
 from pagedllm.model.registry import model_class
 from pagedllm.model.weights import GGUFWeight, LazyWeight, SafetensorsWeight, gguf_tensors
@@ -40,9 +41,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 # --- GGUF -----------------------------------------------------------------------------------
 
-def _gguf_weights(path: Path, model_cls: type, arch: ModelArchConfig) -> Iterator[tuple[str, LazyWeight]]:
+def _gguf_weights(path: Path, model_cls: type, arch: ModelArchConfig, native: bool) -> Iterator[tuple[str, LazyWeight]]:
     """The file's tensors under the family's Hugging Face names (`gguf_to_hf_name`), as the
-    checkpoint holds them (`gguf_weight`)."""
+    checkpoint holds them (`gguf_weight`); with `native`, offering their blocks as the kernels
+    read them (`GGUFWeight.load_native`)."""
     metadata = gguf_metadata(path)  # read once per process, and cached across runs
     # llama.cpp permutes the q/k rows of its llama architecture (Llama, Mistral, Mixtral) only.
     permuted = metadata["fields"].get("general.architecture") == "llama"
@@ -51,7 +53,8 @@ def _gguf_weights(path: Path, model_cls: type, arch: ModelArchConfig) -> Iterato
             continue
         hf_name = model_cls.gguf_to_hf_name(tensor.name)
         rotary = permuted and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
-        yield hf_name, model_cls.gguf_weight(hf_name, GGUFWeight(tensor, rotary_head_dim=arch.head_dim if rotary else None))
+        weight = GGUFWeight(tensor, rotary_head_dim=arch.head_dim if rotary else None, native=native)
+        yield hf_name, model_cls.gguf_weight(hf_name, weight)
 
 
 # --- Hugging Face folder ----------------------------------------------------------------------
@@ -68,11 +71,18 @@ def _hf_weights(folder: Path, stack: ExitStack) -> Iterator[tuple[str, LazyWeigh
             yield name, SafetensorsWeight(handle, name)
 
 
-def _load_from_source(model: CausalLM, source: ModelSource) -> None:
-    """Fill `model` from the checkpoint itself: each layer reads (and dequantizes) its slice."""
+def keeps_gguf_blocks(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a GGUF file's quantized (and 16-bit) weights stay as stored: the kernels compute
+    float32 products on a CPU; every other dtype or device dequantizes them at load."""
+    return dtype == torch.float32 and device.type == "cpu"
+
+
+def _load_from_source(model: CausalLM, source: ModelSource, native: bool) -> None:
+    """Fill `model` from the checkpoint itself: each layer reads its slice (packed for the
+    kernels with `native`, else dequantized)."""
     with ExitStack() as stack:
         if source.kind == "gguf":
-            weights = _gguf_weights(source.path, type(model), model.cfg)
+            weights = _gguf_weights(source.path, type(model), model.cfg, native)
         else:
             weights = _hf_weights(source.path, stack)
         model.load_weights(weights)
@@ -85,6 +95,16 @@ def _return_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):  # not glibc
         pass
+
+
+def _log_growth(source: ModelSource, rss_before: int | None) -> None:
+    """Log how much loading grew the process's resident memory, against the file's size."""
+    rss = process_rss()
+    if rss is None or rss_before is None:
+        return
+    size = source.path.stat().st_size if source.kind == "gguf" else None
+    against = f" for a {size / 2**30:.2f} GiB file ({(rss - rss_before) / size:.2f}x)" if size else ""
+    logger.info("Loading the weights grew the process by %.2f GiB%s", (rss - rss_before) / 2**30, against)
 
 
 def load_model(
@@ -100,6 +120,7 @@ def load_model(
     has an entry for this file and these settings, else read from the file and saved there (see
     `pagedllm.model.weight_cache`)."""
     start = time.perf_counter()
+    rss_before = process_rss()
     arch = load_arch_config(source)
     model = model_class(arch.architecture)(arch, max_position, backend, tp, dtype)
     use_cache = source.kind == "gguf" and model_cache_enabled()
@@ -107,7 +128,7 @@ def load_model(
     checksum = weight_cache.load(model, entry) if entry is not None else None
     from_cache = checksum is not None
     if not from_cache:
-        _load_from_source(model, source)
+        _load_from_source(model, source, keeps_gguf_blocks(dtype, device))
     model = model.to(device).eval()
     prepare_linear_weights(model)  # meanwhile, the cache file's checksum runs
     if from_cache and not checksum.passed():  # the entry is gone now: build it again
@@ -126,5 +147,6 @@ def load_model(
         _return_freed_memory()  # what building took (dequantized copies, parsers) goes back to the OS
     released = weight_cache.release_unread_pages(model) if checksum is not None else 0
     logger.info("Weights loaded %s in %.2f s%s", how, time.perf_counter() - start, f" ({entry})" if entry else "")
+    _log_growth(source, rss_before)
     logger.debug("Handed back %.2f GiB of float pages that oneDNN's packed copies replace", released / 2**30)
     return model

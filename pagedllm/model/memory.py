@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.model.quantization import method_layers
 from pagedllm.model.weight_cache import cache_file_mappings
 
 GiB = 1 << 30
@@ -78,18 +79,12 @@ class PageCounter:
 
 def _weight_tensors(model: nn.Module) -> tuple[list[torch.Tensor], int]:
     """Every weight form's tensor, and the bytes of the opaque (oneDNN-packed) ones."""
-    tensors, opaque = [], 0
-    for param in {id(p): p for p in model.parameters()}.values():
-        tensors.append(param.data)
-        packed = getattr(param, "packed", None)
-        if packed is not None:
-            opaque += packed.numel() * packed.element_size()
-        quantized = getattr(param, "quantized", None)
-        if quantized is not None:
-            tensors.append(quantized.data)
-            if quantized.is_unpacked:
-                unpacked = quantized.unpack()
-                tensors += [unpacked.values, unpacked.scales, unpacked.mins]
+    tensors = [param.data for param in {id(p): p for p in model.parameters()}.values()]
+    methods = {id(m.quant_method): m.quant_method for m in method_layers(model).values()}
+    opaque = 0
+    for method in methods.values():
+        tensors += method.extra_tensors()
+        opaque += method.extra_bytes()
     return tensors, opaque
 
 

@@ -1,8 +1,8 @@
 """The weight cache: a GGUF model's weights in the form the model computes with, written the
 first time the file is loaded and memory-mapped on every later start.
 
-Loading a GGUF file means dequantizing every tensor, converting it to the model's dtype and
-unpacking the quantized blocks into the layout the quantized matmul reads: seconds of work whose
+Loading a GGUF file means packing the quantized blocks into the layout the kernels read (or,
+where they do not apply, dequantizing and converting to the model's dtype): seconds of work whose
 result depends only on the file's bytes and a few settings. The first load saves that result
 under `cache_dir()/weights/<key>/`; later loads map it (safetensors maps files copy-on-write), so
 start-up pages weights in instead of computing them, and servers of the same model share the
@@ -13,11 +13,12 @@ pages it was packed from are then handed back to the file (`release_unread_pages
 weight stays in memory once per form a kernel reads. (A Hugging Face folder is not cached: its
 safetensors files are mapped already, and nothing is derived from them but fused projections.)
 
-An entry is a folder with `weights.safetensors` (each parameter under its name; for one with
-quantized blocks, also `<name>:quantized.data` and, unpacked, `.values`, `.scales`, `.mins`) and
-`manifest.json` (the file's size and CRC-32, and what it was built from). It is published whole
-by a rename; on load a wrong size, checksum, name, shape or dtype means the entry is discarded and
-rebuilt, never used. Entries unused for `UNUSED_ENTRY_DAYS` are removed when a new one is
+An entry is a folder with `weights.safetensors` (each parameter under its name: a GGUF-packed
+weight as the flat bytes its kernel reads, about the file's size; float and 16-bit weights as they
+are) and `manifest.json` (the file's size and CRC-32, and what it was built from); the
+safetensors metadata holds each packed weight's method (`LinearMethod.cache_description`). It is
+published whole by a rename; on load a wrong size, checksum, name, shape or dtype means the entry
+is discarded and rebuilt, never used. Entries unused for `UNUSED_ENTRY_DAYS` are removed when a new one is
 written. `PAGEDLLM_MODEL_CACHE=0` turns the cache off; deleting the folder clears it.
 """
 
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
-from pagedllm.kernels.quant import QuantizedMatrix, Unpacked
+from pagedllm.model import quantization
 from pagedllm.paths import cache_dir
 from pagedllm.transformers_utils.file_cache import (
     discard_entry,
@@ -56,11 +57,10 @@ logger = logging.getLogger("pagedllm")
 
 # The layout of an entry. What goes into it is also keyed by the code that computes it
 # (`_code_digest`), so a change to loading or to a weight form never meets an old entry.
-WEIGHT_FORMAT_VERSION = 1
+WEIGHT_FORMAT_VERSION = 2
 
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "manifest.json"
-_QUANTIZED = ":quantized."
 _CRC_CHUNK = 1 << 24
 # Never fill a disk to its last GiB with a cache.
 _FREE_DISK_MARGIN = 1 << 30
@@ -72,13 +72,13 @@ UNUSED_ENTRY_DAYS = 30
 def _code_digest() -> str:
     """A hash of the code that decides what is saved (reading, dequantizing, fusing, unpacking):
     an entry written by other code is a different entry, never a stale one."""
-    import pagedllm.kernels.quant
     import pagedllm.transformers_utils.gguf_config
 
     # Every model family's code (which parameters exist, how GGUF tensors map onto them), the
-    # quantized layout, and how a GGUF file's metadata becomes the architecture.
+    # packed layout (the kernels' packing), and how a GGUF file's metadata becomes the architecture.
     files = sorted(Path(__file__).parent.glob("*.py"))
-    files += [Path(pagedllm.kernels.quant.__file__), Path(pagedllm.transformers_utils.gguf_config.__file__)]
+    files += [Path(kernels.__file__) for kernels in quantization.KERNELS.values()]
+    files.append(Path(pagedllm.transformers_utils.gguf_config.__file__))
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.read_bytes())
@@ -115,24 +115,21 @@ def _file_crc32(path: Path) -> int:
 
 # --- saving ----------------------------------------------------------------------------------
 
+def _method_params(model: nn.Module) -> dict[str, nn.Module]:
+    """The parameter name of each weight owned through a method -> its layer (a tied head,
+    whose table is the embedding's, not again)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(m.weight)]: m for m in quantization.method_layers(model).values()
+            if "tied_embedding" not in m.__dict__}
+
+
 def _saved_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """Every parameter (tied ones once) and its quantized forms, on the CPU."""
-    tensors: dict[str, torch.Tensor] = {}
-    quantized: dict[str, dict] = {}
-    for name, param in model.named_parameters():
-        tensors[name] = param.detach().cpu().contiguous()
-        matrix: QuantizedMatrix | None = getattr(param, "quantized", None)
-        if matrix is None:
-            continue
-        quantized[name] = {"qtype": matrix.qtype, "in_features": matrix.in_features, "unpacked": matrix.is_unpacked}
-        tensors[f"{name}{_QUANTIZED}data"] = matrix.data.contiguous()
-        if matrix.is_unpacked:
-            unpacked = matrix.unpack()
-            tensors[f"{name}{_QUANTIZED}values"] = unpacked.values
-            tensors[f"{name}{_QUANTIZED}scales"] = unpacked.scales
-            if unpacked.mins is not None:
-                tensors[f"{name}{_QUANTIZED}mins"] = unpacked.mins
-    return tensors, quantized
+    """Every parameter (tied ones once) in the form its kernel reads, on the CPU, and the
+    methods of the packed and 16-bit ones."""
+    tensors = {name: param.detach().cpu().contiguous() for name, param in model.named_parameters()}
+    methods = {name: m.quant_method.cache_description for name, m in _method_params(model).items()
+               if m.quant_method.cache_description is not None}
+    return tensors, methods
 
 
 def save(model: nn.Module, entry: Path, describe: dict) -> None:
@@ -140,7 +137,7 @@ def save(model: nn.Module, entry: Path, describe: dict) -> None:
     wrote it first, theirs is kept)."""
     from safetensors.torch import save_file
 
-    tensors, quantized = _saved_tensors(model)
+    tensors, methods = _saved_tensors(model)
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
     entry.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(entry.parent).free
@@ -149,7 +146,7 @@ def save(model: nn.Module, entry: Path, describe: dict) -> None:
     _sweep_unused(entry.parent)
     with staged_entry(entry) as staging:
         path = staging / WEIGHTS_FILE
-        save_file(tensors, str(path), metadata={"quantized": json.dumps(quantized)})
+        save_file(tensors, str(path), metadata={"methods": json.dumps(methods)})
         manifest = {
             "format": WEIGHT_FORMAT_VERSION,
             **describe,
@@ -224,27 +221,35 @@ def _read_entry(entry: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], 
     checksum = Checksum(entry, manifest.get("crc32"))
     try:
         with safe_open(str(path), framework="pt") as f:
-            quantized = json.loads((f.metadata() or {}).get("quantized", "{}"))
+            methods = json.loads((f.metadata() or {}).get("methods", "{}"))
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as exc:  # safetensors raises its own error types
         raise CacheEntryError(f"weights file unreadable ({exc})") from exc
-    return tensors, quantized, checksum
+    return tensors, methods, checksum
 
 
-def _check(model: nn.Module, tensors: dict[str, torch.Tensor], quantized: dict[str, dict]) -> None:
+def _expected_form(layer: nn.Module, description: dict, saved: torch.Tensor) -> bool:
+    """Whether a saved packed or 16-bit weight fits the layer's (float placeholder) weight."""
+    rows, cols = quantization.logical_shape(layer)  # (a placeholder's, or those of the method loading installed)
+    if description.get("method") == "half":
+        return saved.dtype in (torch.float16, torch.bfloat16) and tuple(saved.shape) == (rows, cols)
+    parts = description.get("parts", [])
+    return (description.get("method") == "gguf" and saved.dtype == torch.uint8 and saved.dim() == 1
+            and saved.numel() == sum(p["nbytes"] for p in parts) and sum(p["out_features"] for p in parts) <= rows
+            and all(p["in_features"] == cols for p in parts))
+
+
+def _check(model: nn.Module, tensors: dict[str, torch.Tensor], methods: dict[str, dict]) -> None:
     params = dict(model.named_parameters())
-    expected = set(params)
-    for name, info in quantized.items():
-        if name not in params:
-            raise CacheEntryError(f"quantized blocks for unknown parameter {name!r}")
-        expected.add(f"{name}{_QUANTIZED}data")
-        if info["unpacked"]:
-            expected.update(f"{name}{_QUANTIZED}{part}" for part in ("values", "scales"))
-            if info["qtype"] == "Q4_1":
-                expected.add(f"{name}{_QUANTIZED}mins")
-    if set(tensors) != expected:
-        raise CacheEntryError(f"tensors differ from the model's: {sorted(set(tensors) ^ expected)[:5]}")
+    if set(tensors) != set(params):
+        raise CacheEntryError(f"tensors differ from the model's: {sorted(set(tensors) ^ set(params))[:5]}")
+    layers = _method_params(model)
+    for name, description in methods.items():
+        if name not in layers or not _expected_form(layers[name], description, tensors[name]):
+            raise CacheEntryError(f"{name}: the saved weight's form does not fit the model")
     for name, param in params.items():
+        if name in methods:
+            continue
         saved = tensors[name]
         if saved.shape != param.shape or saved.dtype != param.dtype:
             raise CacheEntryError(
@@ -262,8 +267,8 @@ def load(model: nn.Module, entry: Path, wait_for_checksum: bool = False) -> Chec
     if not (entry / MANIFEST_FILE).exists():
         return None
     try:
-        tensors, quantized, checksum = _read_entry(entry)
-        _check(model, tensors, quantized)
+        tensors, methods, checksum = _read_entry(entry)
+        _check(model, tensors, methods)
     except (CacheEntryError, KeyError, TypeError, ValueError) as exc:
         logger.warning("Discarding the cached weights at %s (%s); rebuilding them", entry, exc)
         discard_entry(entry)
@@ -274,15 +279,14 @@ def load(model: nn.Module, entry: Path, wait_for_checksum: bool = False) -> Chec
         os.utime(entry / MANIFEST_FILE)  # in use: not swept as unused
     except OSError:
         pass
+    layers = _method_params(model)
     for name, param in model.named_parameters():
-        param.data = tensors[name]
-        info = quantized.get(name)
-        if info is None:
-            param.quantized = None
-            continue
-        part = lambda kind: tensors.get(f"{name}{_QUANTIZED}{kind}")  # noqa: E731
-        unpacked = Unpacked(part("values"), part("scales"), part("mins")) if info["unpacked"] else None
-        param.quantized = QuantizedMatrix(info["qtype"], part("data"), info["in_features"], _unpacked=unpacked)
+        if name in methods:
+            quantization.install(layers[name], quantization.from_cache(methods[name]), tensors[name])
+        else:
+            param.data = tensors[name]
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
     return checksum
 
 
@@ -342,7 +346,9 @@ def release_unread_pages(model: nn.Module) -> int:
         return 0
     spans = cache_file_mappings()
     released = 0
-    for param in model.parameters():
-        if getattr(param, "packed", None) is not None and param.device.type == "cpu":
-            released += _drop_pages(param.data, spans)
+    layers = {id(m.quant_method): m for m in quantization.method_layers(model).values()}  # a tied table once
+    for layer in layers.values():
+        method = layer.quant_method
+        if getattr(method, "packed", None) is not None and layer.weight.device.type == "cpu":
+            released += _drop_pages(layer.weight.data, spans)
     return released

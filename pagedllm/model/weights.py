@@ -3,6 +3,8 @@ only the slice the layer asks for, so a tensor-parallel rank reads just its own 
 
 A `LazyWeight` has a `shape`, `narrow(dim, start, length)` (returns another lazy weight), and
 `load()` (returns a float tensor). Sources: a tensor in memory, a safetensors file, a GGUF file.
+A GGUF weight may also offer `load_native()`: its slice as the kernels read it (the blocks, or a
+16-bit tensor), which the layer's method keeps instead of a float copy (`model/quantization.py`).
 """
 
 from __future__ import annotations
@@ -117,15 +119,25 @@ def gguf_tensors(path: Path, table: list, byte_order: str = "I") -> list[GGUFTen
     return tensors
 
 
+class GGUFBlocks(NamedTuple):
+    """Rows of a GGUF tensor's quantized blocks as the file stores them (to be packed)."""
+
+    qtype: str  # a key of gguf_kernels.GGUF_TYPES
+    raw: torch.Tensor  # uint8 [rows, bytes per row]
+    in_features: int
+
+
 class GGUFWeight:
     """One tensor of a GGUF file. Rows are sliced before dequantizing (rows are quantized
-    independently); columns after."""
+    independently); columns after. With `native`, the loader wants weights in the form the
+    kernels compute with (a float32 model on a CPU): `load_native` offers them."""
 
     def __init__(
         self,
         tensor,  # a GGUFTensor or gguf.ReaderTensor
         rotary_head_dim: int | None = None,
         ranges: tuple[range, ...] | None = None,
+        native: bool = False,
     ) -> None:
         self.tensor = tensor
         # GGUF lists dimensions fastest-first; torch's order is the reverse.
@@ -133,27 +145,48 @@ class GGUFWeight:
         self.ranges = ranges if ranges is not None else tuple(range(n) for n in full_shape)
         self.shape = tuple(len(r) for r in self.ranges)
         self.rotary_head_dim = rotary_head_dim
+        self.native = native
 
     def narrow(self, dim: int, start: int, length: int) -> "GGUFWeight":
         ranges = _narrowed_ranges(self.shape, self.ranges, dim, start, length)
-        return GGUFWeight(self.tensor, self.rotary_head_dim, ranges)
+        return GGUFWeight(self.tensor, self.rotary_head_dim, ranges, self.native)
 
-    def load_quantized(self):
-        """This slice's raw GGUF blocks as a `QuantizedMatrix`, when the type has a kernel and the
-        columns are cut at block boundaries; else None."""
-        from pagedllm.kernels.quant import BLOCK, QUANT_TYPES, QuantizedMatrix
+    def load_native(self):
+        """This 2-D slice as the kernels read it, when the loader wants that (`native`): a
+        `GGUFBlocks` for a type with a kernel (columns cut at block boundaries), or a 16-bit
+        tensor for F16/BF16; else None (then `load` dequantizes it)."""
+        from pagedllm.model.quantization import gguf_kernels
 
+        if not self.native or len(self.ranges) != 2:
+            return None
         qtype = self.tensor.tensor_type.name
-        if qtype not in QUANT_TYPES or len(self.ranges) != 2:
-            return None
         rows, cols = self.ranges
-        if cols.start % BLOCK or len(cols) % BLOCK:
+        if qtype in ("F16", "BF16"):
+            raw = self.tensor.data[rows.start : rows.stop]
+            if qtype == "BF16":  # stored as bytes: two per value
+                part = raw[:, 2 * cols.start : 2 * cols.stop]
+                data = torch.from_numpy(np.array(part)).view(torch.bfloat16)
+            else:
+                data = torch.from_numpy(np.array(raw[:, cols.start : cols.stop]))
+            return self._unpermuted(data, len(rows))
+        if qtype not in gguf_kernels.GGUF_TYPES:
             return None
-        block_bytes = QUANT_TYPES[qtype]
-        data = self.tensor.data[rows.start : rows.stop, cols.start // BLOCK * block_bytes : cols.stop // BLOCK * block_bytes]
-        if self.rotary_head_dim is not None:  # rows are independent: reorder whole quantized rows
-            data = unpermute_rotary_rows(data, len(rows) // self.rotary_head_dim)
-        return QuantizedMatrix(qtype, torch.from_numpy(np.array(data)), len(cols))  # a copy, off the memory map
+        block, block_bytes = gguf_kernels.GGUF_TYPES[qtype]
+        if cols.start % block or len(cols) % block:
+            return None
+        data = self.tensor.data[rows.start : rows.stop, cols.start // block * block_bytes : cols.stop // block * block_bytes]
+        raw = self._unpermuted(torch.from_numpy(np.array(data)), len(rows))  # a copy, off the memory map
+        return GGUFBlocks(qtype, raw, len(cols))
+
+    def _unpermuted(self, data: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Whole rows (quantized ones too: rows are independent) back in Hugging Face's order."""
+        if self.rotary_head_dim is None:
+            return data
+        if self.ranges[0].start % self.rotary_head_dim or num_rows % self.rotary_head_dim:
+            raise ValueError("a rotary projection can only be sliced at head boundaries")
+        plain = data.view(torch.int16) if data.dtype == torch.bfloat16 else data  # numpy has no bfloat16
+        rows = unpermute_rotary_rows(plain.numpy(), num_rows // self.rotary_head_dim)
+        return torch.from_numpy(np.ascontiguousarray(rows)).view(data.dtype)
 
     def load(self) -> torch.Tensor:
         import gguf

@@ -1,5 +1,5 @@
 // Every decoder layer of a float32 Llama-family model in one call, for a step of a few tokens
-// whose projections have GGUF-quantized blocks (a decode step of up to quant.MAX_ROWS
+// whose projections are GGUF-packed, of any type with a kernel (a decode step of up to quant.MAX_ROWS
 // sequences): the same kernels the Python layer loop calls, in the same order on the same
 // buffers, so the output is bitwise the loop's. What it saves is the loop itself: at a handful
 // of sequences, each of the ~300 kernel calls of a step cost more in Python (module calls,
@@ -12,12 +12,13 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "gguf_matmul.h"
 
 extern "C" {
-void quant_matmul_f32(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins,
-                      int num_rows, int out_features, int in_features, int num_threads);
-void quant_matmul_int8(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins,
-                       int num_rows, int out_features, int in_features, int num_threads);
+void quant_matmul_packed(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t rows,
+                         int64_t out_features, int64_t in_features, int num_threads, int use_int8);
 void fused_add_rms_norm_f32(float* out, float* residual, const float* x, const float* weight, int num_rows, int dim,
                             float eps, int num_threads);
 void rotary_neox_f32(float* qk, int64_t row_stride, const int64_t* positions, const float* cos_cache,
@@ -36,16 +37,32 @@ void paged_attention_f32_f32_windowed(void* out, const void* query, const void* 
 
 namespace {
 
-// One projection's quantized blocks (QuantizedMatrix.unpack) and optional bias.
-struct Projection {
-  const uint8_t* values;
-  const float* scales;
-  const float* mins;  // null for Q8_0
-  const float* bias;  // null without
+// One projection's GGUF-packed weight (`quantization.GGUFLinear`: kernels/gguf.py's layout, any
+// type) and optional bias. A fused weight whose parts have different types (Q4_K_M's q/k and v)
+// has one part each, stacked by output rows.
+constexpr int kMaxParts = 3;
+
+struct ProjectionPart {
+  const uint8_t* packed;
+  int32_t qtype_id;      // gguf.TYPE_IDS
   int32_t out_features;
+  int32_t legacy;        // 1: kernels/quant.py's layout and kernels (quant_matmul_packed), 0: gguf_matmul's
+  int32_t pad;
+};
+
+void part_matmul(const ProjectionPart& part, float* y, const float* x, int64_t rows, int64_t in_features,
+                 int num_threads, int use_int8) {
+  auto kernel = part.legacy ? quant_matmul_packed : gguf_matmul;
+  kernel(part.qtype_id, y, x, part.packed, rows, part.out_features, in_features, num_threads, use_int8);
+}
+
+struct Projection {
+  ProjectionPart parts[kMaxParts];
+  const float* bias;  // null without
+  int32_t num_parts;
+  int32_t out_features;  // all parts'
   int32_t in_features;
   int32_t int8_rows;  // products of up to this many rows on int8 activations
-  int32_t pad;
 };
 
 struct Layer {
@@ -103,8 +120,22 @@ class Timer {
 };
 
 void project(float* y, const float* x, const Projection& p, int rows, int num_threads) {
-  auto kernel = rows <= p.int8_rows ? quant_matmul_int8 : quant_matmul_f32;
-  kernel(y, x, p.values, p.scales, p.mins, rows, p.out_features, p.in_features, num_threads);
+  const int use_int8 = rows <= p.int8_rows;
+  if (p.num_parts == 1) {
+    part_matmul(p.parts[0], y, x, rows, p.in_features, num_threads, use_int8);
+  } else {  // each part into its own rows, then side by side (what torch.cat of the parts' products gives)
+    std::vector<float> part_y;
+    int64_t column = 0;
+    for (int i = 0; i < p.num_parts; ++i) {
+      const ProjectionPart& part = p.parts[i];
+      part_y.resize(static_cast<size_t>(rows) * part.out_features);
+      part_matmul(part, part_y.data(), x, rows, p.in_features, num_threads, use_int8);
+      for (int r = 0; r < rows; ++r)
+        std::memcpy(y + static_cast<int64_t>(r) * p.out_features + column, part_y.data() + static_cast<int64_t>(r) * part.out_features,
+                    sizeof(float) * part.out_features);
+      column += part.out_features;
+    }
+  }
   if (p.bias != nullptr)
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < p.out_features; ++j) y[static_cast<int64_t>(r) * p.out_features + j] += p.bias[j];

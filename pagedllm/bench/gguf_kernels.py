@@ -1,0 +1,151 @@
+"""`pagedllm bench gguf-kernels`: the native GGUF kernels (kernels/gguf.py) per block type, on a
+1B-Llama-shaped set of projections (by default q/o 2048x2048, k/v 512x2048, gate/up 8192x2048,
+down 2048x8192; random blocks), at decode and prompt row counts.
+
+Per type and row count: the time of the whole set, as GB/s of weight bytes read and GFLOP/s, on
+float32 activations and on int8 ones (`int8=True`), against a float32 torch product of the same
+shapes (F.linear and, where it builds, the packed oneDNN product the engine's float32 layers use),
+and for Q4_1/Q8_0 against the older tuned kernels (kernels/quant.py). The machine's memory read
+bandwidth (a sum over a buffer well past the caches) is measured in the same run, so the
+1-row products show their share of the physical bound: weight bytes / bandwidth over the time.
+
+`--clock cpu` (with `--threads 1`) times each call by the thread's CPU time instead of the wall
+clock: on a machine shared with other work, the time the thread was descheduled is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.bench.hardware import best_time
+from pagedllm.bench.report import format_table, write_json
+
+# (out_features, in_features) of one Llama-3.2-1B layer's projections
+LLAMA_1B_SHAPES = ((2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from pagedllm.kernels.gguf import GGUF_TYPES
+
+    p = sub.add_parser("gguf-kernels", help="native GGUF kernels per type: GB/s and GFLOP/s vs float32 torch")
+    p.add_argument("--types", nargs="+", default=list(GGUF_TYPES), choices=list(GGUF_TYPES))
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    p.add_argument("--isa", default=None, help="force an ISA path (portable, avx2, avx512); default: the best")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch and kernel threads (default: torch's)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: the thread's CPU time (needs --threads 1), robust to a loaded machine")
+    p.add_argument("--bandwidth-mb", type=int, default=1024, help="buffer read to measure memory bandwidth")
+    p.add_argument("--output-json", default="results/bench_gguf_kernels.json")
+    p.set_defaults(func=run)
+
+
+def cpu_time(fn, repeats: int) -> float:
+    """The fastest of `repeats` calls by this thread's CPU time, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+def read_bandwidth(megabytes: int, timer, repeats: int = 5) -> float:
+    """Bytes per second read by a sum over `megabytes` of float32 (reads only, one pass)."""
+    buf = torch.ones(megabytes << 18, dtype=torch.float32)
+    return buf.numel() * 4 / timer(lambda: buf.sum(), repeats)
+
+
+def _float_baselines(shapes, gen) -> dict:
+    from pagedllm.kernels import onednn
+
+    weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes]
+    fns = {"torch": lambda xs: [F.linear(xs[w.shape[1]], w) for w in weights]}
+    packed = [onednn.pack(w) for w in weights]
+    if all(p is not None for p in packed):
+        fns["onednn"] = lambda xs: [onednn.packed_linear(xs[w.shape[1]], p) for w, p in zip(weights, packed)]
+    return fns
+
+
+def _old_kernels(qtype: str, packed) -> dict:
+    """The older Q4_1/Q8_0 kernels on the same blocks."""
+    from pagedllm.kernels import quant
+
+    if qtype not in quant.QUANT_TYPES:
+        return {}
+    matrices = [quant.QuantizedMatrix(qtype, w.data, w.in_features) for w in packed]
+    for m in matrices:
+        m.unpack()
+    return {
+        "old": lambda xs: [quant.float_matmul(xs[m.in_features], m) for m in matrices],
+        "old_int8": lambda xs: [quant.int8_matmul(xs[m.in_features], m) for m in matrices],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm.kernels import gguf
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        raise SystemExit("--clock cpu times one thread: pass --threads 1")
+    timer = cpu_time if args.clock == "cpu" else best_time
+    if args.isa:
+        gguf.set_isa(args.isa)
+    shapes = LLAMA_1B_SHAPES
+    num_weights = sum(o * i for o, i in shapes)
+    bandwidth = read_bandwidth(args.bandwidth_mb, timer)
+    print(f"{len(shapes)} projections of a Llama-3.2-1B layer, {num_weights / 1e6:.1f}M weights; "
+          f"ISA path {gguf.isa()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; "
+          f"{args.clock} clock")
+    gen = torch.Generator().manual_seed(0)
+    baselines = _float_baselines(shapes, gen)
+    rows_out = []
+    with torch.inference_mode():
+        inputs = {n: {i: torch.randn(n, i, generator=gen) for i in {i for _, i in shapes}} for n in sorted(set(args.rows))}
+        base = {n: {name: timer(lambda: fn(xs), args.repeats) for name, fn in baselines.items()} for n, xs in inputs.items()}
+        del baselines
+        for qtype in args.types:
+            packed = [gguf.random_weight(qtype, o, i, gen) for o, i in shapes]
+            weight_bytes = sum(w.nbytes for w in packed)
+            fns = {
+                "gguf": lambda xs: [gguf.matmul(xs[w.in_features], w) for w in packed],
+                "gguf_int8": lambda xs: [gguf.matmul(xs[w.in_features], w, int8=True) for w in packed],
+                **_old_kernels(qtype, packed),
+            }
+            # a fresh weight's first products run slower for a while (measured: 2-3x for tens
+            # of calls on the shared test machine), so each type warms up before it is timed
+            for _ in range(20):
+                fns["gguf"](inputs[min(inputs)])
+                fns["gguf_int8"](inputs[min(inputs)])
+            for n in inputs:
+                xs = inputs[n]
+                row = {"type": qtype, "rows": n, "MB": weight_bytes / 1e6}
+                times = {name: timer(lambda: fn(xs), args.repeats) for name, fn in fns.items()} | base[n]
+                for name, t in times.items():
+                    row[f"{name}_ms"] = t * 1e3
+                    row[f"{name}_GFLOPs"] = 2 * n * num_weights / t / 1e9
+                for name in ("gguf", "gguf_int8"):
+                    row[f"{name}_GBps"] = weight_bytes / (row[f"{name}_ms"] / 1e3) / 1e9
+                # the physical bound of reading the weights once, over the time taken
+                row["gguf_bound_pct"] = 100 * (weight_bytes / bandwidth) / (row["gguf_ms"] / 1e3)
+                row["int8_bound_pct"] = 100 * (weight_bytes / bandwidth) / (row["gguf_int8_ms"] / 1e3)
+                rows_out.append(row)
+                print(f"{qtype} rows {n:4d}: " + ", ".join(f"{k[:-3]} {v:.2f} ms" for k, v in row.items() if k.endswith("_ms")),
+                      flush=True)
+    columns = ["type", "rows", "MB", "gguf_ms", "gguf_int8_ms", "torch_ms", "onednn_ms", "old_ms", "old_int8_ms",
+               "gguf_GBps", "gguf_int8_GBps", "gguf_bound_pct", "int8_bound_pct", "gguf_GFLOPs", "gguf_int8_GFLOPs",
+               "onednn_GFLOPs"]
+    columns = [c for c in columns if any(c in r for r in rows_out)]
+    print(format_table(rows_out, columns))
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config.update(isa=gguf.isa(), read_bandwidth_GBps=bandwidth / 1e9, shapes=[list(s) for s in shapes],
+                  num_weights=num_weights)
+    path = write_json(args.output_json, "gguf-kernels", config, rows_out)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,187 @@
+"""Matrix products computed directly from GGUF's block types: the legacy Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0 (blocks of 32 weights) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256), the types
+llama.cpp's files hold (its Q4_K_M is Q4_K and Q6_K, with Q5_0/Q8_0 where a row is not a
+multiple of 256).
+
+A weight is kept as a `PackedWeight`: the file's rows of blocks, as they are (`pack`), and
+nothing else: no float copy, scales included, `.data` about the file's size, saved as-is by the
+weight cache (`from_data` rebuilds it). `LAYOUT` names that layout, for a cache to key on.
+
+`matmul` runs csrc/gguf_matmul.cpp (its top comment says how): float32 activations, or with
+`int8=True` activations quantized per block of 32 (llama.cpp's Q8_0 way) multiplied on 8-bit
+integers (AVX-512 VNNI or AVX2). The path is the best this CPU has (`isa()`); `set_isa` forces
+a lesser one (tests check each, the benchmark compares them), as does the environment variable
+PAGEDLLM_GGUF_ISA (portable, avx2, avx512) read at first use. The C ABI `gguf_matmul` is the
+same entry point, for the fused decoder (csrc/decoder_layers.cpp).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+# name -> (weights per block, bytes per block)
+GGUF_TYPES: dict[str, tuple[int, int]] = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
+# The C ABI's qtype id of each: ggml's GGMLQuantizationType values.
+TYPE_IDS: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# The layout of PackedWeight.data: "rows-1" is the file's rows of blocks, unchanged. A weight
+# cache keys its entries on it, so a later layout (interleaved rows) never reads an old one.
+LAYOUT = "rows-1"
+ISAS = {0: "portable", 1: "avx2", 2: "avx512"}
+ISA_NAMES = {"portable": "portable C++", "avx2": "AVX2 (FMA, VPMADDUBSW)", "avx512": "AVX-512 VNNI (VPDPBUSD)"}
+
+
+@dataclass
+class PackedWeight:
+    qtype: str  # a key of GGUF_TYPES
+    out_features: int
+    in_features: int
+    data: torch.Tensor  # uint8 [out_features, in_features // weights per block * bytes per block]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _check_type(qtype: str) -> tuple[int, int]:
+    if qtype not in GGUF_TYPES:
+        raise ValueError(f"qtype {qtype!r} is not a native GGUF type (one of {', '.join(GGUF_TYPES)})")
+    return GGUF_TYPES[qtype]
+
+
+def _row_bytes(qtype: str, in_features: int) -> int:
+    weights, nbytes = _check_type(qtype)
+    if in_features <= 0 or in_features % weights:
+        raise ValueError(f"in_features {in_features} is not a positive multiple of {qtype}'s block of {weights} weights")
+    return in_features // weights * nbytes
+
+
+def pack(qtype: str, raw: torch.Tensor, in_features: int) -> PackedWeight:
+    """The kernels' weight from a GGUF tensor's raw blocks, raw: uint8 [out_features, row bytes]
+    (or flat); the bytes are kept as they are (copied only to make them contiguous)."""
+    row_bytes = _row_bytes(qtype, in_features)
+    if raw.dtype != torch.uint8:
+        raise ValueError(f"raw blocks of a {qtype} weight must be uint8, got {raw.dtype}")
+    if raw.numel() % row_bytes:
+        raise ValueError(f"raw blocks of {raw.numel()} bytes are not whole {qtype} rows of {in_features} weights ({row_bytes} bytes)")
+    data = raw.reshape(-1, row_bytes).contiguous()
+    return PackedWeight(qtype, data.shape[0], in_features, data)
+
+
+def from_data(qtype: str, out_features: int, in_features: int, data: torch.Tensor) -> PackedWeight:
+    """A PackedWeight from a cached `.data` (as `pack` made it)."""
+    row_bytes = _row_bytes(qtype, in_features)
+    if data.dtype != torch.uint8 or data.numel() != out_features * row_bytes:
+        raise ValueError(f"cached data of {data.numel()} {data.dtype} is not a {qtype} [{out_features}, {in_features}] weight")
+    return PackedWeight(qtype, out_features, in_features, data.reshape(out_features, row_bytes).contiguous())
+
+
+def _lib():
+    from pagedllm.kernels.build import load
+
+    lib = load()
+    if not getattr(_lib, "configured", False):
+        forced = os.environ.get("PAGEDLLM_GGUF_ISA")
+        if forced:
+            _set_isa(lib, forced)
+        _lib.configured = True
+    return lib
+
+
+def _set_isa(lib, name: str) -> None:
+    ids = {v: k for k, v in ISAS.items()}
+    if name not in ids:
+        raise ValueError(f"PAGEDLLM_GGUF_ISA / isa {name!r} is not one of {', '.join(ids)}")
+    if lib.gguf_set_isa(ids[name]) != 0:
+        raise ValueError(f"isa {name!r} is not built on this CPU (the best is {ISAS[lib.gguf_best_isa()]})")
+
+
+def matmul(x: torch.Tensor, w: PackedWeight, int8: bool = False) -> torch.Tensor:
+    """x: float32 [rows, in_features] -> x W^T: float32 [rows, out_features]; int8: x quantized
+    per block of 32 and multiplied on 8-bit integers (close to, not equal to, the float product)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be float32 [rows, {w.in_features}], got {x.dtype} {list(x.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+    if x.shape[0]:
+        _lib().gguf_matmul(TYPE_IDS[w.qtype], y.data_ptr(), x.data_ptr(), w.data.data_ptr(), x.shape[0],
+                           w.out_features, w.in_features, torch.get_num_threads(), int(int8))
+    return y
+
+
+def dequantize_rows(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [n, in_features]: the rows `rows` of W (all if None), exactly as
+    `gguf.quants.dequantize` gives them (an embedding lookup from a quantized token table)."""
+    if rows is None:
+        rows = torch.arange(w.out_features)
+    rows = rows.reshape(-1).to(torch.int64).contiguous()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= w.out_features):
+        raise ValueError(f"rows must be in [0, {w.out_features})")
+    out = torch.empty(rows.numel(), w.in_features, dtype=torch.float32)
+    if rows.numel():
+        _lib().gguf_dequantize_rows(TYPE_IDS[w.qtype], out.data_ptr(), w.data.data_ptr(), rows.data_ptr(), rows.numel(),
+                                    w.in_features, torch.get_num_threads())
+    return out
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the int8 path quantizes it: int8 [rows, in] and the scales float32 [rows, in / 32]
+    (x ~= q * scale per block): for tests."""
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=torch.int8)
+    d = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32)
+    _lib().gguf_quantize_activations(q.data_ptr(), d.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1])
+    return q, d
+
+
+def isa() -> str:
+    """The path this process runs: 'avx512' (AVX-512 with VNNI), 'avx2' or 'portable'."""
+    return ISAS[_lib().gguf_isa()]
+
+
+def available_isas() -> list[str]:
+    """Every path this build can run, best last."""
+    return [ISAS[i] for i in range(_lib().gguf_best_isa() + 1)]
+
+
+def set_isa(name: str | None) -> None:
+    """Force a path (one of available_isas()); None: the best."""
+    lib = _lib()
+    _set_isa(lib, name if name is not None else ISAS[lib.gguf_best_isa()])
+
+
+# Where each type keeps its float16 scales (byte offset in a block, uniform range): random bytes
+# elsewhere are valid values, so random blocks with these scales are finite, sane weights.
+_SCALE_FIELDS = {
+    "Q4_0": [(0, -0.02, 0.02)],
+    "Q4_1": [(0, 0.001, 0.02), (2, -0.1, 0.1)],
+    "Q5_0": [(0, -0.02, 0.02)],
+    "Q5_1": [(0, 0.001, 0.01), (2, -0.1, 0.1)],
+    "Q8_0": [(0, -0.001, 0.001)],
+    "Q4_K": [(0, 0.0002, 0.002), (2, 0.0002, 0.002)],
+    "Q5_K": [(0, 0.0001, 0.001), (2, 0.0001, 0.001)],
+    "Q6_K": [(208, 0.00005, 0.0005)],
+}
+
+
+def random_weight(qtype: str, out_features: int, in_features: int, generator: torch.Generator | None = None) -> PackedWeight:
+    """A weight of random blocks (random values, float16 scales in a sane range): for tests and
+    the benchmark."""
+    weights, nbytes = _check_type(qtype)
+    num_blocks = out_features * (_row_bytes(qtype, in_features) // nbytes)
+    raw = torch.randint(0, 256, (num_blocks, nbytes), dtype=torch.uint8, generator=generator)
+    for offset, low, high in _SCALE_FIELDS[qtype]:
+        scale = torch.rand(num_blocks, generator=generator) * (high - low) + low
+        raw[:, offset:offset + 2] = scale.to(torch.float16).view(torch.uint8).view(num_blocks, 2)
+    return pack(qtype, raw.view(out_features, -1), in_features)

@@ -1,0 +1,29 @@
+"""`pagedllm bench gguf-kernels`: one record per type and row count, every path timed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.cli import main
+
+
+@pytest.mark.slow
+def test_bench_gguf_kernels_writes_one_record_per_type_and_row_count(tmp_path, capsys):
+    out = tmp_path / "gguf.json"
+    args = ["bench", "gguf-kernels", "--types", "Q4_K", "Q8_0", "--rows", "2", "1", "--repeats", "1",
+            "--bandwidth-mb", "64", "--output-json", str(out)]
+    assert main(args) == 0
+    payload = json.loads(out.read_text())
+    assert payload["benchmark"] == "gguf-kernels"
+    assert payload["config"]["read_bandwidth_GBps"] > 0
+    records = payload["results"]
+    assert [(r["type"], r["rows"]) for r in records] == [("Q4_K", 1), ("Q4_K", 2), ("Q8_0", 1), ("Q8_0", 2)]
+    for record in records:
+        for path in ("gguf", "gguf_int8", "torch"):
+            assert record[f"{path}_ms"] > 0 and record[f"{path}_GFLOPs"] > 0
+        assert record["gguf_bound_pct"] > 0
+    # the older kernels exist for Q8_0 only of these two
+    assert "old_ms" in records[2] and "old_ms" not in records[0]
+    assert "cpu:" in capsys.readouterr().out

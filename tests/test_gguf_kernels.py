@@ -1,0 +1,177 @@
+"""The native GGUF kernels (kernels/gguf.py, csrc/gguf_matmul.cpp): for every block type and
+every ISA path this machine runs, products against gguf-py's dequantization of the same blocks
+followed by a float64 product, the int8 path against the float64 product of the activations it
+quantized, dequantize_rows bit for bit gguf-py's, and pack/from_data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from pagedllm.kernels import gguf as kernels
+
+TYPES = list(kernels.GGUF_TYPES)
+ISAS = kernels.available_isas()
+# 1..64 rows (decode steps) and a prompt; out_features not a multiple of 16; legacy types with a
+# row of 11 blocks (the kernels take 8 at a time, then pairs, then a lone one; 352 weights, not a
+# multiple of 64), K-quants with two super-blocks.
+ROWS = list(range(1, 65)) + [300]
+OUT_FEATURES = 45
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def in_features(qtype: str) -> int:
+    return 512 if qtype.endswith("_K") else 352
+
+
+def gguf_dense(w: kernels.PackedWeight) -> np.ndarray:
+    """gguf-py's float32 weights of the same blocks."""
+    return quants.dequantize(w.data.numpy(), getattr(GGMLQuantizationType, w.qtype))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Hundreds of tiny products: one thread each (on a loaded machine, an OpenMP team's barrier
+    waits for a descheduled thread); test_threads_split_the_rows_without_changing_a_bit runs two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa(None)
+
+
+def weight(qtype: str, seed: int = 0) -> kernels.PackedWeight:
+    return kernels.random_weight(qtype, OUT_FEATURES, in_features(qtype), torch.Generator().manual_seed(seed))
+
+
+class Reference:
+    """x64 @ w64.T and its float32-accumulation bound (a multiple of eps times the sum of |w x|),
+    computed once for the most rows; a product of the first `rows` rows compares to its rows."""
+
+    def __init__(self, x64: np.ndarray, w64: np.ndarray):
+        self.expected = x64 @ w64.T
+        self.bound = 64 * EPS32 * (np.abs(x64) @ np.abs(w64).T) + 1e-30
+
+    def check(self, y: torch.Tensor, extra: np.ndarray | float = 0.0) -> None:
+        rows = y.shape[0]
+        err = np.abs(y.double().numpy() - self.expected[:rows])
+        bound = self.bound[:rows] + (extra if np.isscalar(extra) else extra[:rows])
+        assert (err <= bound).all(), f"{rows} rows: worst error {err.max():.3e} at bound {bound.flat[err.argmax()]:.3e}"
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_float_product_matches_gguf_dequantize_then_float64(qtype, isa):
+    w = weight(qtype)
+    x = torch.randn(max(ROWS), w.in_features, generator=torch.Generator().manual_seed(1))
+    reference = Reference(x.double().numpy(), gguf_dense(w).astype(np.float64))
+    for rows in ROWS:
+        reference.check(kernels.matmul(x[:rows], w))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_int8_product_is_the_float64_product_of_its_quantized_activations(qtype, isa):
+    w = weight(qtype, seed=2)
+    w64 = gguf_dense(w).astype(np.float64)
+    x = torch.randn(max(ROWS), w.in_features, generator=torch.Generator().manual_seed(3))
+    q, d = kernels.quantize_activations(x)  # per row: the first rows of x quantize alike
+    xq = (q.double().numpy().reshape(len(x), -1, 32) * d.double().numpy()[..., None]).reshape(len(x), -1)
+    quantized, exact = Reference(xq, w64), Reference(x.double().numpy(), w64)
+    # each activation moves by at most half its block's step
+    half_steps = 1.001 * np.repeat(d.double().numpy() / 2, 32, axis=1) @ np.abs(w64).T
+    for rows in ROWS:
+        y = kernels.matmul(x[:rows], w, int8=True)
+        quantized.check(y)
+        exact.check(y, extra=half_steps)
+
+
+def test_activations_are_quantized_per_block_of_32_to_127_steps():
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(4))
+    q, d = kernels.quantize_activations(x)
+    blocks = x.view(3, 3, 32)
+    assert torch.allclose(d, blocks.abs().amax(-1) / 127, rtol=1e-6)
+    assert int(q.abs().max()) == 127
+    assert torch.all((q.view(3, 3, 32) * d[..., None] - blocks).abs() <= d[..., None] / 2 * 1.0001)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_rows_is_gguf_dequantize_bit_for_bit(qtype):
+    w = weight(qtype, seed=5)
+    dense = gguf_dense(w)
+    assert np.array_equal(kernels.dequantize_rows(w).numpy(), dense)
+    rows = torch.tensor([44, 0, 7, 7])
+    assert np.array_equal(kernels.dequantize_rows(w, rows).numpy(), dense[rows.numpy()])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_blocks_from_gguf_quantizer(qtype, isa):
+    """Blocks written by gguf-py's own quantizer, not only random bytes."""
+    gen = torch.Generator().manual_seed(6)
+    dense = torch.randn(OUT_FEATURES, 96, generator=gen).numpy()
+    raw = quants.quantize(dense, getattr(GGMLQuantizationType, qtype))
+    w = kernels.pack(qtype, torch.from_numpy(raw), 96)
+    x = torch.randn(5, 96, generator=gen)
+    Reference(x.double().numpy(), gguf_dense(w).astype(np.float64)).check(kernels.matmul(x, w))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_pack_keeps_the_file_bytes_and_from_data_rebuilds_it(qtype):
+    w = weight(qtype, seed=7)
+    bw, nbytes = kernels.GGUF_TYPES[qtype]
+    assert w.nbytes == OUT_FEATURES * w.in_features // bw * nbytes  # the file's size, no float copy
+    again = kernels.from_data(qtype, w.out_features, w.in_features, w.data.clone())
+    x = torch.randn(3, w.in_features)
+    assert torch.equal(kernels.matmul(x, again), kernels.matmul(x, w))
+    assert torch.equal(kernels.pack(qtype, w.data.flatten(), w.in_features).data, w.data)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_threads_split_the_rows_without_changing_a_bit(isa, int8):
+    w = kernels.random_weight("Q4_K", 301, 512, torch.Generator().manual_seed(8))
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, 512)
+        alone = kernels.matmul(x, w, int8)
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.matmul(x, w, int8), alone)
+        torch.set_num_threads(1)
+
+
+def test_isa_paths_are_selectable():
+    assert kernels.isa() == ISAS[-1]
+    kernels.set_isa("portable")
+    try:
+        assert kernels.isa() == "portable"
+    finally:
+        kernels.set_isa(None)
+    with pytest.raises(ValueError, match="isa"):
+        kernels.set_isa("neon")
+
+
+def test_the_environment_variable_forces_a_path():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAGEDLLM_GGUF_ISA": "portable"}
+    out = subprocess.run([sys.executable, "-c", "from pagedllm.kernels import gguf; print(gguf.isa())"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "portable"
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match="qtype"):
+        kernels.pack("Q3_K", torch.zeros(1, 110, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="in_features"):
+        kernels.pack("Q4_K", torch.zeros(1, 144, dtype=torch.uint8), 100)
+    w = weight("Q4_0")
+    with pytest.raises(ValueError, match="x must be"):
+        kernels.matmul(torch.zeros(2, 32), w)
+    with pytest.raises(ValueError, match="cached data"):
+        kernels.from_data("Q4_0", 44, 96, w.data)
