@@ -292,7 +292,7 @@ template <class V, int T, int R>
 inline void fused_dot_rows(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const float* x,
                            int64_t in_features) {
   using F = typename V::F;
-  constexpr int A = 2;
+  constexpr int A = R == 1 ? 4 : 2;
   const TypeSize t = type_size(T);
   F acc[R][A];
   for (int r = 0; r < R; ++r)
