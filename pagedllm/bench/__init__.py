@@ -7,7 +7,7 @@ import argparse
 import importlib
 
 # The benchmarks, each a module of this package with a `register(subparsers)` of its own.
-BENCHMARKS = ("throughput", "sharing", "preemption", "kernel", "matmul", "latency", "dtype", "serve", "paper", "structured", "windows")
+BENCHMARKS = ("throughput", "sharing", "preemption", "kernel", "matmul", "latency", "dtype", "serve", "paper", "structured", "windows", "llama_cpp")
 
 
 def register_benchmark(sub: argparse._SubParsersAction, name: str) -> None:
