@@ -216,6 +216,12 @@ def test_build_configures_natively_then_builds_the_three_tools(tmp_path, monkeyp
     assert ensure_llama_cpp(tmp_path, log=lambda _: None) and len(commands) == 2  # built once
 
 
+def test_x86_builds_leave_amx_out():
+    x86 = llama_cpp_peer.configure_command(Path("src"), Path("build"), machine="x86_64")
+    assert "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in x86 and "-DGGML_NATIVE=ON" in x86
+    assert not any("amx" in word for word in llama_cpp_peer.configure_command(Path("src"), Path("build"), machine="aarch64"))
+
+
 def test_a_failed_build_step_raises_with_its_output(tmp_path, monkeypatch):
     source = llama_cpp_peer.source_dir(tmp_path)
     source.mkdir(parents=True)

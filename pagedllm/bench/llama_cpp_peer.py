@@ -3,14 +3,14 @@
 - Built once (`ensure_llama_cpp`, `pagedllm bench llama-cpp build`) from the llama.cpp source
   that the `llama-cpp-python` sdist vendors: pip downloads the sdist into the cache, it is
   unpacked, and cmake builds `llama-server`, `llama-quantize` and `llama-bench` for this CPU
-  (`GGML_NATIVE`), into `~/.cache/pagedllm/llama.cpp/<version>/build/bin` (`$PAGEDLLM_LLAMA_CPP_DIR`
+  (`GGML_NATIVE`, AMX left out: it crashes), into `~/.cache/pagedllm/llama.cpp/<version>/build/bin` (`$PAGEDLLM_LLAMA_CPP_DIR`
   overrides the folder). Nothing of it is imported: the binaries run as processes.
 - `run_llama_server` (`bench throughput --backend llama-cpp`): starts `llama-server` on the file
   with `-np` slots and continuous batching, sends every request at once to `/completion` (the
   prompt as token ids, `n_predict` tokens with `ignore_eos`: the very work the engine does), and
   counts the tokens each answer says it predicted.
 - `run_llama_bench`: `llama-bench`'s prompt (pp) and generation (tg) tokens/s for a file.
-- `serve`: `python -m pagedllm.bench.llama_cpp_peer serve FILE --port P` runs `llama-server` in
+- `serve`: `python -m pagedllm.bench.llama_cpp_peer --port P FILE` runs `llama-server` in
   the foreground, for `pagedllm bench serve --port P` to load-test as it does `pagedllm serve`.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import tarfile
@@ -35,6 +36,10 @@ CMAKE_OPTIONS = (
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
+# Native, but without AMX: llama.cpp's AMX matrix product crashes on the first Q4_K_M prompt on
+# Sapphire Rapids (ggml_backend_amx_mul_mat, llama.cpp issue #20824, measured here with 0.3.36's
+# source); AVX-512 VNNI and BF16 stay. Explicit -mno-* win over -march=native in any order.
+_X86_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 _STAMP = ".pagedllm-built"
 
 
@@ -58,8 +63,11 @@ def bin_dir(root: Path) -> Path:
     return root / "build" / "bin"
 
 
-def configure_command(source: Path, build: Path) -> list[str]:
-    return ["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS]
+def configure_command(source: Path, build: Path, machine: str | None = None) -> list[str]:
+    command = ["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS]
+    if (machine or platform.machine()) in ("x86_64", "AMD64"):
+        command += [f"-DCMAKE_C_FLAGS={_X86_FLAGS}", f"-DCMAKE_CXX_FLAGS={_X86_FLAGS}"]
+    return command
 
 
 def build_command(build: Path, jobs: int) -> list[str]:
