@@ -126,6 +126,12 @@ def test_a_missing_binary_names_the_build_command(tmp_path):
         server_command(tmp_path, Path("m.gguf"), 9000, 1, 128, 1)
 
 
+def test_each_slot_holds_the_longest_request_rounded_up_within_the_model():
+    requests = [BenchRequest([1] * 100, 300), BenchRequest([1] * 10, 20)]
+    assert llama_cpp_peer.slot_context(requests, max_model_len=8192) == 512
+    assert llama_cpp_peer.slot_context(requests, max_model_len=384) == 384
+
+
 def test_completion_payload_forces_the_planned_length_from_token_ids():
     payload = completion_payload(BenchRequest([5, 6, 7], 9), temperature=0.7, seed=3)
     assert (payload["prompt"], payload["n_predict"], payload["ignore_eos"]) == ([5, 6, 7], 9, True)
@@ -151,7 +157,7 @@ def test_every_request_reaches_the_server_and_its_tokens_are_counted(fake_build,
     assert result["output_tokens"] == sum(r.output_len for r in requests)
     assert (result["parallel"], result["threads"]) == (4, 2) and result["peak_rss_gib"] > 0
     argv, bodies = _logged(log)
-    assert argv[argv.index("-np") + 1] == "4" and argv[argv.index("-c") + 1] == str(4 * 512)
+    assert argv[argv.index("-np") + 1] == "4" and argv[argv.index("-c") + 1] == str(4 * 256)  # 4 slots of the longest
     sent = sorted((b["prompt"], b["n_predict"], b["seed"]) for b in bodies)
     assert sent == sorted((r.prompt_token_ids, r.output_len, 5 + i) for i, r in enumerate(requests))
 

@@ -149,6 +149,13 @@ def server_command(binaries: Path, model: Path, port: int, parallel: int, slot_c
     ]
 
 
+def slot_context(requests: list[BenchRequest], max_model_len: int, multiple: int = 256) -> int:
+    """Tokens per slot: the longest request (prompt and output), rounded up to `multiple`, at
+    most `max_model_len`."""
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    return min(max_model_len, -(-longest // multiple) * multiple)
+
+
 def completion_payload(request: BenchRequest, temperature: float, seed: int) -> dict:
     """One request for `/completion`: exactly `output_len` tokens after the prompt, sampled from
     the whole distribution as the engine's requests are (top-k, top-p and min-p off)."""
@@ -241,11 +248,12 @@ def run_llama_server(
     parallel: int = 16, threads: int | None = None, port: int = 8091, log_path: Path | None = None,
 ) -> dict:
     """Every request at once through `llama-server -np parallel`; the time from the first
-    request to the last answer (the server's start and warm-up excluded, as vLLM's is)."""
+    request to the last answer (the server's start and warm-up excluded, as vLLM's is). Each
+    slot holds the longest request (llama.cpp allocates every slot's context up front)."""
     import asyncio
 
     threads = threads or len(os.sched_getaffinity(0))
-    command = server_command(binaries, model, port, parallel, max_model_len, threads)
+    command = server_command(binaries, model, port, parallel, slot_context(requests, max_model_len), threads)
     log_path = log_path or default_root() / "llama-server.log"
     with LlamaServer(command, port, log_path) as server:
         start = time.perf_counter()
