@@ -7,6 +7,8 @@
 #   bash benchmarks/serve_vs_vllm.sh                 # rates 1 2 4 req/s, 32 requests each
 #   RATES="1 2" NUM_PROMPTS=16 bash benchmarks/serve_vs_vllm.sh
 #   PAGEDLLM_DTYPE=float32 VLLM_DTYPE=float32 bash benchmarks/serve_vs_vllm.sh  # a dtype of your choice
+#   ENGINES="pagedllm llama-cpp" MODEL=FILE.gguf bash benchmarks/serve_vs_vllm.sh  # llama.cpp's server
+#     (llama-server -np 16, built once: python -m pagedllm.bench.llama_cpp_peer); MODEL: both engines
 #
 # Run it on an otherwise idle machine: both engines use every core.
 set -u
@@ -32,13 +34,18 @@ wait_ready() {  # URL PID: until the server answers, or its process is gone
   return 1
 }
 
-for engine in ${ENGINES:-pagedllm vllm}; do
+ENGINES=${ENGINES:-pagedllm vllm}
+MODEL=${MODEL:-}
+for engine in $ENGINES; do
   if [ $engine = pagedllm ]; then
-    $PY -m pagedllm serve --port "$PORT" --dtype "$PAGEDLLM_DTYPE" >"$OUT/server_$engine.log" 2>&1 &
+    $PY -m pagedllm serve $MODEL --port "$PORT" --dtype "$PAGEDLLM_DTYPE" >"$OUT/server_$engine.log" 2>&1 &
+    ready=/health
+  elif [ $engine = llama-cpp ]; then
+    $PY -m pagedllm.bench.llama_cpp_peer --port "$PORT" -np "${LLAMA_CPP_PARALLEL:-16}" $MODEL >"$OUT/server_$engine.log" 2>&1 &
     ready=/health
   else
     # setsid: vLLM's server starts an engine process of its own; the whole group is ended below.
-    setsid $PY -m pagedllm.bench.vllm_peer --port "$PORT" --dtype "$VLLM_DTYPE" >"$OUT/server_$engine.log" 2>&1 &
+    setsid $PY -m pagedllm.bench.vllm_peer --port "$PORT" --dtype "$VLLM_DTYPE" $MODEL >"$OUT/server_$engine.log" 2>&1 &
     ready=/v1/models
   fi
   pid=$!
@@ -56,17 +63,17 @@ for engine in ${ENGINES:-pagedllm vllm}; do
   sleep 2
 done
 
-$PY - "$OUT" $RATES <<'EOF'
+$PY - "$OUT" "$ENGINES" $RATES <<'EOF'
 import json, sys
 from pathlib import Path
 
-out, rates = Path(sys.argv[1]), sys.argv[2:]
+out, engines, rates = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3:]
 from pagedllm.bench.report import cpu_description, format_table
 
 rows = []
 for rate in rates:
     row = {"rate": rate}
-    for engine in ("pagedllm", "vllm"):
+    for engine in engines:
         path = out / f"{engine}_rate{rate}.json"
         if not path.is_file():
             continue
@@ -76,11 +83,12 @@ for rate in rates:
         row[f"{engine}_tpot_ms"] = s["tpot_ms"]["mean"]
         row[f"{engine}_out_tok_s"] = s["output_tok_per_s"]
         row[f"{engine}_failed"] = s["failed"]
-    if "pagedllm_norm_latency_s" in row and "vllm_norm_latency_s" in row:
-        row["norm_latency_ratio"] = row["pagedllm_norm_latency_s"] / row["vllm_norm_latency_s"]
+    for peer in engines:
+        if peer != "pagedllm" and "pagedllm_norm_latency_s" in row and f"{peer}_norm_latency_s" in row:
+            row[f"norm_latency_ratio_vs_{peer}"] = row["pagedllm_norm_latency_s"] / row[f"{peer}_norm_latency_s"]
     rows.append(row)
 print(format_table(rows))
 model, flags = cpu_description()
 print(f"cpu: {model}; flags: {' '.join(flags)}")
 EOF
-echo "dtypes: pagedllm $PAGEDLLM_DTYPE, vllm $VLLM_DTYPE"
+echo "dtypes: pagedllm $PAGEDLLM_DTYPE, vllm $VLLM_DTYPE (llama.cpp: the file's own types)"

