@@ -377,7 +377,10 @@ def test_a_warm_quantized_model_maps_the_packed_blocks_from_a_file_of_the_gguf_s
 def test_the_budget_adds_up(cache, tiny_gguf):
     model = load(tiny_gguf)
     run = PagedSequences(model, block_size=16, num_blocks=64)
-    swap = [torch.empty(1024, 16 * 1024) for _ in range(2)]  # 64 MiB each: fresh pages from the OS
+    # 64 MiB each of fresh pages from the OS: mapped here, not from malloc, whose heap may hold
+    # pages an earlier test touched once an engine has raised glibc's mmap threshold.
+    mappings = [mmap.mmap(-1, 64 << 20) for _ in range(2)]
+    swap = [torch.frombuffer(m, dtype=torch.float32).view(1024, 16 * 1024) for m in mappings]
     swap[0][:2] = 1  # a swap pool is resident only where something was swapped out
     budget = memory_budget(model, run.keys + run.values, swap)
     kv_bytes = sum(t.numel() * t.element_size() for t in run.keys + run.values)

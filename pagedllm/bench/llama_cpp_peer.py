@@ -243,9 +243,18 @@ async def _send_all(url: str, requests: list[BenchRequest], temperature: float, 
         return sum(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now, on the loopback interface."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_llama_server(
     binaries: Path, model: Path, requests: list[BenchRequest], temperature: float, seed: int, max_model_len: int,
-    parallel: int = 16, threads: int | None = None, port: int = 8091, log_path: Path | None = None,
+    parallel: int = 16, threads: int | None = None, port: int | None = None, log_path: Path | None = None,
 ) -> dict:
     """Every request at once through `llama-server -np parallel`; the time from the first
     request to the last answer (the server's start and warm-up excluded, as vLLM's is). Each
@@ -253,6 +262,7 @@ def run_llama_server(
     import asyncio
 
     threads = threads or len(os.sched_getaffinity(0))
+    port = port or free_port()  # never a server already listening (another run's, a peer's)
     command = server_command(binaries, model, port, parallel, slot_context(requests, max_model_len), threads)
     log_path = log_path or default_root() / "llama-server.log"
     with LlamaServer(command, port, log_path) as server:

@@ -145,9 +145,12 @@ class RequestConstraints:
         least recently used grammars beyond the budget."""
         if future.cancelled() or future.exception() is not None:
             return
-        size = int(getattr(future.result(), "memory_size_bytes", 0))
+        if self._compiled.get(key) is future:
+            self._record_size(key, int(getattr(future.result(), "memory_size_bytes", 0)))
+
+    def _record_size(self, key: tuple[str, str], size: int) -> None:
         with self._lock:
-            if self._compiled.get(key) is not future or key in self._sizes:
+            if key not in self._compiled or key in self._sizes:
                 return
             self._sizes[key] = size
             self.cached_bytes += size
@@ -189,6 +192,9 @@ class RequestConstraints:
                 spec.param,
             )
         self.compile_seconds[key] = time.perf_counter() - start
+        # Counted before the future resolves, so that a caller who waited for it sees the cache
+        # within its budget (the done-callback would run after the waiter wakes).
+        self._record_size(key, size)
         return compiled
 
     # --- bad words and allowed_token_ids (any thread) ---------------------------------------
