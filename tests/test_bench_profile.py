@@ -115,8 +115,12 @@ def test_latency_profile_prints_the_parts_and_the_bound(tiny_llama, engine, tmp_
     # The bound's matrix rate is the faster of the run's two readings, and the bound adds up.
     config = json.loads(out.read_text())["config"]
     assert profile["matrix_gflops"] >= config["matmul_gflops"]
-    matrix_s = 2 * engine.arch.num_parameters * 2 / (profile["matrix_gflops"] * 1e9)
-    expected = matrix_s + profile["kv_bytes"] / (profile["copy_bandwidth_gbps"] * 1e9)
+    # Matrix products: the longer of their FLOPs at that rate and reading the stored weights once.
+    bandwidth = profile["copy_bandwidth_gbps"] * 1e9
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.executor.worker.model.parameters())
+    assert profile["weight_bytes"] == weight_bytes  # the tiny model ties nothing: every parameter once
+    matrix_s = max(2 * engine.arch.num_parameters * 2 / (profile["matrix_gflops"] * 1e9), weight_bytes / bandwidth)
+    expected = matrix_s + profile["kv_bytes"] / bandwidth
     assert profile["bound_ms"] == pytest.approx(1e3 * expected, rel=1e-6)
     printed = capsys.readouterr().out
     assert "decode step profile" in printed and "physical bound" in printed and "attention" in printed

@@ -5,7 +5,9 @@ requests of fixed lengths (one request by default), and the decode rate against 
 With `--profile`, it also times each part of a decode step in place (`step_profile`): one more
 batch is prefilled, then its decode steps run with the timers installed, and the table gives
 each part's milliseconds per step beside the physical bound of that step (the projections'
-FLOPs at the measured matrix rate plus the KV cache's bytes at the measured copy bandwidth).
+FLOPs at the measured matrix rate or, where that is longer, as for a quantized model at small
+batches, the weights' stored bytes read once at the measured copy bandwidth; plus the KV cache's
+bytes at that bandwidth).
 The matrix rate is the faster of torch's product and, in float32 on a CPU, the engine's
 quantized kernel (which outruns torch's there: a bound from torch alone could be beaten),
 measured at the start and again beside the profiled steps, the faster reading kept."""
@@ -137,7 +139,11 @@ def _profile(engine, args: argparse.Namespace, flops: float) -> dict:
     context = args.input_len + len(steps) // 2  # the mean context over the timed steps
     kv_bytes = 2 * args.batch_size * context * worker.num_layers * worker.num_kv_heads * worker.head_dim
     kv_bytes *= worker.cache_dtype.itemsize
-    matrix_s = 2 * engine.arch.num_parameters * args.batch_size / flops
+    flops_s = 2 * engine.arch.num_parameters * args.batch_size / flops
+    # The weights as stored (quantized blocks count their bytes; a tied table once), read once a step.
+    weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in worker.model.parameters()}.values())
+    weights_s = weight_bytes / bandwidth
+    matrix_s = max(flops_s, weights_s)
     bound_s = matrix_s + kv_bytes / bandwidth
     step_s = sum(steps) / len(steps)
     rows = profile_rows(steps, parts, calls)
@@ -145,8 +151,9 @@ def _profile(engine, args: argparse.Namespace, flops: float) -> dict:
         f"decode step profile: batch {args.batch_size}, context {context} (mean), {len(steps)} steps, "
         f"dtype {worker.dtype}, KV cache {worker.cache_dtype}",
         format_table(rows, ["part", "ms_per_step", "pct", "calls_per_step", "covers"]),
-        f"physical bound: {1e3 * bound_s:.1f} ms = matrix products {1e3 * matrix_s:.1f} ms "
-        f"({flops / 1e9:.0f} GFLOP/s, the best measured) + KV reads {1e3 * kv_bytes / bandwidth:.1f} ms "
+        f"physical bound: {1e3 * bound_s:.1f} ms = matrix products {1e3 * matrix_s:.1f} ms (the longer of "
+        f"{1e3 * flops_s:.1f} ms of FLOPs at {flops / 1e9:.0f} GFLOP/s, the best measured, and {1e3 * weights_s:.1f} ms "
+        f"reading {weight_bytes / 1e6:.0f} MB of weights) + KV reads {1e3 * kv_bytes / bandwidth:.1f} ms "
         f"({kv_bytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s measured); step / bound = {step_s / bound_s:.2f}",
     ]
     return {
@@ -157,4 +164,5 @@ def _profile(engine, args: argparse.Namespace, flops: float) -> dict:
         "matrix_gflops": flops / 1e9,
         "copy_bandwidth_gbps": bandwidth / 1e9,
         "kv_bytes": kv_bytes,
+        "weight_bytes": weight_bytes,
     }
