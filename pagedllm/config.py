@@ -284,6 +284,11 @@ class EngineArgs:
                 "sequence's positions several at a time, which batch-invariant mode's fixed decode path does not; "
                 "turn one of them off."
             )
+        if speculative is not None and self.kv_policy != "paged":
+            raise ValueError(
+                f"speculative_config needs kv_policy='paged' (got {self.kv_policy!r}): the paper's reservation "
+                "baselines cannot roll back rejected tokens' slots."
+            )
         max_num_batched_tokens = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         return EngineConfig(
             model=ModelConfig(

@@ -82,6 +82,11 @@ def test_speculative_config_from_json_text_as_on_the_command_line():
     assert SpeculativeConfig.parse({"model": "/path"}).method == "draft_model"  # vLLM infers it
 
 
+def test_a_reservation_policy_refuses_speculation_before_any_model_loads():
+    with pytest.raises(ValueError, match="kv_policy='paged'"):
+        EngineArgs(kv_policy="orca-max", speculative_config=NGRAM).create_engine_config()
+
+
 def test_batch_invariant_mode_refuses_speculation():
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineArgs(batch_invariant=True, speculative_config=NGRAM).create_engine_config()

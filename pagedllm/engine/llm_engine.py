@@ -119,11 +119,6 @@ class LLMEngine:
             return None
         from pagedllm.engine.spec_decode import Speculator  # (numpy: only when speculating)
 
-        if self.config.scheduler.kv_policy != "paged":
-            raise ValueError(
-                f"speculative_config needs kv_policy='paged' (got {self.config.scheduler.kv_policy!r}): the paper's "
-                "reservation baselines cannot roll back rejected tokens' slots."
-            )
         draft = None
         if spec.method == "draft_model":
             from pagedllm.engine.draft_model import DraftModel, check_draft_model
@@ -307,16 +302,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of every request that progressed or ended."""
         begin = time.perf_counter()
-        outputs = self._step()
-        if self._prompt_tokens is not None:  # a step that ran the model: measure it for the budget
-            self.step_budget.observe(time.perf_counter() - begin, self._prompt_tokens)
-            self.scheduler.prompt_chunk_limit = self.step_budget.chunk_limit
-            self._prompt_tokens = None
-        return outputs
-
-    _prompt_tokens: int | None = None  # the prompt tokens of the step being run
-
-    def _step(self) -> list[RequestOutput]:
         with self.timer.part("scheduler"):
             outputs = self._release_compiled()
             if self.speculator is not None:
@@ -340,9 +325,6 @@ class LLMEngine:
             self.core.scheduler.requeue_finished(scheduled.finished_request_ids)
             raise
         self.num_steps += 1
-        # Prompt tokens only: a speculating sequence's proposals are verification, not a prompt chunk.
-        self._prompt_tokens = sum(len(item.token_ids) for item in scheduled.seqs
-                                  if len(item.token_ids) > 1 and not item.draft_token_ids)
         now = time.monotonic()
         with self.timer.part("scheduler"):
             self.core.advance(scheduled, self.requests.seqs, result)
@@ -361,7 +343,16 @@ class LLMEngine:
                 outputs.append(self._make_output(group))
                 if group.is_finished:
                     self.requests.remove_group(group)
+        self._observe_step(scheduled, time.perf_counter() - begin)
         return outputs
+
+    def _observe_step(self, scheduled, seconds: float) -> None:
+        """A step that ran the model teaches the step-time budget its cost per prompt token
+        (a speculating sequence's proposals are verification, not prompt work)."""
+        prompt_tokens = sum(len(item.token_ids) for item in scheduled.seqs
+                            if len(item.token_ids) > 1 and not item.draft_token_ids)
+        self.step_budget.observe(seconds, prompt_tokens)
+        self.scheduler.prompt_chunk_limit = self.step_budget.chunk_limit
 
     @staticmethod
     def _update_metrics(group: SequenceGroup, now: float) -> None:
@@ -491,19 +482,8 @@ class LLMEngine:
             num_steps=self.num_steps,
             step_time=self.timer.snapshot(),
             kv_breakdown=sched.kv_breakdown.fractions(),
-            **self._spec_decode_stats(),
+            **(self.speculator.stats.as_engine_stats() if self.speculator is not None else {}),
         )
-
-    def _spec_decode_stats(self) -> dict:
-        if self.speculator is None:
-            return {}
-        spec = self.speculator.stats
-        return {
-            "spec_decode_num_drafts": spec.num_drafts,
-            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
-            "spec_decode_num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
-        }
 
     def shutdown(self) -> None:
         self.constraints.shutdown()

@@ -48,6 +48,15 @@ class SpecDecodeStats:
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
+    def as_engine_stats(self) -> dict:
+        """The counters under EngineStats' field names (`spec_decode_` and vLLM's names)."""
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+        }
+
     @property
     def mean_acceptance_length(self) -> float | None:
         """Tokens a verifying sequence produced per step (accepted + the target's own)."""
