@@ -112,11 +112,17 @@ def matmul(x: torch.Tensor, w: PackedWeight, int8: bool = False) -> torch.Tensor
     per block of 32 and multiplied on 8-bit integers (close to, not equal to, the float product)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be float32 [rows, {w.in_features}], got {x.dtype} {list(x.shape)}")
+    return packed_product(_lib().gguf_matmul, x, w, TYPE_IDS[w.qtype], int8)
+
+
+def packed_product(kernel, x: torch.Tensor, w, type_id: int, int8: bool) -> torch.Tensor:
+    """Call a C product of the gguf_matmul ABI (qtype id, y, x, packed, rows, out, in, threads,
+    int8) on x [rows, in_features] and a packed weight (`.data`, `.out_features`, `.in_features`)."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
     if x.shape[0]:
-        _lib().gguf_matmul(TYPE_IDS[w.qtype], y.data_ptr(), x.data_ptr(), w.data.data_ptr(), x.shape[0],
-                           w.out_features, w.in_features, torch.get_num_threads(), int(int8))
+        kernel(type_id, y.data_ptr(), x.data_ptr(), w.data.data_ptr(), x.shape[0], w.out_features, w.in_features,
+               torch.get_num_threads(), int(int8))
     return y
 
 

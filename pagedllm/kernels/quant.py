@@ -138,12 +138,9 @@ def _packed_lib():
 
 def matmul(x: torch.Tensor, w: LegacyPacked, int8: bool = False) -> torch.Tensor:
     """x: float32 [rows, in_features] -> x W^T: float32 [rows, out_features] (int8: on int8 activations)."""
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-    if x.shape[0]:
-        _packed_lib().quant_matmul_packed(TYPE_IDS[w.qtype], y.data_ptr(), x.data_ptr(), w.data.data_ptr(), x.shape[0],
-                                          w.out_features, w.in_features, torch.get_num_threads(), int(int8))
-    return y
+    from pagedllm.kernels.gguf import packed_product
+
+    return packed_product(_packed_lib().quant_matmul_packed, x, w, TYPE_IDS[w.qtype], int8)
 
 
 def dequantize_rows(w: LegacyPacked, rows: torch.Tensor | None = None) -> torch.Tensor:
