@@ -135,19 +135,11 @@ class Sampler:
             if item.sampling_params.logprobs is not None:
                 top = top_logprobs(raw[r], log_norm[r], chosen_ids[r], item.sampling_params.logprobs)
             results[row_of[r]].append(SampledToken(chosen_ids[r], chosen_logprobs[r], top))
-        first_row = {}
-        for r, i in enumerate(row_of):
-            first_row.setdefault(i, r)
         for i, item in enumerate(items):
             if item.draft_token_ids:
-                tokens = results[i]
-                num_accepted = accept_proposal([t.token_id for t in tokens], item.draft_token_ids)
-                for j in range(num_accepted):  # the accepted tokens are the proposed ones
-                    proposed = item.draft_token_ids[j]
-                    if tokens[j].token_id != proposed:  # (only under a rule other than accept_proposal's)
-                        r = first_row[i] + j
-                        tokens[j] = SampledToken(proposed, float(raw[r, proposed] - log_norm[r]))
-                results[i] = tokens[: num_accepted + 1]
+                # The kept tokens are the target's own choices, which equal the proposal's there.
+                num_accepted = accept_proposal([t.token_id for t in results[i]], item.draft_token_ids)
+                results[i] = results[i][: num_accepted + 1]
                 if i in rewind:
                     gen = self._generator(item, item.sample_index)
                     gen.set_state(rewind[i])
