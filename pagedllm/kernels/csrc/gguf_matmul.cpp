@@ -72,6 +72,23 @@ inline void prefetch_ahead(const uint8_t* p, int n) {
 #endif
 }
 
+// The rows of W that this thread of an OpenMP team reads (its static share), in kStreams
+// interleaved runs: a row from each of kStreams separate parts of the share in turn, so that the
+// hardware prefetchers follow several streams at once. One stream leaves DRAM's latency exposed
+// when each line takes some arithmetic (measured on one core of a 2-core Xeon VM: a 1-row int8
+// Q4_K product read 5.5 GB/s from DRAM in one stream, 8.7 GB/s in four; 15 GB/s from L2).
+constexpr int kStreams = 4;
+template <class Fn>
+inline void for_rows_streamed(int64_t count, Fn&& fn) {
+  const int teams = omp_get_num_threads(), me = omp_get_thread_num();
+  const int64_t lo = count * me / teams, hi = count * (me + 1) / teams, run = (hi - lo + kStreams - 1) / kStreams;
+  for (int64_t i = 0; i < run; ++i)
+    for (int s = 0; s < kStreams; ++s) {
+      const int64_t n = lo + s * run + i;
+      if (n < hi) fn(n);
+    }
+}
+
 // A 64-byte aligned buffer of at least `bytes` that the calling thread keeps between calls (one
 // per slot): fresh pages on every call would fault in.
 inline void* thread_buffer(int slot, int64_t bytes) {
@@ -342,13 +359,14 @@ void fused_matmul(float* y, const float* x, const uint8_t* packed, int64_t num_r
                   int64_t in_features, int num_threads) {
   const TypeSize t = type_size(T);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t n = 0; n < out_features; ++n)
+#pragma omp parallel num_threads(num_threads)
+  for_rows_streamed(out_features, [&](int64_t n) {
     for (int64_t r0 = 0; r0 < num_rows; r0 += kFusedGroup<V>) {
       const int rows = num_rows - r0 < kFusedGroup<V> ? static_cast<int>(num_rows - r0) : kFusedGroup<V>;
       fused_row_group<V, T>(y + r0 * out_features + n, out_features, packed + n * row_bytes, num_blocks,
                             x + r0 * in_features, in_features, rows);
     }
+  });
 }
 
 template <class V>
@@ -493,8 +511,7 @@ void rows_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
 #pragma omp parallel num_threads(num_threads)
   {
     float* w = static_cast<float*>(thread_buffer(2, sizeof(float) * in_features));
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < out_features; ++n) {
+    for_rows_streamed(out_features, [&](int64_t n) {
       const uint8_t* row = packed + n * row_bytes;
       if constexpr (ISA == kPortable) {
         expand_row_portable(qtype, row, num_blocks, w);
@@ -517,7 +534,7 @@ void rows_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
         if constexpr (ISA == kAvx512) dot_row_group<V512>(yr, out_features, w, xr, in_features, rows);
 #endif
       }
-    }
+    });
   }
 }
 
@@ -930,8 +947,7 @@ void int8_matmul_avx512(float* y, const uint8_t* packed, int64_t num_rows, int64
   {
     float* c16 = static_cast<float*>(thread_buffer(0, sizeof(float) * groups));
     std::memset(c16, 0, sizeof(float) * groups);  // past the row's groups: zero, never written
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < out_features; ++n) {
+    for_rows_streamed(out_features, [&](int64_t n) {
       const uint8_t* row = packed + n * row_bytes;
       for (int64_t r0 = 0; r0 < num_rows; r0 += kGroup) {
         float* yr = y + r0 * out_features + n;
@@ -946,7 +962,7 @@ void int8_matmul_avx512(float* y, const uint8_t* packed, int64_t num_rows, int64
           default: int8_fused_rows<T, 8>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
         }
       }
-    }
+    });
   }
 }
 
@@ -986,8 +1002,7 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
     float* s16 = reinterpret_cast<float*>(u + padded);
     float* c16 = s16 + groups;
     std::memset(u, 0, padded + sizeof(float) * 2 * groups);
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < out_features; ++n) {
+    for_rows_streamed(out_features, [&](int64_t n) {
       const uint8_t* row = packed + n * row_bytes;
       if constexpr (ISA == kPortable) {
         for (int64_t b = 0; b < num_blocks; ++b) {
@@ -1003,7 +1018,7 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
         const int rows = num_rows - r0 < kRowGroup ? static_cast<int>(num_rows - r0) : kRowGroup;
         int8_dot_group<ISA, kSigned>(y + r0 * out_features + n, out_features, u, s16, c16, a, r0, rows);
       }
-    }
+    });
   }
 }
 
