@@ -217,6 +217,25 @@ inline void expand_block(const uint8_t* b, Sink&& sink, const float* d_in = null
   } else if constexpr (T == kQ8_0) {
     const F vd = V::set1(d_in ? *d_in : half_to_float(b));
     _Pragma("GCC unroll 16") for (int c = 0; c < 32; c += W) sink(c, V::mul(V::cvt(V::s8(b + 2 + c)), vd));
+  } else if constexpr (T == kQ4_K && W == 16) {
+    // 16-entry tables: the pair of sub-blocks of each 32 bytes (low nibbles, then high) looks its
+    // weights up (VPERMPS reads an index's low 4 bits: the low nibble needs no mask) from d sc q -
+    // dmin m for q = 0..15, one FMA per table: the same floats as a conversion and an FMA per vector.
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) {
+      int sc0, m0, sc1, m1;
+      scale_min_k4(2 * c, b + 4, &sc0, &m0);
+      scale_min_k4(2 * c + 1, b + 4, &sc1, &m1);
+      const F t0 = V::fma(iota, V::set1(d * static_cast<float>(sc0)), V::set1(-dmin * static_cast<float>(m0)));
+      const F t1 = V::fma(iota, V::set1(d * static_cast<float>(sc1)), V::set1(-dmin * static_cast<float>(m1)));
+      const uint8_t* qs = b + 16 + 32 * c;
+      const I q0 = V::u8(qs), q1 = V::u8(qs + 16);
+      sink(64 * c, _mm512_permutexvar_ps(q0, t0));
+      sink(64 * c + 16, _mm512_permutexvar_ps(q1, t0));
+      sink(64 * c + 32, _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), t1));
+      sink(64 * c + 48, _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), t1));
+    }
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
     _Pragma("GCC unroll 16") for (int i = 0; i < 8; ++i) {
