@@ -332,7 +332,9 @@ def method_layers(model: nn.Module) -> dict[str, nn.Module]:
 def int8_rows_that_pay(qtype: str) -> int:
     """The most rows up to which int8 activations beat float32's for `qtype`'s kernels, on a
     trial once per process (kernels/quant.py's own trial for its types; for gguf.py's, random
-    blocks of a decode projection's shape, best of five at each of quant's trial row counts)."""
+    blocks of a decode projection's shape, best of 15 at each of quant's trial row counts: a
+    product takes tens of microseconds, and on a loaded machine fewer timings let a descheduled
+    thread decide)."""
     if kernels_for(qtype) == "quant":
         return quant.int8_rows_that_pay()
     gen = torch.Generator().manual_seed(0)
@@ -340,7 +342,7 @@ def int8_rows_that_pay(qtype: str) -> int:
     pays = 0
     for rows in quant._TRIAL_ROWS:
         x = torch.randn(rows, 512, generator=gen)
-        if best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), 5) >= best_wall_time(lambda: gguf_kernels.matmul(x, w), 5):
+        if best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), 15) >= best_wall_time(lambda: gguf_kernels.matmul(x, w), 15):
             break
         pays = rows
     logger.info("int8 activations for %s (%s): %s on a trial", qtype, gguf_kernels.isa(),
