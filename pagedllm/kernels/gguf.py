@@ -38,8 +38,9 @@ TYPE_IDS: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 
 # The layout of PackedWeight.data: "rows-1" is the file's rows of blocks, unchanged. A weight
 # cache keys its entries on it, so a later layout (interleaved rows) never reads an old one.
 LAYOUT = "rows-1"
-ISAS = {0: "portable", 1: "avx2", 2: "avx512"}
-ISA_NAMES = {"portable": "portable C++", "avx2": "AVX2 (FMA, VPMADDUBSW)", "avx512": "AVX-512 VNNI (VPDPBUSD)"}
+ISAS = {0: "portable", 1: "avx2", 2: "avx512", 3: "amx"}
+ISA_NAMES = {"portable": "portable C++", "avx2": "AVX2 (FMA, VPMADDUBSW)", "avx512": "AVX-512 VNNI (VPDPBUSD)",
+             "amx": "AVX-512 VNNI, prompts on AMX-BF16 tiles (TDPBF16PS)"}
 
 
 @dataclass

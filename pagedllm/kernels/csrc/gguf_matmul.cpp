@@ -42,7 +42,8 @@ namespace {
 
 using namespace gguf;
 
-enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAvx512Amx: kAvx512, with prompt-sized products on AMX tiles (gguf_amx.h).
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Amx = 3 };
 
 #if defined(GGUF_AVX512)
 constexpr int kBestIsa = kAvx512;
@@ -52,7 +53,7 @@ constexpr int kBestIsa = kAvx2;
 constexpr int kBestIsa = kPortable;
 #endif
 
-int g_isa = kBestIsa;
+int g_isa = -1;  // best_isa() at first use
 
 constexpr int kTiledRows = 16;  // from this many rows of x on, the tiled float way
 constexpr int kTileW = 12;     // rows of W expanded together (tiled way)
@@ -97,7 +98,7 @@ inline void* thread_buffer(int slot, int64_t bytes) {
     int64_t size = 0;
     ~Buffer() { std::free(data); }
   };
-  static thread_local Buffer buffers[7];
+  static thread_local Buffer buffers[9];
   Buffer& b = buffers[slot];
   if (b.size < bytes) {
     std::free(b.data);
@@ -539,7 +540,7 @@ void rows_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
       if constexpr (ISA == kAvx2) expand_row<V256>(qtype, row, num_blocks, w);
 #endif
 #ifdef GGUF_AVX512
-      if constexpr (ISA == kAvx512) expand_row<V512>(qtype, row, num_blocks, w);
+      if constexpr (ISA >= kAvx512) expand_row<V512>(qtype, row, num_blocks, w);
 #endif
       for (int64_t r0 = 0; r0 < num_rows; r0 += kRowGroup) {
         const int rows = num_rows - r0 < kRowGroup ? static_cast<int>(num_rows - r0) : kRowGroup;
@@ -550,7 +551,7 @@ void rows_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
         if constexpr (ISA == kAvx2) dot_row_group<V256>(yr, out_features, w, xr, in_features, rows);
 #endif
 #ifdef GGUF_AVX512
-        if constexpr (ISA == kAvx512) dot_row_group<V512>(yr, out_features, w, xr, in_features, rows);
+        if constexpr (ISA >= kAvx512) dot_row_group<V512>(yr, out_features, w, xr, in_features, rows);
 #endif
       }
     });
@@ -779,7 +780,7 @@ inline void int8_dot_group(float* y, int64_t y_stride, const uint8_t* u, const f
   }
 #endif
 #ifdef GGUF_AVX512
-  if constexpr (ISA == kAvx512) {
+  if constexpr (ISA >= kAvx512) {
     switch (rows) {
       case 1: return int8_dot_avx512<1, kSigned>(y, y_stride, u, s16, c16, a, r0);
       case 2: return int8_dot_avx512<2, kSigned>(y, y_stride, u, s16, c16, a, r0);
@@ -1013,7 +1014,7 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
   quantize_activations(x, num_rows, in_features, padded, qx, dx16, xs16);
   const Int8Rows a{qx, dx16, xs16, padded};
 #ifdef GGUF_AVX512
-  if constexpr (ISA == kAvx512) return int8_matmul_avx512(qtype, y, packed, num_rows, out_features, in_features, a, num_threads);
+  if constexpr (ISA >= kAvx512) return int8_matmul_avx512(qtype, y, packed, num_rows, out_features, in_features, a, num_threads);
 #endif
 #pragma omp parallel num_threads(num_threads)
   {
@@ -1041,6 +1042,19 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
   }
 }
 
+#include "gguf_amx.h"
+#ifdef GGUF_AMX
+constexpr int kAmxMinRows = 32;  // from this many rows of x on, AMX's way (float32, not int8)
+#endif
+
+// The best path this build and this process can run (AMX: where Linux grants the tiles).
+int best_isa() {
+#ifdef GGUF_AMX
+  if (amx_permitted()) return kAvx512Amx;
+#endif
+  return kBestIsa;
+}
+
 template <int ISA>
 void run(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
          int64_t in_features, int num_threads, bool use_int8) {
@@ -1058,8 +1072,13 @@ void run(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num
     return fused_matmul<V256>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
   }
 #endif
+#ifdef GGUF_AMX
+  if constexpr (ISA == kAvx512Amx) {
+    if (num_rows >= kAmxMinRows) return amx_matmul(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
+  }
+#endif
 #ifdef GGUF_AVX512
-  if constexpr (ISA == kAvx512) {
+  if constexpr (ISA >= kAvx512) {
     if (num_rows >= kTiledRows)
       return tiled_matmul<V512>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
     return fused_matmul<V512>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
@@ -1078,7 +1097,11 @@ extern "C" {
 void gguf_matmul(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t rows, int64_t out_features,
                  int64_t in_features, int num_threads, int use_int8) {
   if (type_size(qtype_id).weights == 0 || rows <= 0 || out_features <= 0) return;
+  if (g_isa < 0) g_isa = best_isa();
   switch (g_isa) {
+#ifdef GGUF_AMX
+    case kAvx512Amx: return run<kAvx512Amx>(qtype_id, y, x, packed, rows, out_features, in_features, num_threads, use_int8);
+#endif
 #ifdef GGUF_AVX512
     case kAvx512: return run<kAvx512>(qtype_id, y, x, packed, rows, out_features, in_features, num_threads, use_int8);
 #endif
@@ -1115,12 +1138,12 @@ void gguf_quantize_activations(int8_t* qx, float* dx, const float* x, int64_t ro
   std::free(d16);
 }
 
-// The ISA path gguf_matmul runs: 0 portable C++, 1 AVX2, 2 AVX-512 (VNNI).
-int gguf_isa() { return g_isa; }
-int gguf_best_isa() { return kBestIsa; }
+// The ISA path gguf_matmul runs: 0 portable C++, 1 AVX2, 2 AVX-512 (VNNI), 3 AVX-512 and AMX.
+int gguf_isa() { return g_isa < 0 ? best_isa() : g_isa; }
+int gguf_best_isa() { return best_isa(); }
 // Selects the path (tests, benchmarks); returns 0, or -1 (unchanged) if this build lacks it.
 int gguf_set_isa(int isa) {
-  if (isa < 0 || isa > kBestIsa) return -1;
+  if (isa < 0 || isa > best_isa()) return -1;
   g_isa = isa;
   return 0;
 }
