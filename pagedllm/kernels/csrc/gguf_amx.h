@@ -83,8 +83,8 @@ inline void amx_split_x(const float* x, int64_t num_rows, int64_t in_features, i
   }
 }
 
-void amx_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
-                int64_t in_features, int num_threads) {
+void amx_matmul_rows(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
+                     int64_t in_features, int num_threads) {
   const TypeSize t = type_size(qtype);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
   const int64_t kt_count = in_features / 32, padded_rows = round_up(num_rows, kAmxRows);
@@ -171,6 +171,19 @@ void amx_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int6
       _tile_loadconfig(&saved);
     else
       _tile_release();
+  }
+}
+// At most kAmxChunk rows of x at a time (in even chunks): the split x of a chunk stays in the core's L2 while every
+// block of W meets it (measured, one core, Q4_K 8192 x 2048: 357 GFLOP/s at 128-256 rows, 324 at
+// 512 in one piece), for one more expansion of W per chunk.
+constexpr int64_t kAmxChunk = 256;
+void amx_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
+                int64_t in_features, int num_threads) {
+  const int64_t chunks = (num_rows + kAmxChunk - 1) / kAmxChunk;
+  const int64_t chunk = round_up((num_rows + chunks - 1) / chunks, kAmxRows);  // even chunks, padded least
+  for (int64_t r0 = 0; r0 < num_rows; r0 += chunk) {
+    const int64_t rows = num_rows - r0 < chunk ? num_rows - r0 : chunk;
+    amx_matmul_rows(qtype, y + r0 * out_features, x + r0 * in_features, packed, rows, out_features, in_features, num_threads);
   }
 }
 #endif
