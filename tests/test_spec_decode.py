@@ -333,6 +333,34 @@ def test_a_draft_model_equal_to_the_target_has_every_greedy_proposal_accepted(sm
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
 
 
+def test_the_draft_model_is_skipped_while_nothing_speculates_and_catches_up_after(small_vocab_model, monkeypatch):
+    """While the policy proposes nothing (prompt chunks, then a pause mid-decode) the draft runs
+    no model pass; when speculation resumes it first computes the tokens it missed, so a draft
+    equal to the target still has every proposal accepted, and outputs equal the plain engine's."""
+    prompts = _prompts(2, [9, 30], seed=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kwargs = dict(max_model_len=256, num_gpu_blocks=256, max_num_batched_tokens=16, max_num_seqs=4)
+    plain = _tokens(LLM(str(small_vocab_model), **kwargs).generate(prompts, params, use_tqdm=False))
+    spec = {"method": "draft_model", "model": str(small_vocab_model), "num_speculative_tokens": 4, "adaptive": False}
+    llm = LLM(str(small_vocab_model), **kwargs, speculative_config=spec)
+    speculator = llm.llm_engine.speculator
+    draft, choose = speculator.draft, speculator.controller.choose
+    paused = [*range(0, 3), *range(5, 10)]  # the policy's calls (steps with decodes) that propose nothing
+    forwards: list[int] = []  # the draft's passes before each call
+
+    def pausing_choose(proposals, *args):
+        forwards.append(draft.num_forwards)
+        if len(forwards) - 1 in paused:
+            return dict.fromkeys(proposals, 0)
+        return choose(proposals, *args)
+
+    monkeypatch.setattr(speculator.controller, "choose", pausing_choose)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
+    assert forwards[3] == 0 < forwards[4] < forwards[5] == forwards[10] < forwards[11]
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_another_draft_model_leaves_outputs_unchanged(small_vocab_model, tiny_models, mode):
     draft = tiny_models("llama", seed=1, vocab_size=SMALL_VOCAB, num_hidden_layers=1)

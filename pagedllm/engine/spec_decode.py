@@ -342,8 +342,8 @@ class Speculator:
 
     def fill(self, scheduled: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
         """With a draft model: draw the proposed tokens into the scheduled step (the draft runs
-        every step, to keep its KV cache level with the target's)."""
-        if self.draft is None or not scheduled.has_model_work:
+        only for the sequences that speculate in it, and applies every step's swaps and copies)."""
+        if self.draft is None:
             return
         self.draft.propose(scheduled, seqs)
         self._proposals = {item.seq_id: item.draft_token_ids for item in scheduled.seqs if item.draft_token_ids}
