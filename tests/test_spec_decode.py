@@ -146,6 +146,22 @@ def test_controller_verifies_nothing_under_load_or_low_acceptance():
     assert rejected.choose({0: list(range(8))}, 1, 1, False, 100) == {0: 0}
 
 
+def test_controller_follows_a_step_cost_that_jumps_at_five_tokens():
+    """Products of 1-4 rows cost about one row's on the CPU, from 5 rows about twice: the
+    controller verifies 3 tokens (4 query tokens), where a line through the same steps would
+    have it verify 5."""
+    def seconds(tokens: int) -> float:
+        return 0.010 if tokens <= 4 else 0.020 + 0.001 * tokens
+
+    controller = SpecController()
+    for _ in range(3):
+        for tokens in range(1, 18):
+            controller.observe_step(tokens, tokens > 1, seconds(tokens))
+    for n in range(40):  # 4.5 tokens matched per mismatch: an acceptance rate of about 0.8
+        controller.observe_tokens(0, list(range(9)), list(range(4 + n % 2)) + [99])
+    assert controller.choose({0: list(range(16))}, base_tokens=1, base_outputs=1, base_multi=False, budget=100) == {0: 3}
+
+
 # --- lossless: greedy ----------------------------------------------------------------------
 
 
