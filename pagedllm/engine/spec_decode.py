@@ -15,7 +15,8 @@ outweigh what the k extra query tokens add to the step. `SpecController` keeps, 
 the measured rate at which its proposed tokens match what the target produced (also for tokens
 proposed but not verified: the next token tells), and a cost model of a step's seconds as a
 linear function of its query tokens, fitted online to the measured model time of past steps
-(one line for steps of single-token decodes, one for steps with longer queries). Each step it
+(one line for steps of single-token decodes, one for steps with longer queries; a small token
+count's own measured steps weigh more than the line there, `StepCost`). Each step it
 picks the numbers of tokens that maximise expected output tokens per second of the step, down to
 none: a lone sequence copying its prompt verifies many, a full batch of chat verifies nothing.
 """
