@@ -393,6 +393,29 @@ def test_another_draft_model_leaves_outputs_unchanged(small_vocab_model, tiny_mo
     assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
 
 
+def test_a_draft_model_under_a_sliding_window_with_forks_and_prefix_hits(tiny_models):
+    """With a window the draft computes every scheduled sequence each step, so a prefix-cache hit
+    and a fork's child start where the target does (their first blocks have left the window): a
+    draft equal to the target has every greedy proposal accepted, and outputs are unchanged."""
+    model = tiny_models("mistral", vocab_size=SMALL_VOCAB, sliding_window=8)
+    prompt = _prompts(1, [26], seed=6)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    forked = SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=20, ignore_eos=True)
+    kwargs = dict(max_model_len=128, block_size=4, num_gpu_blocks=256, enable_prefix_caching=True)
+    plain = LLM(str(model), **kwargs)
+    spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(model), **kwargs, speculative_config=spec)
+    assert not llm.llm_engine.speculator.draft.lazy
+    for prompts, params in (([prompt], greedy), ([prompt + [5, 6, 7, 8]], greedy)):  # the second hits the cache
+        expected = _tokens(plain.generate(prompts, params, use_tqdm=False))
+        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert stats.prefix_cache_hits > 0
+    expected = _tokens(plain.generate([prompt], forked, use_tqdm=False))
+    assert _tokens(llm.generate([prompt], forked, use_tqdm=False)) == expected
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused(small_vocab_model, tiny_models):
     draft = tiny_models("llama", vocab_size=2 * SMALL_VOCAB)
     with pytest.raises(ValueError, match="share the target's vocabulary"):

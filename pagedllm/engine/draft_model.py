@@ -82,12 +82,16 @@ class DraftModel:
         self.num_forwards = 0  # the draft's model passes (catch-up and proposals)
 
     def _held(self, item: ScheduledSequence) -> int:
-        """Tokens of the sequence whose keys and values the draft holds. A sequence it has not
-        seen holds none (a prefix-cache hit or a fork's shared blocks may carry keys the draft
-        never computed, when their first owner did not speculate); one that restarted below
-        what the draft held was preempted by recompute, its blocks reallocated."""
-        held = self._computed.get(item.seq_id, 0)
-        return 0 if item.start_position < held else held
+        """Tokens of the sequence whose keys and values the draft holds. Lazily, a sequence it has
+        not seen holds none (a prefix-cache hit or a fork's shared blocks may carry keys the draft
+        never computed, when their first owner did not speculate), and one that restarted below
+        what the draft held was preempted by recompute, its blocks reallocated. Level with every
+        sequence (a sliding window), the draft holds what the target does, and a catch-up never
+        starts below the target's (whose earlier blocks the window may have freed)."""
+        held = self._computed.get(item.seq_id)
+        if not self.lazy:
+            return item.start_position if held is None else min(held, item.start_position)
+        return 0 if held is None or item.start_position < held else held
 
     def propose(self, scheduled: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
         """Fill in the proposed tokens of the step's speculating sequences (the scheduler reserved
