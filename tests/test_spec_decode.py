@@ -146,6 +146,22 @@ def test_controller_verifies_nothing_under_load_or_low_acceptance():
     assert rejected.choose({0: list(range(8))}, 1, 1, False, 100) == {0: 0}
 
 
+def test_controller_follows_a_step_cost_that_jumps_at_five_tokens():
+    """Products of 1-4 rows cost about one row's on the CPU, from 5 rows about twice: the
+    controller verifies 3 tokens (4 query tokens), where a line through the same steps would
+    have it verify 5."""
+    def seconds(tokens: int) -> float:
+        return 0.010 if tokens <= 4 else 0.020 + 0.001 * tokens
+
+    controller = SpecController()
+    for _ in range(3):
+        for tokens in range(1, 18):
+            controller.observe_step(tokens, tokens > 1, seconds(tokens))
+    for n in range(40):  # 4.5 tokens matched per mismatch: an acceptance rate of about 0.8
+        controller.observe_tokens(0, list(range(9)), list(range(4 + n % 2)) + [99])
+    assert controller.choose({0: list(range(16))}, base_tokens=1, base_outputs=1, base_multi=False, budget=100) == {0: 3}
+
+
 # --- lossless: greedy ----------------------------------------------------------------------
 
 
@@ -333,6 +349,34 @@ def test_a_draft_model_equal_to_the_target_has_every_greedy_proposal_accepted(sm
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
 
 
+def test_the_draft_model_is_skipped_while_nothing_speculates_and_catches_up_after(small_vocab_model, monkeypatch):
+    """While the policy proposes nothing (prompt chunks, then a pause mid-decode) the draft runs
+    no model pass; when speculation resumes it first computes the tokens it missed, so a draft
+    equal to the target still has every proposal accepted, and outputs equal the plain engine's."""
+    prompts = _prompts(2, [9, 30], seed=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kwargs = dict(max_model_len=256, num_gpu_blocks=256, max_num_batched_tokens=16, max_num_seqs=4)
+    plain = _tokens(LLM(str(small_vocab_model), **kwargs).generate(prompts, params, use_tqdm=False))
+    spec = {"method": "draft_model", "model": str(small_vocab_model), "num_speculative_tokens": 4, "adaptive": False}
+    llm = LLM(str(small_vocab_model), **kwargs, speculative_config=spec)
+    speculator = llm.llm_engine.speculator
+    draft, choose = speculator.draft, speculator.controller.choose
+    paused = [*range(0, 3), *range(5, 10)]  # the policy's calls (steps with decodes) that propose nothing
+    forwards: list[int] = []  # the draft's passes before each call
+
+    def pausing_choose(proposals, *args):
+        forwards.append(draft.num_forwards)
+        if len(forwards) - 1 in paused:
+            return dict.fromkeys(proposals, 0)
+        return choose(proposals, *args)
+
+    monkeypatch.setattr(speculator.controller, "choose", pausing_choose)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
+    assert forwards[3] == 0 < forwards[4] < forwards[5] == forwards[10] < forwards[11]
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_another_draft_model_leaves_outputs_unchanged(small_vocab_model, tiny_models, mode):
     draft = tiny_models("llama", seed=1, vocab_size=SMALL_VOCAB, num_hidden_layers=1)
@@ -347,6 +391,29 @@ def test_another_draft_model_leaves_outputs_unchanged(small_vocab_model, tiny_mo
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
     stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
+
+
+def test_a_draft_model_under_a_sliding_window_with_forks_and_prefix_hits(tiny_models):
+    """With a window the draft computes every scheduled sequence each step, so a prefix-cache hit
+    and a fork's child start where the target does (their first blocks have left the window): a
+    draft equal to the target has every greedy proposal accepted, and outputs are unchanged."""
+    model = tiny_models("mistral", vocab_size=SMALL_VOCAB, sliding_window=8)
+    prompt = _prompts(1, [26], seed=6)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    forked = SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=20, ignore_eos=True)
+    kwargs = dict(max_model_len=128, block_size=4, num_gpu_blocks=256, enable_prefix_caching=True)
+    plain = LLM(str(model), **kwargs)
+    spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(model), **kwargs, speculative_config=spec)
+    assert not llm.llm_engine.speculator.draft.lazy
+    for prompts, params in (([prompt], greedy), ([prompt + [5, 6, 7, 8]], greedy)):  # the second hits the cache
+        expected = _tokens(plain.generate(prompts, params, use_tqdm=False))
+        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert stats.prefix_cache_hits > 0
+    expected = _tokens(plain.generate([prompt], forked, use_tqdm=False))
+    assert _tokens(llm.generate([prompt], forked, use_tqdm=False)) == expected
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(small_vocab_model, tiny_models):

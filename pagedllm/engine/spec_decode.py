@@ -15,7 +15,8 @@ outweigh what the k extra query tokens add to the step. `SpecController` keeps, 
 the measured rate at which its proposed tokens match what the target produced (also for tokens
 proposed but not verified: the next token tells), and a cost model of a step's seconds as a
 linear function of its query tokens, fitted online to the measured model time of past steps
-(one line for steps of single-token decodes, one for steps with longer queries). Each step it
+(one line for steps of single-token decodes, one for steps with longer queries; a small token
+count's own measured steps weigh more than the line there, `StepCost`). Each step it
 picks the numbers of tokens that maximise expected output tokens per second of the step, down to
 none: a lone sequence copying its prompt verifies many, a full batch of chat verifies nothing.
 """
@@ -127,14 +128,21 @@ class NgramProposer:
 class StepCost:
     """Seconds of a step as a + b * (query tokens), fitted by exponentially weighted least squares;
     the slope is shrunk towards a prior of `PRIOR_SLOPE` of a one-token step per token until
-    steps of different sizes were seen."""
+    steps of different sizes were seen. Up to `EXACT_MAX` tokens, a step of a count that was
+    measured is predicted mostly by the decayed mean of those measurements: the kernels' cost is
+    not linear in a few rows (on the CPU, products of 1-4 rows cost about one row's, from 5 rows
+    about twice that), and a line through it would verify 5-16 tokens where 3 pay more."""
 
     DECAY = 0.97
     PRIOR_SLOPE = 0.15
     PRIOR_WEIGHT = 8.0  # in squared tokens
+    EXACT_MAX = 64
+    EXACT_DECAY = 0.9
+    LINE_WEIGHT = 1.0  # the line's weight beside a count's own measurements
 
     def __init__(self) -> None:
         self.w = self.t = self.c = self.tt = self.tc = 0.0
+        self._exact: dict[int, tuple[float, float]] = {}  # tokens -> decayed (weight, seconds)
 
     @property
     def known(self) -> bool:
@@ -142,7 +150,9 @@ class StepCost:
 
     def predict(self, tokens: int) -> float:
         a, b = self.line()
-        return a + b * tokens
+        line = a + b * tokens
+        weight, seconds = self._exact.get(tokens, (0.0, 0.0))
+        return (seconds + self.LINE_WEIGHT * line) / (weight + self.LINE_WEIGHT)
 
     def observe(self, tokens: int, seconds: float) -> None:
         if self.w > 3:  # one slow step (a neighbour's burst, a first call) moves the line little
@@ -150,6 +160,9 @@ class StepCost:
         d = self.DECAY
         self.w, self.t, self.c = d * self.w + 1, d * self.t + tokens, d * self.c + seconds
         self.tt, self.tc = d * self.tt + tokens * tokens, d * self.tc + tokens * seconds
+        if tokens <= self.EXACT_MAX:
+            weight, total = self._exact.get(tokens, (0.0, 0.0))
+            self._exact[tokens] = (self.EXACT_DECAY * weight + 1, self.EXACT_DECAY * total + seconds)
 
     def line(self) -> tuple[float, float]:
         mean_t, mean_c = self.t / self.w, self.c / self.w
@@ -342,8 +355,8 @@ class Speculator:
 
     def fill(self, scheduled: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
         """With a draft model: draw the proposed tokens into the scheduled step (the draft runs
-        every step, to keep its KV cache level with the target's)."""
-        if self.draft is None or not scheduled.has_model_work:
+        only for the sequences that speculate in it, and applies every step's swaps and copies)."""
+        if self.draft is None:
             return
         self.draft.propose(scheduled, seqs)
         self._proposals = {item.seq_id: item.draft_token_ids for item in scheduled.seqs if item.draft_token_ids}

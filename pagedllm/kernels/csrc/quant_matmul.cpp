@@ -11,8 +11,10 @@
 // Two ways through, by the number of rows of x:
 // - a few rows (decoding a handful of sequences, below kTiledRows): each block's 32 weights are
 //   expanded in registers (w = q d + m, one FMA per 8), and every row of x in a group of up to 8
-//   takes them; a single row of x takes two rows of W at a time (Q4_1). The weights are read
-//   once; the expansion is the arithmetic's overhead.
+//   takes them; 2 to kPairRows rows of x (and, for Q4_1, one) take two rows of W at a time: two
+//   independent streams of loads (at 2-4 rows, one row of W at a time took 1.3-1.9x the time for
+//   Q4_1 and about 1.15x for Q8_0, so verifying a few speculative tokens cost nearly what as many
+//   decode steps do). The weights are read once; the expansion is the arithmetic's overhead.
 // - more rows: x is transposed into panels of 16 rows (x_i[k] for 16 i side by side), kTileW rows
 //   of W at a time are expanded into a float buffer, and each expanded weight is broadcast to
 //   multiply a panel's column: 12 accumulators of 8 rows of x each, no horizontal sums, and the
@@ -34,6 +36,7 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr int kRowGroup = 8;  // rows of x that share each expanded block (few rows)
+constexpr int kPairRows = 4;  // 2 to this many rows of x (Q4_1: 1 too) take rows of W in pairs (few rows)
 constexpr int kTiledRows = 8;  // from this many rows of x on, the tiled way
 constexpr int kTileW = 12;  // rows of W expanded together (tiled way)
 constexpr int kPanel = 16;  // rows of x per transposed panel (tiled way)
@@ -87,8 +90,8 @@ inline void load_part(__m256 q[kPartVectors<kNibbles>], const uint8_t* values, i
 // y[r * out_features + j] = x_r . w_j for R rows of x (R <= 8) and NW consecutive rows w_j of W
 // (`values`, `scales`, `mins` point at the first). Each block's weights are expanded in
 // registers (w = q d + m) once and taken by every row of x. With few rows each pair (r, j) keeps
-// several accumulators, so that consecutive FMAs do not wait on each other; for Q4_1, one row of
-// x takes two rows of W, which gives the core two independent streams of work.
+// several accumulators, so that consecutive FMAs do not wait on each other; a few rows of x take
+// two rows of W (`pair_group`), which gives the core two independent streams of work.
 template <int R, int NW, bool kSigned, bool kMin>
 inline void dot_rows(float* y, int64_t out_features, const float* x, int64_t in_features, const uint8_t* values,
                      const float* scales, const float* mins, int num_blocks) {
@@ -154,6 +157,19 @@ inline void row_group(float* y, int64_t out_features, const float* x, int64_t in
   }
 }
 
+
+// y[r * out_features + j] = x_r . w_j for `rows` rows of x (1 to kPairRows) and two rows w_j of W
+// (Q8_0 at one row of x keeps one row of W, with more accumulators: measured no slower).
+template <bool kSigned, bool kMin>
+inline void pair_group(float* y, int64_t out_features, const float* x, int64_t in_features, const uint8_t* values,
+                       const float* scales, const float* mins, int num_blocks, int rows) {
+  switch (rows) {
+    case 1: return dot_rows<1, 2, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+    case 2: return dot_rows<2, 2, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+    case 3: return dot_rows<3, 2, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+    default: return dot_rows<4, 2, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+  }
+}
 
 // Expands one row of W (num_blocks blocks) into floats.
 template <bool kSigned, bool kMin>
@@ -335,24 +351,22 @@ void matmul(float* y, const float* x, const uint8_t* values, const float* scales
     tiled_matmul<kSigned, kMin>(y, x, values, scales, mins, num_rows, out_features, in_features, num_threads);
     return;
   }
-  if constexpr (kMin) {
-    if (num_rows == 1) {  // Q4_1: rows of W in pairs (see dot_rows)
-      const int num_blocks = in_features / kBlock;
-      const int num_pairs = out_features / 2;
+  if (num_rows <= kPairRows && (kMin || num_rows > 1)) {  // rows of W in pairs (see dot_rows)
+    const int num_blocks = in_features / kBlock;
+    const int num_pairs = out_features / 2;
 #pragma omp parallel num_threads(num_threads)
-      {
+    {
 #pragma omp for schedule(static)
-        for (int p = 0; p < num_pairs; ++p) {
-          const int64_t n = 2 * static_cast<int64_t>(p);
-          dot_rows<1, 2, kSigned, kMin>(y + n, out_features, x, in_features, values + n * row_bytes<kMin>(in_features),
-                                        scales + n * num_blocks, mins + n * num_blocks, num_blocks);
-        }
-#pragma omp single
-        if (out_features % 2 != 0)
-          direct_row<kSigned, kMin>(y, x, values, scales, mins, num_rows, out_features, in_features, out_features - 1);
+      for (int p = 0; p < num_pairs; ++p) {
+        const int64_t n = 2 * static_cast<int64_t>(p);
+        pair_group<kSigned, kMin>(y + n, out_features, x, in_features, values + n * row_bytes<kMin>(in_features),
+                                  scales + n * num_blocks, kMin ? mins + n * num_blocks : nullptr, num_blocks, num_rows);
       }
-      return;
+#pragma omp single
+      if (out_features % 2 != 0)
+        direct_row<kSigned, kMin>(y, x, values, scales, mins, num_rows, out_features, in_features, out_features - 1);
     }
+    return;
   }
 #endif
 #pragma omp parallel for schedule(static) num_threads(num_threads)
