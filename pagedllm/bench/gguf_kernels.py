@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gguf-kernels", help="native GGUF kernels per type: GB/s and GFLOP/s vs float32 torch")
     p.add_argument("--types", nargs="+", default=list(GGUF_TYPES), choices=list(GGUF_TYPES))
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
-    p.add_argument("--isa", default=None, help="force an ISA path (portable, avx2, avx512); default: the best")
+    p.add_argument("--isa", default=None, help="force an ISA path (portable, avx2, avx512, amx); default: the best")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch and kernel threads (default: torch's)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",

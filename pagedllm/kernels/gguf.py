@@ -9,9 +9,11 @@ weight cache (`from_data` rebuilds it). `LAYOUT` names that layout, for a cache 
 
 `matmul` runs csrc/gguf_matmul.cpp (its top comment says how): float32 activations, or with
 `int8=True` activations quantized per block of 32 (llama.cpp's Q8_0 way) multiplied on 8-bit
-integers (AVX-512 VNNI or AVX2). The path is the best this CPU has (`isa()`); `set_isa` forces
-a lesser one (tests check each, the benchmark compares them), as does the environment variable
-PAGEDLLM_GGUF_ISA (portable, avx2, avx512) read at first use. The C ABI `gguf_matmul` is the
+integers (AVX-512 VNNI or AVX2); on CPUs with AMX (path 'amx'), products of 32 rows and more
+run on its tiles in float32 carried as two bfloat16 halves (csrc/gguf_amx.h). The path is the
+best this CPU has (`isa()`); `set_isa` forces a lesser one (tests check each, the benchmark
+compares them), as does the environment variable PAGEDLLM_GGUF_ISA (portable, avx2, avx512,
+amx) read at first use. The C ABI `gguf_matmul` is the
 same entry point, for the fused decoder (csrc/decoder_layers.cpp).
 """
 
@@ -153,7 +155,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def isa() -> str:
-    """The path this process runs: 'avx512' (AVX-512 with VNNI), 'avx2' or 'portable'."""
+    """The path this process runs: 'amx' (AVX-512 VNNI, prompts on AMX tiles), 'avx512' (AVX-512
+    with VNNI), 'avx2' or 'portable'."""
     return ISAS[_lib().gguf_isa()]
 
 

@@ -17,7 +17,8 @@
 //   64 products an instruction); AVX2 and the portable path decode a row into a buffer
 //   (gguf_blocks.h's int8_values, Q8_0 signed) and multiply from it (AVX2: VPMADDUBSW). It pays at
 //   decode sizes; from about 16 rows on the float way is faster.
-// The ISA path (portable C++, AVX2, AVX-512) is chosen at run time (gguf_set_isa) among those
+// - float, 32 rows and more where the CPU has AMX (path 3): on its tiles, gguf_amx.h.
+// The ISA path (portable C++, AVX2, AVX-512, AMX) is chosen at run time (gguf_set_isa) among those
 // this build has, so tests run every one the machine can. Rows of W are split across OpenMP
 // threads. Math in float32.
 
