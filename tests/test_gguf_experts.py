@@ -122,3 +122,24 @@ def test_the_weight_cache_stores_and_restores_packed_experts(tiny_models, tmp_pa
     for experts in _experts(warm):  # mapped from the entry, not read from the file again
         assert any(lo <= experts.gate_up_proj.data_ptr() < hi for lo, hi, _ in spans)
     assert paged_greedy(warm, prompts, STEPS) == cold
+
+
+def test_packed_experts_split_over_two_workers_like_one(tiny_models, tmp_path):
+    """tp=2 gives each rank 32 of the 64 intermediate columns: whole Q4_0 blocks of down's rows,
+    so each rank keeps its slice packed (as a dense layer's), and decodes one worker's tokens."""
+    from pagedllm import LLM, SamplingParams
+    from tests.gguf_writer import tokenizer_fields
+
+    path = write_gguf(tiny_models("qwen3_moe", **QWEN3_MOE), "qwen3_moe", tmp_path / "q4_0.gguf",
+                      tokenizer=tokenizer_fields(resolve_model(None).path), qtype=gguf.GGMLQuantizationType.Q4_0)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [5, 17, 26], seed=52)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in LLM(str(path), max_model_len=128, num_gpu_blocks=64)
+                 .generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(path), max_model_len=128, num_gpu_blocks=64, tensor_parallel_size=2)
+    try:
+        experts = _experts(llm.llm_engine.executor.worker.model)
+        assert all(isinstance(e.experts_method, GGUFExperts) and e.per_rank == 32 for e in experts)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+    finally:
+        llm.llm_engine.shutdown()
