@@ -105,19 +105,20 @@ def test_packed_mixtral_experts_compute_what_their_dequantized_floats_do(tiny_mo
     assert paged_greedy(packed, prompts, STEPS) == paged_greedy(floats, prompts, STEPS)
 
 
-def test_the_weight_cache_stores_and_restores_packed_experts(tiny_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_the_weight_cache_stores_and_restores_packed_experts(tiny_models, tmp_path, monkeypatch, qtype):
     """The entry is about the file's size (the experts' blocks, not float32), and a warm start
-    maps the packed experts back and decodes the same tokens."""
+    maps the packed experts back (Q8_0's in kernels/quant.py's layout) and decodes the same tokens."""
     monkeypatch.setenv("PAGEDLLM_MODEL_CACHE", "1")
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_gguf(tiny_models("qwen3_moe", **QWEN3_MOE), "qwen3_moe", tmp_path / "q4_0.gguf",
-                      qtype=gguf.GGMLQuantizationType.Q4_0)
+    path = write_gguf(tiny_models("qwen3_moe", **QWEN3_MOE), "qwen3_moe", tmp_path / f"{qtype}.gguf",
+                      qtype=getattr(gguf.GGMLQuantizationType, qtype))
     prompts = random_prompts(2, [12, 19], seed=8)
     cold = paged_greedy(_load(path), prompts, STEPS)
     (weights,) = (tmp_path / "cache" / "weights").glob("*/weights.safetensors")
     assert weights.stat().st_size <= 1.1 * path.stat().st_size
     warm = _load(path)
-    _assert_packed_experts(warm, path, "Q4_0")
+    _assert_packed_experts(warm, path, qtype)
     spans = weight_cache.cache_file_mappings()
     for experts in _experts(warm):  # mapped from the entry, not read from the file again
         assert any(lo <= experts.gate_up_proj.data_ptr() < hi for lo, hi, _ in spans)
