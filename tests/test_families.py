@@ -174,10 +174,12 @@ def test_gguf_written_like_llama_cpp_matches_transformers(tiny_models, tmp_path,
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "phi3", "gemma2"])
 def test_quantized_gguf_keeps_the_blocks_of_its_projections(tiny_models, tmp_path, family, monkeypatch):
-    """Q8_0 projections keep their blocks for the quantized kernel (a fused checkpoint's too);
-    stacked experts are dequantized to float; the logits stay those of the model (most rows:
-    the rounding may change a router's pick of experts for a token)."""
-    from pagedllm.model.quantization import GGUFLinear, layer_of
+    """Q8_0 projections keep their blocks for the quantized kernel (a fused checkpoint's too),
+    stacked experts too where all three stacks are quantized (Mixtral's); the tiny Qwen3-MoE's
+    down stack (48 columns, not whole blocks) stays float32, so its experts are all dequantized.
+    The logits stay those of the model (most rows: the rounding may change a router's pick of
+    experts for a token)."""
+    from pagedllm.model.quantization import FloatExperts, GGUFExperts, GGUFLinear, layer_of
 
     monkeypatch.setenv("PAGEDLLM_MODEL_CACHE", "0")
     path = tiny_models(family, **({"query_pre_attn_scalar": 32} if family == "gemma2" else {}))
@@ -185,7 +187,11 @@ def test_quantized_gguf_keeps_the_blocks_of_its_projections(tiny_models, tmp_pat
     for layer in range(model.cfg.num_layers):
         for name, weight in model.layer_projections(layer).items():
             if name.startswith("experts"):
-                assert weight.dim() == 3 and weight.dtype == torch.float32
+                method = model.model.layers[layer].mlp.experts.experts_method
+                if family == "mixtral":
+                    assert isinstance(method, GGUFExperts) and weight.dtype == torch.uint8
+                else:
+                    assert isinstance(method, FloatExperts) and weight.dim() == 3 and weight.dtype == torch.float32
             else:
                 method = layer_of(model, weight).quant_method
                 assert isinstance(method, GGUFLinear) and set(method.qtypes) == {"Q8_0"}, name

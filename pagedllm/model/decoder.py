@@ -207,7 +207,7 @@ class DecoderForCausalLM(nn.Module):
             elif isinstance(owner, MergedColumnParallelLinear):
                 shards = tuple(range(len(owner.out_sizes)))
             elif hasattr(owner, "expected_shards"):
-                shards = owner.expected_shards(param)
+                shards = owner.expected_shards(name.rpartition(".")[2])
             else:
                 shards = (None,)
             expected.update((name, s) for s in shards)

@@ -47,7 +47,7 @@ def _row_invariant(packed: torch.Tensor, in_features: int) -> bool:
 
 def make_batch_invariant(model: nn.Module) -> None:
     """Prepare a loaded model's projections for batch-invariant inference (float32, CPU)."""
-    if any(p.dim() == 3 for p in model.parameters()):
+    if any(isinstance(getattr(m, "experts_method", None), quantization.ExpertsMethod) for m in model.modules()):
         raise ValueError(
             "batch_invariant=True is not supported for mixture-of-experts models: their expert products run on "
             "each expert's tokens, so a row's reduction order follows the batch. Drop batch_invariant."

@@ -11,7 +11,9 @@ transformers' `index_add_` over experts sums them (the same rounding in 16-bit d
 
 Tensor parallelism: every rank holds a slice of every expert's intermediate dimension (rows of
 gate and up, columns of down), like the dense MLP; a token's partial sums are all-reduced once.
-The router is replicated.
+The router is replicated. A GGUF file's experts keep their blocks (`quantization.GGUFExperts`)
+on a float32 CPU model where the slice of down's columns falls on block boundaries, as a dense
+layer's do; else they are dequantized.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.activations import activation
 from pagedllm.model.layers import ColumnParallelLinear, _copy_into, _new_param
-from pagedllm.model.weights import LazyWeight
+from pagedllm.model import quantization
+from pagedllm.model.quantization import ExpertsMethod, FloatExperts, GGUFExperts
+from pagedllm.model.weights import GGUFBlocks, LazyWeight
 from pagedllm.transformers_utils.arch import MoEConfig
 
 # Checkpoint names of an expert's three projections (Qwen3-MoE's, Mixtral's) -> our part names.
@@ -55,20 +58,33 @@ def expert_checkpoint_targets(name: str, weight: LazyWeight) -> list[tuple[str, 
 
 class Experts(nn.Module):
     """Every expert's gated MLP, stacked: gate_up_proj [E, 2 * I / tp, H] ([gate | up] rows per
-    expert) and down_proj [E, H, I / tp]."""
+    expert) and down_proj [E, H, I / tp] in float (`FloatExperts`), or, from a GGUF file whose
+    three stacks have kernels, each expert's blocks as the kernels read them (`GGUFExperts`:
+    the two parameters become flat uint8 bytes)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str,
                  tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.tp = tp
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.per_rank = tp.split(intermediate_size, "moe_intermediate_size")
         self.act = activation(hidden_act)
         self.gate_up_proj = _new_param(num_experts, 2 * self.per_rank, hidden_size, dtype=dtype, loader=self.weight_loader)
         self.down_proj = _new_param(num_experts, hidden_size, self.per_rank, dtype=dtype, loader=self.weight_loader)
+        self.experts_method: ExpertsMethod = FloatExperts()
+        # Stacks that arrived as GGUF blocks, kept until all three have (then packed) or one
+        # has not (then every stack is dequantized): part -> (lazy weight, blocks).
+        self._pending_blocks: dict[str, tuple[LazyWeight, GGUFBlocks]] = {}
+        self._dequantizing = False
 
-    def expected_shards(self, param: nn.Parameter) -> set:
-        parts = ("down",) if param is self.down_proj else ("gate", "up")
+    @property
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each parameter's [out, in] per expert, whatever its storage."""
+        return {"gate_up_proj": (2 * self.per_rank, self.hidden_size), "down_proj": (self.hidden_size, self.per_rank)}
+
+    def expected_shards(self, param_name: str) -> set:
+        parts = ("down",) if param_name == "down_proj" else ("gate", "up")
         return {(part, e) for part in parts for e in range(self.num_experts)}
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight, shard: tuple[str, int | None]) -> list:
@@ -79,14 +95,44 @@ class Experts(nn.Module):
         start = self.tp.rank * self.per_rank
         if part == "down":  # this rank's input columns
             piece = weight.narrow(len(weight.shape) - 1, start, self.per_rank)
-            target = param.data
         else:  # this rank's rows of gate or of up
             piece = weight.narrow(len(weight.shape) - 2, start, self.per_rank)
-            offset = 0 if part == "gate" else self.per_rank
-            target = param.data.narrow(1, offset, self.per_rank)
-        experts = range(self.num_experts) if expert is None else [expert]
+        filled = [(part, e) for e in (range(self.num_experts) if expert is None else [expert])]
+        blocks = piece.load_native() if expert is None and hasattr(piece, "load_native") else None
+        if isinstance(blocks, GGUFBlocks) and not self._dequantizing:
+            self._pending_blocks[part] = (piece, blocks)
+            if len(self._pending_blocks) == 3:
+                pending = self._pending_blocks
+                self._pending_blocks = {}
+                self.install(*quantization.gguf_experts(*(pending[p][1] for p in ("gate", "up", "down"))))
+            return filled
+        self._dequantizing = True  # a stack without blocks: all are float
+        for held, (lazy, _) in self._pending_blocks.items():
+            self._copy_float(held, None, lazy)
+        self._pending_blocks = {}
+        self._copy_float(part, expert, piece)
+        return filled
+
+    def _copy_float(self, part: str, expert: int | None, piece: LazyWeight) -> None:
+        """Dequantize `piece` (this rank's slice of a part, of one expert or of all) into the float stacks."""
+        if self.gate_up_proj.dtype == torch.uint8:
+            raise RuntimeError("experts were loaded twice in different forms")
+        if part == "down":
+            target = self.down_proj.data
+        else:
+            target = self.gate_up_proj.data.narrow(1, 0 if part == "gate" else self.per_rank, self.per_rank)
         _copy_into(target if expert is None else target[expert], piece.load())
-        return [(part, e) for e in experts]
+
+    def install(self, method: ExpertsMethod, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Make `method` the experts', over `gate_up` and `down` (its storage), keeping the
+        parameters' weight loader."""
+        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = nn.Parameter(down, requires_grad=False)
+        for param in (self.gate_up_proj, self.down_proj):
+            param.weight_loader = self.weight_loader
+        if isinstance(method, GGUFExperts):
+            method.rebind(self.gate_up_proj.data, self.down_proj.data)
+        self.experts_method = method
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; expert_ids, weights: [T, k], each row's experts in ascending order ->
@@ -102,8 +148,8 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             block = grouped[start : start + count]
-            gate, up = F.linear(block, self.gate_up_proj[e]).chunk(2, dim=-1)
-            out[start : start + count] = F.linear(self.act(gate) * up, self.down_proj[e])
+            gate, up = self.experts_method.gate_up(self, e, block).chunk(2, dim=-1)
+            out[start : start + count] = self.experts_method.down(self, e, self.act(gate) * up)
             start += count
         per_slot = torch.empty_like(out)
         per_slot[order] = out

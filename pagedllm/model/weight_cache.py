@@ -16,7 +16,8 @@ safetensors files are mapped already, and nothing is derived from them but fused
 An entry is a folder with `weights.safetensors` (each parameter under its name: a GGUF-packed
 weight as the flat bytes its kernel reads, about the file's size; float and 16-bit weights as they
 are) and `manifest.json` (the file's size and CRC-32, and what it was built from); the
-safetensors metadata holds each packed weight's method (`LinearMethod.cache_description`). It is
+safetensors metadata holds each packed weight's method (`LinearMethod.cache_description`), and
+each packed mixture of experts' (`ExpertsMethod.cache_description`, by module name). It is
 published whole by a rename; on load a wrong size, checksum, name, shape or dtype means the entry
 is discarded and rebuilt, never used. Entries unused for `UNUSED_ENTRY_DAYS` are removed when a new one is
 written. `PAGEDLLM_MODEL_CACHE=0` turns the cache off; deleting the folder clears it.
@@ -123,13 +124,21 @@ def _method_params(model: nn.Module) -> dict[str, nn.Module]:
             if "tied_embedding" not in m.__dict__}
 
 
-def _saved_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """Every parameter (tied ones once) in the form its kernel reads, on the CPU, and the
-    methods of the packed and 16-bit ones."""
+def _packed_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Each mixture's experts whose method is not float (`moe.Experts`), by module name."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(getattr(m, "experts_method", None), quantization.ExpertsMethod)
+            and m.experts_method.cache_description is not None}
+
+
+def _saved_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, dict]]:
+    """Every parameter (tied ones once) in the form its kernel reads, on the CPU, the methods
+    of the packed and 16-bit ones, and those of packed experts (by module name)."""
     tensors = {name: param.detach().cpu().contiguous() for name, param in model.named_parameters()}
     methods = {name: m.quant_method.cache_description for name, m in _method_params(model).items()
                if m.quant_method.cache_description is not None}
-    return tensors, methods
+    experts = {name: m.experts_method.cache_description for name, m in _packed_experts(model).items()}
+    return tensors, methods, experts
 
 
 def save(model: nn.Module, entry: Path, describe: dict) -> None:
@@ -137,7 +146,7 @@ def save(model: nn.Module, entry: Path, describe: dict) -> None:
     wrote it first, theirs is kept)."""
     from safetensors.torch import save_file
 
-    tensors, methods = _saved_tensors(model)
+    tensors, methods, experts = _saved_tensors(model)
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
     entry.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(entry.parent).free
@@ -146,7 +155,7 @@ def save(model: nn.Module, entry: Path, describe: dict) -> None:
     _sweep_unused(entry.parent)
     with staged_entry(entry) as staging:
         path = staging / WEIGHTS_FILE
-        save_file(tensors, str(path), metadata={"methods": json.dumps(methods)})
+        save_file(tensors, str(path), metadata={"methods": json.dumps(methods), "experts": json.dumps(experts)})
         manifest = {
             "format": WEIGHT_FORMAT_VERSION,
             **describe,
@@ -203,7 +212,7 @@ class Checksum:
         return True
 
 
-def _read_entry(entry: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], Checksum]:
+def _read_entry(entry: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, dict], Checksum]:
     """The entry's tensors, memory-mapped, once its files match the manifest's description; the
     checksum of their bytes is still running."""
     from safetensors import safe_open
@@ -221,11 +230,13 @@ def _read_entry(entry: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], 
     checksum = Checksum(entry, manifest.get("crc32"))
     try:
         with safe_open(str(path), framework="pt") as f:
-            methods = json.loads((f.metadata() or {}).get("methods", "{}"))
+            metadata = f.metadata() or {}
+            methods = json.loads(metadata.get("methods", "{}"))
+            experts = json.loads(metadata.get("experts", "{}"))
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as exc:  # safetensors raises its own error types
         raise CacheEntryError(f"weights file unreadable ({exc})") from exc
-    return tensors, methods, checksum
+    return tensors, methods, experts, checksum
 
 
 def _expected_form(layer: nn.Module, description: dict, saved: torch.Tensor) -> bool:
@@ -239,7 +250,22 @@ def _expected_form(layer: nn.Module, description: dict, saved: torch.Tensor) -> 
             and all(p["in_features"] == cols for p in parts))
 
 
-def _check(model: nn.Module, tensors: dict[str, torch.Tensor], methods: dict[str, dict]) -> None:
+def _expert_bytes(module: nn.Module, description: dict) -> dict[str, int]:
+    """The bytes of each flat parameter of packed experts as `description` says, checked
+    against the experts' shapes."""
+    if description.get("method") != "gguf_experts" or description.get("num_experts") != module.num_experts:
+        raise CacheEntryError("the saved experts' form does not fit the model")
+    sizes = {}
+    for key, param in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+        rows, cols = module.expert_shapes[param]
+        parts = description[key].get("parts", [])
+        if sum(p["out_features"] for p in parts) != rows or any(p["in_features"] != cols for p in parts):
+            raise CacheEntryError(f"the saved experts' {param} does not fit the model")
+        sizes[param] = module.num_experts * sum(p["nbytes"] for p in parts)
+    return sizes
+
+
+def _check(model: nn.Module, tensors: dict[str, torch.Tensor], methods: dict[str, dict], experts: dict[str, dict]) -> None:
     params = dict(model.named_parameters())
     if set(tensors) != set(params):
         raise CacheEntryError(f"tensors differ from the model's: {sorted(set(tensors) ^ set(params))[:5]}")
@@ -247,8 +273,15 @@ def _check(model: nn.Module, tensors: dict[str, torch.Tensor], methods: dict[str
     for name, description in methods.items():
         if name not in layers or not _expected_form(layers[name], description, tensors[name]):
             raise CacheEntryError(f"{name}: the saved weight's form does not fit the model")
+    packed = set()
+    for module_name, description in experts.items():
+        for param, nbytes in _expert_bytes(model.get_submodule(module_name), description).items():
+            saved = tensors[f"{module_name}.{param}"]
+            if saved.dtype != torch.uint8 or saved.dim() != 1 or saved.numel() != nbytes:
+                raise CacheEntryError(f"{module_name}.{param}: the saved experts' bytes do not fit the model")
+            packed.add(f"{module_name}.{param}")
     for name, param in params.items():
-        if name in methods:
+        if name in methods or name in packed:
             continue
         saved = tensors[name]
         if saved.shape != param.shape or saved.dtype != param.dtype:
@@ -267,9 +300,9 @@ def load(model: nn.Module, entry: Path, wait_for_checksum: bool = False) -> Chec
     if not (entry / MANIFEST_FILE).exists():
         return None
     try:
-        tensors, methods, checksum = _read_entry(entry)
-        _check(model, tensors, methods)
-    except (CacheEntryError, KeyError, TypeError, ValueError) as exc:
+        tensors, methods, experts, checksum = _read_entry(entry)
+        _check(model, tensors, methods, experts)
+    except (CacheEntryError, AttributeError, KeyError, TypeError, ValueError) as exc:
         logger.warning("Discarding the cached weights at %s (%s); rebuilding them", entry, exc)
         discard_entry(entry)
         return None
@@ -279,8 +312,15 @@ def load(model: nn.Module, entry: Path, wait_for_checksum: bool = False) -> Chec
         os.utime(entry / MANIFEST_FILE)  # in use: not swept as unused
     except OSError:
         pass
+    for module_name, description in experts.items():
+        module = model.get_submodule(module_name)
+        module.install(quantization.experts_from_cache(description), tensors[f"{module_name}.gate_up_proj"],
+                       tensors[f"{module_name}.down_proj"])
+    packed = {f"{m}.{p}" for m in experts for p in ("gate_up_proj", "down_proj")}
     layers = _method_params(model)
     for name, param in model.named_parameters():
+        if name in packed:
+            continue
         if name in methods:
             quantization.install(layers[name], quantization.from_cache(methods[name]), tensors[name])
         else:

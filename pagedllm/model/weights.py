@@ -123,7 +123,7 @@ class GGUFBlocks(NamedTuple):
     """Rows of a GGUF tensor's quantized blocks as the file stores them (to be packed)."""
 
     qtype: str  # a key of gguf_kernels.GGUF_TYPES
-    raw: torch.Tensor  # uint8 [rows, bytes per row]
+    raw: torch.Tensor  # uint8 [rows, bytes per row] ([experts, rows, bytes per row] for stacked experts)
     in_features: int
 
 
@@ -152,14 +152,20 @@ class GGUFWeight:
         return GGUFWeight(self.tensor, self.rotary_head_dim, ranges, self.native)
 
     def load_native(self):
-        """This 2-D slice as the kernels read it, when the loader wants that (`native`): a
-        `GGUFBlocks` for a type with a kernel (columns cut at block boundaries), or a 16-bit
-        tensor for F16/BF16; else None (then `load` dequantizes it)."""
-        from pagedllm.model.quantization import gguf_kernels
-
-        if not self.native or len(self.ranges) != 2:
+        """This slice as the kernels read it, when the loader wants that (`native`): a
+        `GGUFBlocks` for a type with a kernel (columns cut at block boundaries), or, 2-D only, a
+        16-bit tensor for F16/BF16; else None (then `load` dequantizes it). A 3-D slice (stacked
+        experts) gives raw blocks [experts, rows, bytes per row]."""
+        if not self.native or len(self.ranges) not in (2, 3):
             return None
         qtype = self.tensor.tensor_type.name
+        if len(self.ranges) == 3:
+            experts, rows, cols = self.ranges
+            columns = self._block_columns(qtype, cols)
+            if columns is None:
+                return None
+            data = self.tensor.data[experts.start : experts.stop, rows.start : rows.stop, columns]
+            return GGUFBlocks(qtype, torch.from_numpy(np.array(data)), len(cols))  # a copy, off the memory map
         rows, cols = self.ranges
         if qtype in ("F16", "BF16"):
             raw = self.tensor.data[rows.start : rows.stop]
@@ -169,14 +175,25 @@ class GGUFWeight:
             else:
                 data = torch.from_numpy(np.array(raw[:, cols.start : cols.stop]))
             return self._unpermuted(data, len(rows))
+        columns = self._block_columns(qtype, cols)
+        if columns is None:
+            return None
+        data = self.tensor.data[rows.start : rows.stop, columns]
+        raw = self._unpermuted(torch.from_numpy(np.array(data)), len(rows))  # a copy, off the memory map
+        return GGUFBlocks(qtype, raw, len(cols))
+
+    @staticmethod
+    def _block_columns(qtype: str, cols: range) -> slice | None:
+        """The bytes of each row that hold columns `cols`, or None (no kernel for the type, or
+        the columns cut a block)."""
+        from pagedllm.model.quantization import gguf_kernels
+
         if qtype not in gguf_kernels.GGUF_TYPES:
             return None
         block, block_bytes = gguf_kernels.GGUF_TYPES[qtype]
         if cols.start % block or len(cols) % block:
             return None
-        data = self.tensor.data[rows.start : rows.stop, cols.start // block * block_bytes : cols.stop // block * block_bytes]
-        raw = self._unpermuted(torch.from_numpy(np.array(data)), len(rows))  # a copy, off the memory map
-        return GGUFBlocks(qtype, raw, len(cols))
+        return slice(cols.start // block * block_bytes, cols.stop // block * block_bytes)
 
     def _unpermuted(self, data: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Whole rows (quantized ones too: rows are independent) back in Hugging Face's order."""
@@ -193,7 +210,7 @@ class GGUFWeight:
 
         rows = self.ranges[0]
         raw = self.tensor.data
-        if len(self.ranges) == 3:  # stacked experts: dequantized to float (no quantized kernel for them)
+        if len(self.ranges) == 3:  # stacked experts, dequantized (where `load_native` did not serve them)
             experts, rows, cols = self.ranges
             part = raw[experts.start : experts.stop, rows.start : rows.stop]
             if self.tensor.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
