@@ -5,6 +5,7 @@ compiling holds back only its own request; allowed_token_ids, logit_bias and bad
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from concurrent.futures import Future
@@ -426,3 +427,68 @@ def test_thousands_of_bad_words_are_prepared_once_and_all_hold(llm):
         for text in (word, " " + word):
             banned = tuple(tokenizer.encode(text, add_special_tokens=False))
             assert not any(tuple(ids[i : i + len(banned)]) == banned for i in range(len(ids)))
+
+
+_RUNAWAY_DIGITS = itertools.count(5)
+
+
+@pytest.fixture
+def runaway_compile(llm, monkeypatch):
+    """A compile of a regex ("[0-9]{N}", N new each time) that runs until the test releases it
+    (as a grammar that takes minutes), under a compile-time limit of 0.2 s; yields the spec and
+    the release."""
+    import threading
+
+    cache = llm.llm_engine.constraints
+    cache.compile(StructuredOutputsParams(regex="[ab]")).result()  # the compiler is built
+    release = threading.Event()
+    regex = f"[0-9]{{{next(_RUNAWAY_DIGITS)}}}"
+    compile_grammar = cache._compiler.compile
+
+    def compile(spec):
+        if spec.kind == "regex" and spec.regex == regex:
+            release.wait(60)
+        return compile_grammar(spec)
+
+    monkeypatch.setattr(cache._compiler, "compile", compile)
+    monkeypatch.setattr(cache, "compile_seconds_limit", 0.2)
+    yield StructuredOutputsParams(regex=regex), release
+    release.set()
+
+
+def _compiles_promptly(cache, seed: int) -> bool:
+    return cache.compile(_choices(seed, 20)).exception(timeout=5) is None
+
+
+def test_a_compile_past_the_limit_leaves_the_compile_thread_to_the_next_grammar(llm, runaway_compile):
+    """xgrammar cannot stop a compile: the request past the limit fails naming it, the compile
+    runs on on a retired thread, and the next grammar compiles at once on a fresh one."""
+    slow, release = runaway_compile
+    engine = llm.llm_engine
+    engine.add_request("slow", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, structured_outputs=slow))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "did not compile within 0.2 s" in finished["slow"].error
+    assert not release.is_set() and _compiles_promptly(engine.constraints, 500)
+
+
+def test_a_spec_past_the_limit_fails_at_once_after_and_its_late_result_is_dropped(llm, runaway_compile):
+    import time
+
+    from pagedllm.engine.constraints import spec_key
+
+    slow, release = runaway_compile
+    cache = llm.llm_engine.constraints
+    with pytest.raises(ValueError, match="structured_outputs_compile_seconds") as error:
+        cache.wait_compiled(slow)
+    assert error.value.param == "structured_outputs.regex"
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="did not compile within 0.2 s"):
+        cache.wait_compiled(slow)
+    assert time.monotonic() - start < 0.1 and _compiles_promptly(cache, 501)
+    release.set()
+    deadline = time.monotonic() + 10
+    while cache._compile_thread.num_retired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cache._compile_thread.num_retired == 0 and spec_key(slow) not in cache._sizes

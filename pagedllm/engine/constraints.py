@@ -16,8 +16,9 @@ The cache drops its least recently used grammars until the total fits. A grammar
 what its compile took from the C allocator (glibc's count; xgrammar's own measure leaves out
 about a fifth: its allocations' overhead), and the freed heap is handed back to the system
 after each eviction. A grammar larger than the whole budget is refused, and one that takes
-longer than `compile_seconds` to compile fails its request (the compile goes on, and its result
-is cached).
+longer than `compile_seconds` to compile fails its request, and the same spec fails at once
+after it: the compile runs to its end on a thread retired for it, its result dropped, while the
+next grammars compile on a fresh thread (`compile_thread`).
 
 `pagedllm.structured` (torch and xgrammar) is imported only when the first request needs it.
 """
@@ -33,6 +34,8 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from pagedllm.engine.compile_thread import CompileThread
 
 from pagedllm.core import SchedulerOutput, Sequence, SequenceGroup
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -96,7 +99,7 @@ class RequestConstraints:
         self.cache_bytes = cache_bytes
         self.compile_seconds_limit = compile_seconds
         self._lock = threading.RLock()  # the caches are filled from the engine's and the server's threads
-        self._pool: ThreadPoolExecutor | None = None
+        self._compile_thread: CompileThread | None = None
         self._compiler = None  # pagedllm.structured.GrammarCompiler, built on the compile thread
         self._compiler_error = ""
         self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()
@@ -125,11 +128,12 @@ class RequestConstraints:
             if future is not None:
                 self._compiled.move_to_end(key)
                 return future
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
+            if self._compile_thread is None:
+                self._compile_thread = CompileThread("pagedllm-grammar")
                 tokenizer = copy.deepcopy(self._tokenizer)  # a fast tokenizer is not shared across threads
-                self._pool.submit(self._start_compiler, tokenizer)
-            future = self._compiled[key] = self._pool.submit(self._compile, key, spec)
+                self._compile_thread.submit(Future(), self._start_compiler, tokenizer)
+            future = self._compiled[key] = Future()
+            self._compile_thread.submit(future, self._compile, key, spec, future)
             self._evict()
         future.add_done_callback(lambda done: self._account(key, done))
         return future
@@ -140,7 +144,17 @@ class RequestConstraints:
         try:
             return self.compile(spec).result(timeout=self.compile_seconds_limit)
         except concurrent.futures.TimeoutError:
-            raise compile_timeout_error(spec, self.compile_seconds_limit) from None
+            raise self.give_up(spec) from None
+
+    def give_up(self, spec: StructuredOutputsParams) -> ConstraintLimitError:
+        """`spec` did not compile within the limit: its compile is abandoned (failed now, and
+        cached so, its thread retired if it is running) and the limit's error returned."""
+        error = compile_timeout_error(spec, self.compile_seconds_limit)
+        with self._lock:
+            future = self._compiled.get(spec_key(spec))
+        if future is not None and self._compile_thread is not None:
+            self._compile_thread.abandon(future, error)
+        return error
 
     def _account(self, key: tuple[str, str], future: Future) -> None:
         """A compile finished: count its bytes in the cache (if still cached), and evict the
@@ -195,11 +209,12 @@ class RequestConstraints:
             logger.exception("The grammar compiler could not be built")
             self._compiler_error = f"{type(exc).__name__}: {exc}"
 
-    def _compile(self, key: tuple[str, str], spec: StructuredOutputsParams):
+    def _compile(self, key: tuple[str, str], spec: StructuredOutputsParams, future: Future):
         if self._compiler is None:
             raise RuntimeError(f"Structured outputs are unavailable: the grammar compiler could not be built ({self._compiler_error}).")
+        reserve = min(max(self._recent_sizes, default=0), self.cache_bytes)
         with self._lock:  # room for this one before it is built
-            self.reserved_bytes = min(max(self._recent_sizes, default=0), self.cache_bytes)
+            self.reserved_bytes += reserve
             self._evict()
         try:
             heap_before = heap_bytes_in_use()
@@ -209,7 +224,11 @@ class RequestConstraints:
             heap_after = heap_bytes_in_use()
         finally:
             with self._lock:
-                self.reserved_bytes = 0
+                self.reserved_bytes -= reserve
+        if self._compile_thread.is_abandoned(future):  # its request gave up: nobody wants it
+            del compiled
+            release_free_memory()
+            return None
         size = int(getattr(compiled, "memory_size_bytes", 0))
         if heap_before is not None and heap_after is not None:
             size = max(size, heap_after - heap_before)  # process-wide, but the compile dominates it
@@ -228,7 +247,9 @@ class RequestConstraints:
         self._track_live(compiled, size)
         # Counted before the future resolves, so that a caller who waited for it sees the cache
         # within its budget (the done-callback would run after the waiter wakes).
-        self._record_size(key, size)
+        with self._lock:
+            if self._compiled.get(key) is future:
+                self._record_size(key, size)
         return compiled
 
     # --- bad words and allowed_token_ids (any thread) ---------------------------------------
@@ -323,7 +344,7 @@ class RequestConstraints:
             if error is None and not all(f.done() for f in futures):
                 if spec is None or now - since <= self.compile_seconds_limit:
                     continue
-                error = compile_timeout_error(spec, self.compile_seconds_limit)
+                error = self.give_up(spec)
             del self.pending[request_id]
             if error is not None:
                 failed.append((group, str(error)))
@@ -365,6 +386,7 @@ class RequestConstraints:
             item.draft_token_bitmasks = [holder.token_bitmask for holder in holders]
 
     def shutdown(self) -> None:
-        for pool in (self._pool, self._token_pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        if self._compile_thread is not None:
+            self._compile_thread.shutdown()
+        if self._token_pool is not None:
+            self._token_pool.shutdown(wait=False, cancel_futures=True)
