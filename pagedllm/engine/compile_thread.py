@@ -95,4 +95,12 @@ class CompileThread:
             del job, future, fn, args, outcome
 
     def shutdown(self) -> None:
+        """Cancel the queued jobs; the threads exit once their job in progress ends."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not _STOP:
+                job[0].cancel()
         self._queue.put(_STOP)

@@ -35,9 +35,8 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pagedllm.engine.compile_thread import CompileThread
-
 from pagedllm.core import SchedulerOutput, Sequence, SequenceGroup
+from pagedllm.engine.compile_thread import CompileThread
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.utils import heap_bytes_in_use, release_free_memory
 
@@ -135,7 +134,6 @@ class RequestConstraints:
             future = self._compiled[key] = Future()
             self._compile_thread.submit(future, self._compile, key, spec, future)
             self._evict()
-        future.add_done_callback(lambda done: self._account(key, done))
         return future
 
     def wait_compiled(self, spec: StructuredOutputsParams):
@@ -156,18 +154,11 @@ class RequestConstraints:
             self._compile_thread.abandon(future, error)
         return error
 
-    def _account(self, key: tuple[str, str], future: Future) -> None:
-        """A compile finished: count its bytes in the cache (if still cached), and evict the
-        least recently used grammars beyond the budget."""
-        if future.cancelled() or future.exception() is not None:
-            return
-        if self._compiled.get(key) is future:
-            compiled = future.result()
-            self._record_size(key, self._sizes.get(key, int(getattr(compiled, "memory_size_bytes", 0))))
-
-    def _record_size(self, key: tuple[str, str], size: int) -> None:
+    def _record_size(self, key: tuple[str, str], future: Future, size: int) -> None:
+        """A compile finished: count its bytes in the cache (if its entry is still cached), and
+        evict the least recently used grammars beyond the budget."""
         with self._lock:
-            if key not in self._compiled or key in self._sizes:
+            if self._compiled.get(key) is not future or key in self._sizes:
                 return
             self._sizes[key] = size
             self.cached_bytes += size
@@ -247,9 +238,7 @@ class RequestConstraints:
         self._track_live(compiled, size)
         # Counted before the future resolves, so that a caller who waited for it sees the cache
         # within its budget (the done-callback would run after the waiter wakes).
-        with self._lock:
-            if self._compiled.get(key) is future:
-                self._record_size(key, size)
+        self._record_size(key, future, size)
         return compiled
 
     # --- bad words and allowed_token_ids (any thread) ---------------------------------------
