@@ -20,3 +20,32 @@ def best_wall_time(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def release_free_memory() -> None:
+    """Ask the C allocator to give freed heap pages back to the system (glibc keeps them
+    otherwise, and they count in the process's resident memory); nothing where it is not glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
+def heap_bytes_in_use() -> int | None:
+    """Bytes the C allocator has handed out and not had back (every arena, and its mapped
+    blocks: glibc's `mallinfo2`); None where it is not glibc. Process-wide."""
+    import ctypes
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return None
+    mallinfo2.restype = _Info
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd

@@ -170,3 +170,83 @@ def test_a_safetensors_tensor_of_the_wrong_shape(folder):
 def test_a_config_that_is_not_json(folder):
     (folder / "config.json").write_text('{"architectures": [')
     refused(folder, "is not valid JSON", folder / "config.json")
+
+
+# --- every family's tensors -------------------------------------------------------------------
+
+# (family, a tensor whose shape only that family's checks know)
+FAMILY_TENSORS = [
+    ("qwen2", "model.layers.0.self_attn.k_proj.bias"),
+    ("qwen3", "model.layers.1.self_attn.k_norm.weight"),
+    ("gemma2", "model.layers.0.post_feedforward_layernorm.weight"),
+    ("gemma3", "model.layers.1.self_attn.q_norm.weight"),
+    ("phi3", "model.layers.1.self_attn.qkv_proj.weight"),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.0.w2.weight"),
+    ("qwen3_moe", "model.layers.0.mlp.experts.1.up_proj.weight"),
+    ("opt", "model.decoder.layers.0.fc1.weight"),
+]
+
+
+@pytest.mark.parametrize("family, name", FAMILY_TENSORS, ids=[family for family, _ in FAMILY_TENSORS])
+def test_a_safetensors_tensor_of_the_wrong_shape_in_every_family(tmp_path, family, name):
+    from safetensors.numpy import load_file, save_file
+
+    from tests.helpers import tiny_hf_model
+
+    tiny_hf_model(family).save_pretrained(str(tmp_path))
+    arch_of(tmp_path)  # the family's own file passes
+    shard = tmp_path / "model.safetensors"
+    state = load_file(str(shard))
+    right = list(state[name].shape)
+    wrong = [right[0] - 1, *right[1:]]
+    state[name] = np.zeros(wrong, dtype=state[name].dtype)
+    save_file(state, str(shard), metadata={"format": "pt"})
+    message = refused(tmp_path, "does not match its architecture", shard)
+    assert f"{name!r} has shape {wrong}, expected {right}" in message
+
+
+def write_gguf(path: Path, arch: str, fields: dict[str, int], shapes: dict[str, tuple[int, ...]]) -> Path:
+    """A float32 GGUF file of `arch` with these integer metadata fields and tensors (zeros)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in fields.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    for name, shape in shapes.items():
+        writer.add_tensor(name, np.zeros(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_family(arch: str) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
+    """One layer of Phi-3 (q, k, v fused; gate and up fused) or Qwen3-MoE (query and key norms,
+    four stacked experts of width 48), under llama.cpp's names."""
+    q, kv, experts, width = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, 4, 48
+    fields = {"block_count": 1, "context_length": 256, "embedding_length": HIDDEN, "feed_forward_length": INTERMEDIATE,
+              "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS, "vocab_size": VOCAB}
+    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,), "blk.0.attn_norm.weight": (HIDDEN,),
+              "blk.0.ffn_norm.weight": (HIDDEN,), "blk.0.attn_output.weight": (HIDDEN, q)}
+    if arch == "phi3":
+        return fields, shapes | {"blk.0.attn_qkv.weight": (q + 2 * kv, HIDDEN), "blk.0.ffn_up.weight": (2 * INTERMEDIATE, HIDDEN),
+                                 "blk.0.ffn_down.weight": (HIDDEN, INTERMEDIATE)}
+    fields |= {"expert_count": experts, "expert_used_count": 2, "expert_feed_forward_length": width}
+    return fields, shapes | {
+        "blk.0.attn_q.weight": (q, HIDDEN), "blk.0.attn_k.weight": (kv, HIDDEN), "blk.0.attn_v.weight": (kv, HIDDEN),
+        "blk.0.attn_q_norm.weight": (HEAD_DIM,), "blk.0.attn_k_norm.weight": (HEAD_DIM,),
+        "blk.0.ffn_gate_inp.weight": (experts, HIDDEN), "blk.0.ffn_gate_exps.weight": (experts, width, HIDDEN),
+        "blk.0.ffn_up_exps.weight": (experts, width, HIDDEN), "blk.0.ffn_down_exps.weight": (experts, HIDDEN, width),
+    }
+
+
+@pytest.mark.parametrize("arch, name", [("phi3", "blk.0.ffn_up.weight"), ("phi3", "blk.0.attn_qkv.weight"),
+                                        ("qwen3moe", "blk.0.ffn_down_exps.weight"), ("qwen3moe", "blk.0.attn_k_norm.weight")])
+def test_a_gguf_tensor_of_the_wrong_shape_in_other_families(tmp_path, arch, name):
+    fields, shapes = _gguf_family(arch)
+    arch_of(write_gguf(tmp_path / "fine.gguf", arch, fields, shapes))  # the family's own shapes pass
+    right = list(shapes[name])
+    wrong = [*right[:-1], right[-1] // 2]  # GGUF lists dimensions fastest first: halve the rows' width
+    path = write_gguf(tmp_path / "wrong.gguf", arch, fields, shapes | {name: tuple(wrong)})
+    message = refused(path, "does not match its architecture")
+    assert f"{name!r} has shape {wrong}, expected {right}" in message

@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.constraints import compile_timeout_error
 from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.iteration_stats import FinishedRequest, IterationStats, RequestTimingTracker, StatLogger
 from pagedllm.engine.llm_engine import LLMEngine, Prompt
@@ -251,7 +250,7 @@ class AsyncLLMEngine:
                     asyncio.shield(asyncio.wrap_future(constraints.compile(spec))), constraints.compile_seconds_limit
                 )
             except (TimeoutError, asyncio.TimeoutError):
-                raise compile_timeout_error(spec, constraints.compile_seconds_limit) from None
+                raise constraints.give_up(spec) from None
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str, arrival_time: float | None = None

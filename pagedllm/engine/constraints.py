@@ -9,10 +9,16 @@ on the engine's thread. Once ready, each of the request's sequences gets a `Sequ
 since it lives on the sequence). Each step, the scheduled sampling sequences that have one get
 a row of the step's token bitmask, which the driver's sampler applies to the logits.
 
-Limits (RequestLimits): the compiled-grammar cache holds at most `cache_bytes` of compiled
-grammars (xgrammar's own measure of each; least recently used dropped first), a grammar larger
-than that alone is refused, and a grammar that takes longer than `compile_seconds` to compile
-fails its request (the compile goes on, and its result is cached).
+Limits (RequestLimits): every compiled grammar alive in the process counts against
+`cache_bytes`: those in the cache, those that requests still hold after the cache let them go,
+and room for the one being compiled (the largest of the last few, reserved before it starts).
+The cache drops its least recently used grammars until the total fits. A grammar's bytes are
+what its compile took from the C allocator (glibc's count; xgrammar's own measure leaves out
+about a fifth: its allocations' overhead), and the freed heap is handed back to the system
+after each eviction. A grammar larger than the whole budget is refused, and one that takes
+longer than `compile_seconds` to compile fails its request, and the same spec fails at once
+after it: the compile runs to its end on a thread retired for it, its result dropped, while the
+next grammars compile on a fresh thread (`compile_thread`).
 
 `pagedllm.structured` (torch and xgrammar) is imported only when the first request needs it.
 """
@@ -22,21 +28,24 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import copy
-import ctypes
-import ctypes.util
 import json
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedllm.core import SchedulerOutput, Sequence, SequenceGroup
+from pagedllm.engine.compile_thread import CompileThread
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.utils import heap_bytes_in_use, release_free_memory
 
 logger = logging.getLogger("pagedllm")
 
 # Entries kept for reuse at most (failures included), besides the byte budget.
 MAX_CACHED_GRAMMARS = 256
+# The room reserved for a grammar being compiled: the largest of this many last compiled.
+RECENT_SIZES = 8
 # Prepared bad words / allowed_token_ids kept for reuse (a client's requests often repeat them).
 MAX_CACHED_CONTROLS = 32
 
@@ -65,14 +74,6 @@ def compile_timeout_error(spec: StructuredOutputsParams, seconds: float) -> Cons
     )
 
 
-def _release_free_memory() -> None:
-    """Hand freed heap pages back to the system (glibc keeps them otherwise): an evicted grammar's
-    memory then leaves the process's RSS instead of lingering as free heap."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 class _Row:
     """Where `fill_step_bitmasks` puts a bitmask row that belongs to no scheduled item."""
 
@@ -97,12 +98,15 @@ class RequestConstraints:
         self.cache_bytes = cache_bytes
         self.compile_seconds_limit = compile_seconds
         self._lock = threading.RLock()  # the caches are filled from the engine's and the server's threads
-        self._pool: ThreadPoolExecutor | None = None
+        self._compile_thread: CompileThread | None = None
         self._compiler = None  # pagedllm.structured.GrammarCompiler, built on the compile thread
         self._compiler_error = ""
         self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}  # bytes of each compiled grammar in the cache
         self.cached_bytes = 0
+        self.live_bytes = 0  # of every compiled grammar alive: cached, or still held by a request
+        self.reserved_bytes = 0  # room kept for the grammar being compiled
+        self._recent_sizes: collections.deque[int] = collections.deque(maxlen=RECENT_SIZES)
         self._token_pool: ThreadPoolExecutor | None = None
         self._token_tokenizer = None  # the token thread's copy, made there when first needed
         self._controls: collections.OrderedDict[tuple, Future] = collections.OrderedDict()
@@ -123,13 +127,13 @@ class RequestConstraints:
             if future is not None:
                 self._compiled.move_to_end(key)
                 return future
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
+            if self._compile_thread is None:
+                self._compile_thread = CompileThread("pagedllm-grammar")
                 tokenizer = copy.deepcopy(self._tokenizer)  # a fast tokenizer is not shared across threads
-                self._pool.submit(self._start_compiler, tokenizer)
-            future = self._compiled[key] = self._pool.submit(self._compile, key, spec)
+                self._compile_thread.submit(Future(), self._start_compiler, tokenizer)
+            future = self._compiled[key] = Future()
+            self._compile_thread.submit(future, self._compile, key, spec, future)
             self._evict()
-        future.add_done_callback(lambda done: self._account(key, done))
         return future
 
     def wait_compiled(self, spec: StructuredOutputsParams):
@@ -138,33 +142,54 @@ class RequestConstraints:
         try:
             return self.compile(spec).result(timeout=self.compile_seconds_limit)
         except concurrent.futures.TimeoutError:
-            raise compile_timeout_error(spec, self.compile_seconds_limit) from None
+            raise self.give_up(spec) from None
 
-    def _account(self, key: tuple[str, str], future: Future) -> None:
-        """A compile finished: count its bytes in the cache (if still cached), and evict the
-        least recently used grammars beyond the budget."""
-        if future.cancelled() or future.exception() is not None:
-            return
-        if self._compiled.get(key) is future:
-            self._record_size(key, int(getattr(future.result(), "memory_size_bytes", 0)))
-
-    def _record_size(self, key: tuple[str, str], size: int) -> None:
+    def give_up(self, spec: StructuredOutputsParams) -> ConstraintLimitError:
+        """`spec` did not compile within the limit: its compile is abandoned (failed now, and
+        cached so, its thread retired if it is running) and the limit's error returned."""
+        error = compile_timeout_error(spec, self.compile_seconds_limit)
         with self._lock:
-            if key not in self._compiled or key in self._sizes:
+            future = self._compiled.get(spec_key(spec))
+        if future is not None and self._compile_thread is not None:
+            self._compile_thread.abandon(future, error)
+        return error
+
+    def _record_size(self, key: tuple[str, str], future: Future, size: int) -> None:
+        """A compile finished: count its bytes in the cache (if its entry is still cached), and
+        evict the least recently used grammars beyond the budget."""
+        with self._lock:
+            if self._compiled.get(key) is not future or key in self._sizes:
                 return
             self._sizes[key] = size
             self.cached_bytes += size
             self._evict()
 
+    def _track_live(self, compiled, size: int) -> None:
+        """Count `compiled` in `live_bytes` until the last reference to it goes (the cache's
+        future, a pending request's, a sequence's constraint)."""
+        with self._lock:
+            self.live_bytes += size
+        weakref.finalize(compiled, self._release_live, size)
+
+    def _release_live(self, size: int) -> None:
+        with self._lock:
+            self.live_bytes -= size
+
     def _evict(self) -> None:
+        """Drop least recently used grammars until every live one and the room reserved for the
+        one being compiled fit the budget (the newest entry stays: its request is waiting)."""
         evicted = False
-        while len(self._compiled) > 1 and (self.cached_bytes > self.cache_bytes or len(self._compiled) > MAX_CACHED_GRAMMARS):
-            key, _ = self._compiled.popitem(last=False)  # requests hold their own futures
+        while len(self._compiled) > 1 and (
+            max(self.live_bytes, self.cached_bytes) + self.reserved_bytes > self.cache_bytes
+            or len(self._compiled) > MAX_CACHED_GRAMMARS
+        ):
+            key = next(iter(self._compiled))  # the least recently used; requests hold their own futures
+            del self._compiled[key]  # its grammar goes now (live_bytes with it) unless a request holds it
             self.cached_bytes -= self._sizes.pop(key, 0)
             self.compile_seconds.pop(key, None)
             evicted = True
         if evicted:
-            _release_free_memory()
+            release_free_memory()
 
     def _start_compiler(self, tokenizer) -> None:
         try:
@@ -175,15 +200,33 @@ class RequestConstraints:
             logger.exception("The grammar compiler could not be built")
             self._compiler_error = f"{type(exc).__name__}: {exc}"
 
-    def _compile(self, key: tuple[str, str], spec: StructuredOutputsParams):
+    def _compile(self, key: tuple[str, str], spec: StructuredOutputsParams, future: Future):
         if self._compiler is None:
             raise RuntimeError(f"Structured outputs are unavailable: the grammar compiler could not be built ({self._compiler_error}).")
-        start = time.perf_counter()
-        compiled = self._compiler.compile(spec)
+        reserve = min(max(self._recent_sizes, default=0), self.cache_bytes)
+        with self._lock:  # room for this one before it is built
+            self.reserved_bytes += reserve
+            self._evict()
+        try:
+            heap_before = heap_bytes_in_use()
+            start = time.perf_counter()
+            compiled = self._compiler.compile(spec)
+            elapsed = time.perf_counter() - start
+            heap_after = heap_bytes_in_use()
+        finally:
+            with self._lock:
+                self.reserved_bytes -= reserve
+        if self._compile_thread.is_abandoned(future):  # its request gave up: nobody wants it
+            del compiled
+            release_free_memory()
+            return None
         size = int(getattr(compiled, "memory_size_bytes", 0))
+        if heap_before is not None and heap_after is not None:
+            size = max(size, heap_after - heap_before)  # process-wide, but the compile dominates it
+        self._recent_sizes.append(size)
         if size > self.cache_bytes:
             del compiled
-            _release_free_memory()
+            release_free_memory()
             raise ConstraintLimitError(
                 f"The {spec.kind} in {spec.param} compiles to a grammar of {size / 2**20:.1f} MiB, more than this "
                 f"engine's whole compiled-grammar cache ({self.cache_bytes / 2**20:.1f} MiB, "
@@ -191,10 +234,11 @@ class RequestConstraints:
                 "choices, a smaller schema), or start the engine with a larger cache.",
                 spec.param,
             )
-        self.compile_seconds[key] = time.perf_counter() - start
+        self.compile_seconds[key] = elapsed
+        self._track_live(compiled, size)
         # Counted before the future resolves, so that a caller who waited for it sees the cache
         # within its budget (the done-callback would run after the waiter wakes).
-        self._record_size(key, size)
+        self._record_size(key, future, size)
         return compiled
 
     # --- bad words and allowed_token_ids (any thread) ---------------------------------------
@@ -289,7 +333,7 @@ class RequestConstraints:
             if error is None and not all(f.done() for f in futures):
                 if spec is None or now - since <= self.compile_seconds_limit:
                     continue
-                error = compile_timeout_error(spec, self.compile_seconds_limit)
+                error = self.give_up(spec)
             del self.pending[request_id]
             if error is not None:
                 failed.append((group, str(error)))
@@ -331,6 +375,7 @@ class RequestConstraints:
             item.draft_token_bitmasks = [holder.token_bitmask for holder in holders]
 
     def shutdown(self) -> None:
-        for pool in (self._pool, self._token_pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        if self._compile_thread is not None:
+            self._compile_thread.shutdown()
+        if self._token_pool is not None:
+            self._token_pool.shutdown(wait=False, cancel_futures=True)

@@ -5,7 +5,6 @@ part."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from pagedllm.model.weights import GGUFWeight, LazyWeight, SafetensorsWeight, gg
 from pagedllm.paths import model_cache_enabled
 from pagedllm.transformers_utils.arch import ROPE_FACTOR_TENSORS, ModelArchConfig, gguf_metadata, load_arch_config
 from pagedllm.transformers_utils.source import ModelSource
+from pagedllm.utils import release_free_memory
 
 logger = logging.getLogger("pagedllm")
 
@@ -88,15 +88,6 @@ def _load_from_source(model: CausalLM, source: ModelSource, native: bool) -> Non
         model.load_weights(weights)
 
 
-def _return_freed_memory() -> None:
-    """Ask the C allocator to give freed heap pages back to the OS (glibc keeps them otherwise,
-    and they count in the process's resident memory)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):  # not glibc
-        pass
-
-
 def _log_growth(source: ModelSource, rss_before: int | None) -> None:
     """Log how much loading grew the process's resident memory, against the file's size."""
     rss = process_rss()
@@ -144,7 +135,7 @@ def load_model(
                     checksum = weight_cache.load(model, entry, wait_for_checksum=True)
             except Exception as exc:  # a read-only or full disk...: the cache never fails a start
                 logger.warning("Could not save the weight cache at %s: %s", entry, exc)
-        _return_freed_memory()  # what building took (dequantized copies, parsers) goes back to the OS
+        release_free_memory()  # what building took (dequantized copies, parsers) goes back to the OS
     released = weight_cache.release_unread_pages(model) if checksum is not None else 0
     logger.info("Weights loaded %s in %.2f s%s", how, time.perf_counter() - start, f" ({entry})" if entry else "")
     _log_growth(source, rss_before)

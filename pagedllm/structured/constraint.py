@@ -83,16 +83,19 @@ class TokenControls:
 class SequenceConstraint:
     """A grammar's matcher state (or none) and the request's `TokenControls` (or none), with the
     output's last tokens that its bad words' prefixes need. Implements the `TokenConstraint`
-    protocol of `core.sequence`."""
+    protocol of `core.sequence`. It holds the compiled grammar too, so that the engine's count of
+    live grammars (weak references to them) keeps it until the last sequence using it is gone."""
 
-    __slots__ = ("matcher", "controls", "recent")
+    __slots__ = ("matcher", "controls", "recent", "compiled")
 
     def __init__(
         self,
         matcher: "xgr.GrammarMatcher | None",
         controls: TokenControls | None,
         recent: list[int] | None = None,
+        compiled: "xgr.CompiledGrammar | None" = None,
     ) -> None:
+        self.compiled = compiled
         self.matcher = matcher
         self.controls = controls if controls is not None and not controls.empty else None  # shared between forks
         self.recent = recent if recent is not None else []
@@ -113,7 +116,7 @@ class SequenceConstraint:
             matcher = xgrammar.GrammarMatcher(compiled)
         if controls is None:
             controls = TokenControls(vocab_size, allowed_token_ids, bad_words)
-        return cls(matcher, controls)
+        return cls(matcher, controls, compiled=compiled)
 
     def accept_token(self, token_id: int) -> bool:
         history = self.controls.history if self.controls is not None else 0
@@ -126,7 +129,7 @@ class SequenceConstraint:
 
     def fork(self) -> "SequenceConstraint":
         matcher = self.matcher.fork() if self.matcher is not None else None
-        return SequenceConstraint(matcher, self.controls, list(self.recent))
+        return SequenceConstraint(matcher, self.controls, list(self.recent), self.compiled)
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         """Clear the bits of row `index` (all set on entry) for the tokens not allowed next."""

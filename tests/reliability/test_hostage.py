@@ -10,7 +10,9 @@ hostage request stalls the victim every time), and its line says so.
 Then many distinct heavy grammars (thousands of choices each, tens of MiB compiled): the
 server's memory must stay within the compiled-grammar cache's byte budget plus 10% over what it
 held before them (300 grammars under the default 256 MiB budget in the long form; a dozen under
-a 64 MiB budget, on a server of its own, in the short form).
+a 64 MiB budget, on a server of its own, in the short form). And a grammar that runs past the
+compile-time limit: its 400 names the limit, and the next grammar is served at once (the compile
+thread is not left to the runaway).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import pytest
 
 from pagedllm.transformers_utils.source import default_model_file
 from tests.reliability.common import serving
-from tests.reliability.hostage_cases import CASES, MODEL, heavy_grammar
+from tests.server.common import MODEL as SERVED_MODEL
+from tests.reliability.hostage_cases import CASES, MODEL, heavy_grammar, words
 
 MIB = 1 << 20
 GAP_LIMIT_S = 1.5
@@ -186,3 +189,31 @@ def test_distinct_heavy_grammars_keep_memory_within_the_cache_budget(long_form, 
         )
         assert statuses.count(200) == count, json.dumps(statuses)
         assert growth <= 1.1 * budget and peak - before <= 1.1 * budget + 64 * MIB
+
+
+@pytest.mark.slow
+def test_a_compile_past_the_time_limit_does_not_hold_the_next_grammar(tiny_llama, figures):
+    """A choice of 60,000 strings takes seconds to compile; under a limit of 0.5 s it gets the
+    limit's 400 and the same spec again gets it at once, while a small grammar sent next is
+    served before the big one's compile (still running on a retired thread) could have ended."""
+    with serving(tiny_llama, "--structured-outputs-compile-seconds", "0.5") as server:
+        def post(choices: list[str]) -> tuple[httpx.Response, float]:
+            body = {"model": SERVED_MODEL, "prompt": "Pick one", "max_tokens": 2, "structured_outputs": {"choice": choices}}
+            start = time.monotonic()
+            response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+            return response, time.monotonic() - start
+
+        warm, _ = post(["yes", "no"])  # the grammar compiler is built
+        assert warm.status_code == 200, warm.text
+        heavy = words(60000, 8)
+        slow, slow_seconds = post(heavy)
+        again, again_seconds = post(heavy)
+        small, small_seconds = post(["left", "right"])
+        figures("hostage", f"a compile past a 0.5 s limit: {slow.status_code} in {slow_seconds:.2f} s, the same spec "
+                           f"{again.status_code} in {again_seconds:.2f} s, a small grammar next {small.status_code} in "
+                           f"{small_seconds:.2f} s")
+        for refused in (slow, again):
+            error = refused.json()["error"]
+            assert refused.status_code == 400 and "structured_outputs_compile_seconds" in error["message"], refused.text
+            assert error["param"] == "structured_outputs.choice"
+        assert small.status_code == 200 and small_seconds < 1.5 and again_seconds < 0.5
