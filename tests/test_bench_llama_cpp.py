@@ -329,3 +329,13 @@ def test_bench_spec_reports_llama_cpp_plain_and_ngram_beside_the_engine(fake_bui
     assert summary["llama_spec_tok_s"] == pytest.approx(tokens / sum(r["output_tokens"] / r["llama_spec_tok_s"] for r in rows))
     assert summary["spec_vs_llama_spec"] == pytest.approx(summary["spec_tok_s"] / summary["llama_spec_tok_s"])
     assert summary["plain_vs_llama"] == pytest.approx(summary["plain_tok_s"] / summary["llama_tok_s"])
+
+
+def test_a_summary_without_llama_cpp_keeps_the_engine_columns_alone():
+    from pagedllm.bench.spec import _summary
+
+    rows = [{"output_tokens": 10, "plain_tok_s": 10.0, "spec_tok_s": 20.0, "speedup": 2.0},
+            {"output_tokens": 30, "plain_tok_s": 30.0, "spec_tok_s": 30.0, "speedup": 1.0}]
+    summary = _summary("chat", rows)
+    assert list(summary) == ["set", "prompts", "output_tokens", "plain_tok_s", "spec_tok_s", "speedup", "min_speedup"]
+    assert (summary["plain_tok_s"], summary["spec_tok_s"], summary["speedup"]) == (20.0, pytest.approx(80 / 3), pytest.approx(4 / 3))
