@@ -1,10 +1,12 @@
-"""The llama.cpp peer (`bench throughput --backend llama-cpp`, `bench llama-cpp`): the build's
-command lines, `llama-server`'s arguments and a fake server that answers as it does (llama.cpp
-is never built by the tests), `/completion`'s answers, and `llama-bench`'s JSON."""
+"""The llama.cpp peer (`bench throughput --backend llama-cpp`, `bench llama-cpp`, `bench spec
+--llama-cpp`): the build's command lines, `llama-server`'s arguments and a fake server that
+answers as it does (llama.cpp is never built by the tests), `/completion`'s answers, and
+`llama-bench`'s JSON."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -14,8 +16,8 @@ import pytest
 from pagedllm.bench import llama_cpp_peer
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.bench.llama_cpp_peer import (
-    LlamaCppPeerError, completion_payload, ensure_llama_cpp, llama_bench_command, parse_completion,
-    parse_llama_bench, run_llama_server, server_command,
+    LlamaCppPeerError, built_binaries, completion_payload, ensure_llama_cpp, greedy_payload, llama_bench_command,
+    ngram_simple_args, parse_completion, parse_greedy_completion, parse_llama_bench, run_llama_server, server_command,
 )
 from pagedllm.cli import main
 
@@ -35,7 +37,9 @@ LLAMA_BENCH_JSON = """[
 ]"""
 
 # Answers /health and /completion as llama-server does: each completion predicts n_predict
-# tokens (fewer when FAKE_SHORT is set), and every prompt it was sent is appended to a log.
+# tokens (fewer when FAKE_SHORT is set), each the prompt's last token; started with --spec-type,
+# it reports two proposed tokens per output token, half of them accepted. Its arguments and
+# every request it was sent are appended to a log.
 FAKE_SERVER = textwrap.dedent(
     """
     import json, os, sys, threading
@@ -61,9 +65,12 @@ FAKE_SERVER = textwrap.dedent(
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with lock, open(log, "a") as f:
                 f.write(json.dumps(body) + "\\n")
-            short = 1 if os.environ.get("FAKE_SHORT") else 0
-            self.answer({"content": "x", "tokens_predicted": body["n_predict"] - short,
-                         "tokens_evaluated": len(body["prompt"]), "stop_type": "limit"})
+            n = body["n_predict"] - (1 if os.environ.get("FAKE_SHORT") else 0)
+            timings = {"predicted_n": n}
+            if "--spec-type" in args:
+                timings.update(draft_n=2 * n, draft_n_accepted=n)
+            self.answer({"content": "x", "tokens": [body["prompt"][-1]] * n, "tokens_predicted": n,
+                         "tokens_evaluated": len(body["prompt"]), "stop_type": "limit", "timings": timings})
 
     with open(log, "a") as f:
         f.write(json.dumps({"argv": args}) + "\\n")
@@ -237,3 +244,98 @@ def test_a_failed_build_step_raises_with_its_output(tmp_path, monkeypatch):
     with pytest.raises(LlamaCppPeerError, match="(?s)cmake -S .* failed.*no compiler"):
         ensure_llama_cpp(tmp_path, log=lambda _: None)
     assert not (tmp_path / llama_cpp_peer._STAMP).exists()
+
+
+# --- bench spec --llama-cpp ------------------------------------------------------------------
+
+def test_the_ngram_server_has_one_slot_and_the_speculation_flags(fake_build):
+    command = server_command(fake_build, Path("m.gguf"), 9000, parallel=1, slot_context=1024, threads=3,
+                             extra_args=ngram_simple_args(lookup=4, draft=16))
+    flags = {a: b for a, b in zip(command, command[1:]) if a.startswith("-")}
+    assert (flags["-np"], flags["-c"], flags["-t"]) == ("1", "1024", "3")
+    assert (flags["--spec-type"], flags["--spec-ngram-simple-size-n"], flags["--spec-ngram-simple-size-m"]) == ("ngram-simple", "4", "16")
+    assert "--spec-type" not in server_command(fake_build, Path("m.gguf"), 9000, 1, 1024, 3)
+
+
+def test_greedy_payload_asks_for_the_tokens_and_exact_length():
+    payload = greedy_payload(BenchRequest([5, 6, 7], 9), cache_prompt=True)
+    assert (payload["prompt"], payload["n_predict"], payload["ignore_eos"], payload["temperature"]) == ([5, 6, 7], 9, True, 0.0)
+    assert payload["return_tokens"] is True and payload["cache_prompt"] is True
+    assert greedy_payload(BenchRequest([5], 1), cache_prompt=False)["cache_prompt"] is False
+
+
+def test_a_greedy_answer_gives_its_tokens_and_draft_counts():
+    request = BenchRequest([1, 2], 3)
+    answer = {"tokens": [4, 5, 6], "tokens_predicted": 3, "timings": {"draft_n": 10, "draft_n_accepted": 7}}
+    assert parse_greedy_completion(answer, request) == {"tokens": [4, 5, 6], "draft_tokens": 10, "accepted_tokens": 7}
+    plain = parse_greedy_completion({"tokens": [4, 5, 6], "tokens_predicted": 3, "timings": {}}, request)
+    assert (plain["draft_tokens"], plain["accepted_tokens"]) == (0, 0)
+    with pytest.raises(LlamaCppPeerError, match="generated 2 tokens where 3 were asked"):
+        parse_greedy_completion({"tokens": [4, 5], "tokens_predicted": 2}, request)
+
+
+def test_a_missing_build_names_the_build_command_and_never_builds(tmp_path, monkeypatch):
+    monkeypatch.setattr(llama_cpp_peer.subprocess, "run", lambda *a, **kw: pytest.fail("built"))
+    with pytest.raises(LlamaCppPeerError, match=re.escape(f"`pagedllm bench llama-cpp build --dir {tmp_path}`")):
+        built_binaries(tmp_path)
+
+
+def test_bench_spec_without_a_build_fails_before_loading_a_model(tmp_path, capsys):
+    assert main(["bench", "spec", "--llama-cpp", "--llama-cpp-dir", str(tmp_path / "none"),
+                 "--output-json", str(tmp_path / "spec.json")]) == 1
+    assert "pagedllm bench llama-cpp build" in capsys.readouterr().out
+    assert not (tmp_path / "spec.json").exists()
+
+
+def _servers(log: Path) -> list[tuple[list[str], list[dict]]]:
+    """Each fake server's arguments and the requests it was sent, in the order they ran."""
+    servers = []
+    for line in log.read_text().splitlines():
+        entry = json.loads(line)
+        if "argv" in entry:
+            servers.append((entry["argv"], []))
+        else:
+            servers[-1][1].append(entry)
+    return servers
+
+
+def test_bench_spec_reports_llama_cpp_plain_and_ngram_beside_the_engine(fake_build, tiny_llama, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "server.jsonl"))
+    monkeypatch.setattr(llama_cpp_peer, "gguf_file", lambda model: Path("tiny.gguf"))  # the fake loads nothing
+    out = tmp_path / "spec.json"
+    threads = torch.get_num_threads()
+    assert main(["bench", "spec", str(tiny_llama), "--max-model-len", "512", "--num-gpu-blocks", "128",
+                 "--sets", "chat", "--max-tokens", "4", "--num-iters", "1", "--llama-cpp",
+                 "--llama-cpp-dir", str(fake_build.parent.parent), "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"]
+    (plain_server, plain_bodies), (ngram_server, ngram_bodies) = _servers(tmp_path / "server.jsonl")
+    for argv in (plain_server, ngram_server):
+        assert (argv[argv.index("-np") + 1], argv[argv.index("-t") + 1], argv[argv.index("-m") + 1]) == ("1", str(threads), "tiny.gguf")
+    assert "--spec-type" not in plain_server
+    assert ngram_server[ngram_server.index("--spec-type") + 1] == "ngram-simple"
+    assert ngram_server[ngram_server.index("--spec-ngram-simple-size-m") + 1] == "16"  # num_speculative_tokens
+    assert ngram_server[ngram_server.index("--spec-ngram-simple-size-n") + 1] == "4"  # prompt_lookup_max
+    rows = result["prompts"]
+    for bodies in (plain_bodies, ngram_bodies):  # a warm-up, then each prompt for pagedllm's length
+        assert [(len(b["prompt"]), b["n_predict"]) for b in bodies[1:]] == [(r["prompt_tokens"], r["output_tokens"]) for r in rows]
+        assert all(b["temperature"] == 0.0 and b["ignore_eos"] for b in bodies)
+    for row in rows:
+        assert row["llama_accept_rate"] == 0.5  # as the fake reports
+        assert row["spec_vs_llama_spec"] == pytest.approx(row["spec_tok_s"] / row["llama_spec_tok_s"])
+    (summary,) = result["summary"]
+    tokens = sum(r["output_tokens"] for r in rows)
+    assert summary["llama_spec_tok_s"] == pytest.approx(tokens / sum(r["output_tokens"] / r["llama_spec_tok_s"] for r in rows))
+    assert summary["spec_vs_llama_spec"] == pytest.approx(summary["spec_tok_s"] / summary["llama_spec_tok_s"])
+    assert summary["plain_vs_llama"] == pytest.approx(summary["plain_tok_s"] / summary["llama_tok_s"])
+
+
+def test_a_summary_without_llama_cpp_keeps_the_engine_columns_alone():
+    from pagedllm.bench.spec import _summary
+
+    rows = [{"output_tokens": 10, "plain_tok_s": 10.0, "spec_tok_s": 20.0, "speedup": 2.0},
+            {"output_tokens": 30, "plain_tok_s": 30.0, "spec_tok_s": 30.0, "speedup": 1.0}]
+    summary = _summary("chat", rows)
+    assert list(summary) == ["set", "prompts", "output_tokens", "plain_tok_s", "spec_tok_s", "speedup", "min_speedup"]
+    assert (summary["plain_tok_s"], summary["spec_tok_s"], summary["speedup"]) == (20.0, pytest.approx(80 / 3), pytest.approx(4 / 3))

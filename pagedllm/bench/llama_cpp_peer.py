@@ -9,6 +9,8 @@
   with `-np` slots and continuous batching, sends every request at once to `/completion` (the
   prompt as token ids, `n_predict` tokens with `ignore_eos`: the very work the engine does), and
   counts the tokens each answer says it predicted.
+- `run_single_stream` (`bench spec --llama-cpp`): `llama-server -np 1`, with or without its
+  n-gram self-speculation (`ngram_simple_args`), one greedy request at a time.
 - `run_llama_bench`: `llama-bench`'s prompt (pp) and generation (tg) tokens/s for a file.
 - `serve`: `python -m pagedllm.bench.llama_cpp_peer --port P FILE` runs `llama-server` in
   the foreground, for `pagedllm bench serve --port P` to load-test as it does `pagedllm serve`.
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from pagedllm.bench.datasets import BenchRequest
@@ -78,7 +81,7 @@ def ensure_llama_cpp(root: Path | None = None, jobs: int = 2, log=print) -> Path
     """The folder of the built binaries, building them on first use (10-20 minutes on 2 cores)."""
     root = root or default_root()
     binaries = bin_dir(root)
-    if (root / _STAMP).is_file() and all((binaries / t).is_file() for t in TARGETS):
+    if _is_built(root):
         return binaries
     source = source_dir(root)
     if not (source / "CMakeLists.txt").is_file():
@@ -88,6 +91,20 @@ def ensure_llama_cpp(root: Path | None = None, jobs: int = 2, log=print) -> Path
         _run_step(command, root / "build.log")
     (root / _STAMP).write_text(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}\n")
     return binaries
+
+
+def built_binaries(root: Path | None = None) -> Path:
+    """The folder of an existing build's binaries; never builds (for commands that must not
+    spend 10-20 minutes compiling unasked)."""
+    root = root or default_root()
+    if not _is_built(root):
+        command = "pagedllm bench llama-cpp build" + ("" if root == default_root() else f" --dir {root}")
+        raise LlamaCppPeerError(f"llama.cpp is not built in {root}: build it once with `{command}` (10-20 minutes).")
+    return bin_dir(root)
+
+
+def _is_built(root: Path) -> bool:
+    return (root / _STAMP).is_file() and all((bin_dir(root) / t).is_file() for t in TARGETS)
 
 
 def _unpack_sdist(root: Path, log) -> None:
@@ -139,14 +156,24 @@ def gguf_file(model: str) -> Path:
 # --- llama-server -------------------------------------------------------------------------------
 
 def server_command(binaries: Path, model: Path, port: int, parallel: int, slot_context: int, threads: int,
-                   host: str = "127.0.0.1") -> list[str]:
+                   host: str = "127.0.0.1", extra_args: Sequence[str] = ()) -> list[str]:
     """`llama-server` with `parallel` slots of `slot_context` tokens each (`-c` is their total),
     continuous batching, `threads` threads for decoding and for prompts alike."""
     return [
         str(binary(binaries, "llama-server")), "-m", str(model), "--host", host, "--port", str(port),
         "-np", str(parallel), "-c", str(parallel * slot_context), "-t", str(threads), "-tb", str(threads),
-        "--cont-batching", "--no-webui",
+        "--cont-batching", "--no-webui", *extra_args,
     ]
+
+
+def ngram_simple_args(lookup: int, draft: int) -> list[str]:
+    """llama-server's n-gram self-speculation: after each token it looks for the latest earlier
+    occurrence of the last `lookup` tokens in the prompt and output, and proposes the (up to)
+    `draft` tokens that followed it, if at least `lookup` did. The draft's length is
+    `--spec-ngram-simple-size-m` (llama.cpp's default 48; `--spec-draft-n-max` bounds only
+    draft models), the lookup's `--spec-ngram-simple-size-n` (default 12)."""
+    return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(lookup),
+            "--spec-ngram-simple-size-m", str(draft)]
 
 
 def slot_context(requests: list[BenchRequest], max_model_len: int, multiple: int = 256) -> int:
@@ -175,6 +202,22 @@ def parse_completion(answer: dict, request: BenchRequest) -> int:
     if predicted != request.output_len:
         raise LlamaCppPeerError(f"llama-server generated {predicted} tokens where {request.output_len} were asked (stop: {answer.get('stop_type')}).")
     return predicted
+
+
+def greedy_payload(request: BenchRequest, cache_prompt: bool) -> dict:
+    """A greedy request (temperature 0) for exactly `output_len` tokens, answered with its
+    token ids, reusing the slot's cached prompt prefix when `cache_prompt` (as pagedllm's prefix
+    cache does)."""
+    return {**completion_payload(request, temperature=0.0, seed=0), "return_tokens": True, "cache_prompt": cache_prompt}
+
+
+def parse_greedy_completion(answer: dict, request: BenchRequest) -> dict:
+    """The generated token ids and, when the server speculated, its proposed and accepted
+    token counts (`timings.draft_n`, `draft_n_accepted`)."""
+    parse_completion(answer, request)
+    timings = answer.get("timings", {})
+    return {"tokens": list(answer.get("tokens", [])), "draft_tokens": int(timings.get("draft_n", 0)),
+            "accepted_tokens": int(timings.get("draft_n_accepted", 0))}
 
 
 def process_memory(pid: int) -> dict:
@@ -271,6 +314,38 @@ def run_llama_server(
         elapsed = time.perf_counter() - start
         memory = process_memory(server.process.pid)
     return {"elapsed_s": elapsed, "output_tokens": num_output, "parallel": parallel, "threads": threads, **memory}
+
+
+def run_single_stream(
+    binaries: Path, model: Path, requests: list[BenchRequest], threads: int, max_model_len: int, num_iters: int,
+    extra_args: Sequence[str] = (), cache_prompt: bool = True, warm: BenchRequest | None = None,
+    port: int | None = None, log_path: Path | None = None,
+) -> list[dict]:
+    """Each request alone through `llama-server -np 1 [extra_args]`, greedily, `num_iters`
+    times in a row; per request: the best wall time of one (`seconds`, the HTTP round trip
+    included), its tokens, and the proposed and accepted tokens of all runs. `warm` runs first,
+    untimed, so first-call costs stay out."""
+    import httpx
+
+    port = port or free_port()
+    command = server_command(binaries, model, port, 1, slot_context(requests, max_model_len), threads, extra_args=extra_args)
+    results = []
+    log_path = log_path or binaries.parent.parent / "llama-server.log"  # in the build's folder
+    with LlamaServer(command, port, log_path) as server, httpx.Client(timeout=None) as client:
+        def one(request: BenchRequest) -> tuple[float, dict]:
+            start = time.perf_counter()
+            answer = client.post(server.url + "/completion", json=greedy_payload(request, cache_prompt)).json()
+            return time.perf_counter() - start, parse_greedy_completion(answer, request)
+
+        if warm is not None:
+            one(warm)
+        for request in requests:
+            best, drafted, accepted = float("inf"), 0, 0
+            for _ in range(num_iters):
+                seconds, done = one(request)
+                best, drafted, accepted = min(best, seconds), drafted + done["draft_tokens"], accepted + done["accepted_tokens"]
+            results.append({"seconds": best, "tokens": done["tokens"], "draft_tokens": drafted, "accepted_tokens": accepted})
+    return results
 
 
 # --- llama-bench --------------------------------------------------------------------------------

@@ -5,6 +5,14 @@ prompt, and ordinary chat, where it does not. The two engines (the same argument
 `--speculative-config`) run in one process and take turns on each prompt; each prompt's rate is
 its output tokens over the wall time of its whole request, the better of `--num-iters` runs.
 Greedy outputs must be identical, token for token: a difference is reported (and fails).
+
+With `--llama-cpp`, llama.cpp runs the same GGUF file on the same prompt tokens (the chat
+template applied by pagedllm) after the engines: `llama-server` with one slot, pagedllm's torch
+thread count, greedy, exactly as many tokens as pagedllm's plain output (`ignore_eos`), once
+plain and once with `--spec-type ngram-simple` (lookup `prompt_lookup_max` tokens, drafts of up
+to `num_speculative_tokens`). Its rate is timed the same way, over the whole HTTP request;
+`llama_same` says whether its plain output equals pagedllm's (numerics may differ, and with them
+what speculation can accept).
 """
 
 from __future__ import annotations
@@ -82,6 +90,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-iters", type=int, default=2, help="runs per prompt and engine; the faster is kept")
     p.add_argument("--sets", nargs="+", choices=("grounded", "chat"), default=["grounded", "chat"])
     p.add_argument("--output-json", default="results/bench_spec.json")
+    peer = p.add_argument_group("llama.cpp")
+    peer.add_argument("--llama-cpp", action="store_true",
+                      help="also llama-server on the same GGUF file, plain and with --spec-type ngram-simple")
+    peer.add_argument("--llama-cpp-dir", help="the llama.cpp build (default: ~/.cache/pagedllm/llama.cpp/<version>; `pagedllm bench llama-cpp build`)")
+    peer.add_argument("--llama-cpp-threads", type=int, default=None, help="llama-server's threads (default: pagedllm's torch threads)")
+    peer.add_argument("--llama-cpp-ngram-size-n", type=int, default=None,
+                      help="ngram-simple's lookup length (default: prompt_lookup_max)")
+    peer.add_argument("--llama-cpp-ngram-size-m", type=int, default=None,
+                      help="ngram-simple's longest draft (default: num_speculative_tokens)")
     p.set_defaults(func=run)
 
 
@@ -92,26 +109,39 @@ def _time_one(llm, token_ids: list[int], params) -> tuple[float, list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from pagedllm import LLM, SamplingParams
+    from pagedllm.bench import llama_cpp_peer
 
     engine_args = engine_args_from(args)
     spec_text = engine_args.speculative_config or DEFAULT_SPEC
     spec = json.loads(spec_text) if isinstance(spec_text, str) else spec_text
+    peer = None
+    if args.llama_cpp:  # checked before the engines load: a missing build fails at once
+        try:
+            peer = (llama_cpp_peer.built_binaries(Path(args.llama_cpp_dir) if args.llama_cpp_dir else None),
+                    llama_cpp_peer.gguf_file(engine_args.model))
+        except llama_cpp_peer.LlamaCppPeerError as exc:
+            print(exc)
+            return 1
     base_kwargs = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
     base_kwargs["speculative_config"] = None
     model = base_kwargs.pop("model")
     base_kwargs.pop("generation_config", None)
     plain = LLM(model, **base_kwargs)
     speculative = LLM(model, **{**base_kwargs, "speculative_config": spec})
+    threads = args.llama_cpp_threads or torch.get_num_threads()  # before a step can lower it
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     sets = {"grounded": grounded_prompts(), "chat": chat_prompts()}
-    rows, mismatches = [], []
+    rows, mismatches, prompt_tokens, plain_tokens = [], [], [], []
     warm = plain.apply_chat_template([{"role": "user", "content": "Hi"}])
     for llm in (plain, speculative):  # first-call costs stay out of the timings
         _time_one(llm, warm, SamplingParams(temperature=0, max_tokens=8))
     for set_name in args.sets:
         for name, message in sets[set_name]:
             token_ids = plain.apply_chat_template([{"role": "user", "content": message}])
+            prompt_tokens.append(token_ids)
             best = {"plain": float("inf"), "spec": float("inf")}
             outputs = {}
             stats = speculative.llm_engine.speculator.stats
@@ -124,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             drafted = stats.num_draft_tokens - before[0]
             accepted = stats.num_accepted_tokens - before[1]
             n = len(outputs["plain"])
+            plain_tokens.append(outputs["plain"])
             same = outputs["plain"] == outputs["spec"]
             if not same:
                 mismatches.append(name)
@@ -141,34 +172,74 @@ def run(args: argparse.Namespace) -> int:
                 }
             )
             print(format_table(rows[-1:]), flush=True)
-    summary = []
-    for set_name in args.sets:
-        mine = [r for r in rows if r["set"] == set_name]
-        plain_s = sum(r["output_tokens"] / r["plain_tok_s"] for r in mine)
-        spec_s = sum(r["output_tokens"] / r["spec_tok_s"] for r in mine)
-        tokens = sum(r["output_tokens"] for r in mine)
-        summary.append(
-            {
-                "set": set_name,
-                "prompts": len(mine),
-                "output_tokens": tokens,
-                "plain_tok_s": tokens / plain_s,
-                "spec_tok_s": tokens / spec_s,
-                "speedup": plain_s / spec_s,
-                "min_speedup": min(r["speedup"] for r in mine),
-            }
-        )
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config["speculative_config"] = spec
+    max_model_len = plain.llm_engine.max_model_len
+    plain.llm_engine.shutdown()  # before llama.cpp runs, so that nothing of theirs competes with it
+    speculative.llm_engine.shutdown()
+    if peer is not None:
+        try:
+            config["llama_cpp"] = _run_llama_cpp(args, peer, spec, rows, prompt_tokens, plain_tokens, warm, threads,
+                                                 max_model_len, engine_args.enable_prefix_caching)
+        except llama_cpp_peer.LlamaCppPeerError as exc:
+            print(exc)
+            return 1
+    summary = [_summary(set_name, [r for r in rows if r["set"] == set_name]) for set_name in args.sets]
     print()
     print(format_table(rows))
     print()
     print(format_table(summary))
     print(f"speculative_config: {json.dumps(spec)}; greedy, single stream, max_tokens {args.max_tokens}")
+    if peer is not None:
+        print(f"llama.cpp: {config['llama_cpp']['threads']} threads, {' '.join(config['llama_cpp']['spec_args'])}; "
+              "spec_vs_llama_spec = pagedllm speculative / llama.cpp ngram-simple")
     if mismatches:
         print(f"OUTPUTS DIFFER with speculation on: {', '.join(mismatches)}")
-    config = {k: v for k, v in vars(args).items() if k != "func"}
-    config["speculative_config"] = spec
     path = write_json(args.output_json, "spec", config, {"prompts": rows, "summary": summary})
     print(f"wrote {path}")
-    plain.llm_engine.shutdown()
-    speculative.llm_engine.shutdown()
     return 1 if mismatches else 0
+
+
+def _run_llama_cpp(args, peer, spec: dict, rows: list[dict], prompt_tokens: list[list[int]],
+                   plain_tokens: list[list[int]], warm: list[int], threads: int, max_model_len: int,
+                   cache_prompt: bool) -> dict:
+    """llama-server plain, then with ngram-simple, on every prompt, each for as many tokens as
+    pagedllm's plain output; adds the llama columns to `rows` and returns its configuration."""
+    from pagedllm.bench.datasets import BenchRequest
+    from pagedllm.bench.llama_cpp_peer import LLAMA_CPP_PYTHON_VERSION, ngram_simple_args, run_single_stream
+
+    binaries, model = peer
+    spec_args = ngram_simple_args(args.llama_cpp_ngram_size_n or spec.get("prompt_lookup_max", 4),
+                                  args.llama_cpp_ngram_size_m or spec.get("num_speculative_tokens", 8))
+    requests = [BenchRequest(ids, len(out)) for ids, out in zip(prompt_tokens, plain_tokens)]
+    runs = {}
+    for label, extra in (("plain", []), ("spec", spec_args)):
+        print(f"llama-server ({label}) on {model.name}, {threads} threads", flush=True)
+        runs[label] = run_single_stream(binaries, model, requests, threads, max_model_len, args.num_iters, extra,
+                                        cache_prompt, warm=BenchRequest(warm, 8))
+    for row, expected, plain_run, spec_run in zip(rows, plain_tokens, runs["plain"], runs["spec"]):
+        n = row["output_tokens"]
+        row["llama_tok_s"] = n / plain_run["seconds"]
+        row["llama_spec_tok_s"] = n / spec_run["seconds"]
+        drafted = spec_run["draft_tokens"]
+        row["llama_accept_rate"] = spec_run["accepted_tokens"] / drafted if drafted else 0.0
+        row["llama_same"] = plain_run["tokens"] == expected
+        row["spec_vs_llama_spec"] = row["spec_tok_s"] / row["llama_spec_tok_s"]
+    return {"threads": threads, "model": str(model), "spec_args": spec_args, "cache_prompt": cache_prompt,
+            "source": f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}"}
+
+
+def _summary(set_name: str, rows: list[dict]) -> dict:
+    """A set's rates over all its prompts (total output tokens over total best times), and the
+    ratios of pagedllm's to llama.cpp's when it ran."""
+    tokens = sum(r["output_tokens"] for r in rows)
+    seconds = {key: sum(r["output_tokens"] / r[key] for r in rows)
+               for key in ("plain_tok_s", "spec_tok_s", "llama_tok_s", "llama_spec_tok_s") if key in rows[0]}
+    summary = {"set": set_name, "prompts": len(rows), "output_tokens": tokens,
+               **{key: tokens / s for key, s in seconds.items()},
+               "speedup": seconds["plain_tok_s"] / seconds["spec_tok_s"], "min_speedup": min(r["speedup"] for r in rows)}
+    if "llama_tok_s" in seconds:
+        summary["llama_speedup"] = seconds["llama_tok_s"] / seconds["llama_spec_tok_s"]
+        summary["plain_vs_llama"] = seconds["llama_tok_s"] / seconds["plain_tok_s"]
+        summary["spec_vs_llama_spec"] = seconds["llama_spec_tok_s"] / seconds["spec_tok_s"]
+    return summary
