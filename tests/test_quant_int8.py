@@ -73,6 +73,17 @@ def test_the_trial_reports_rows_and_the_instructions():
         assert isa == "AVX2 VPMADDUBSW"
 
 
+def test_the_gguf_trial_times_a_projection_past_l2_and_reports_its_rows():
+    from pagedllm.model import quantization
+
+    out_features, in_features = quantization._GGUF_TRIAL_SHAPE
+    # more than 2 MiB of Q4_K blocks (a core's L2 here): a weight that fits misjudges int8
+    assert out_features * in_features * 144 // 256 > 2 << 20
+    rows = quantization.int8_rows_that_pay("Q4_K")
+    assert rows == 0 or rows in quantization._GGUF_TRIAL_ROWS
+    assert quantization.int8_rows_that_pay("Q4_K") == rows  # once per process
+
+
 def test_bad_modes_and_combinations_are_refused():
     from pagedllm.config import EngineArgs
 

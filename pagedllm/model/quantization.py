@@ -416,20 +416,28 @@ def method_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if "quant_method" in m.__dict__}
 
 
+_GGUF_TRIAL_SHAPE = (4096, 2048)  # (out, in) of the GGUF kernels' int8 trial
+_GGUF_TRIAL_ROWS = (1, 4, 8, 16, 64)
+
+
 @functools.cache
 def int8_rows_that_pay(qtype: str) -> int:
     """The most rows up to which int8 activations beat float32's for `qtype`'s kernels, on a
     trial once per process (kernels/quant.py's own trial for its types; for gguf.py's, random
-    blocks of a decode projection's shape, best of 15 at each of quant's trial row counts: a
-    product takes tens of microseconds, and on a loaded machine fewer timings let a descheduled
-    thread decide)."""
+    blocks of a 1B model's projection, past the core's L2 as the model's are, best of 15 at each
+    of _GGUF_TRIAL_ROWS: on a loaded machine fewer timings let a descheduled thread decide).
+    A weight that fits in L2 misjudges it: measured (2 threads, Q4_K, AVX-512 VNNI), 1536 x 512
+    has int8 losing at 8 rows (0.166 against 0.160 ms) where 4096 x 2048 has it winning (0.72
+    against 0.92 ms); the 1B model's decode step at batch 8 with `auto` took 129.0 ms with the
+    small trial, 101.8 ms with this one."""
     if kernels_for(qtype) == "quant":
         return quant.int8_rows_that_pay()
     gen = torch.Generator().manual_seed(0)
-    w = gguf_kernels.random_weight(qtype, 1536, 512, gen)
+    out_features, in_features = _GGUF_TRIAL_SHAPE
+    w = gguf_kernels.random_weight(qtype, out_features, in_features, gen)
     pays = 0
-    for rows in quant._TRIAL_ROWS:
-        x = torch.randn(rows, 512, generator=gen)
+    for rows in _GGUF_TRIAL_ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
         if best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), 15) >= best_wall_time(lambda: gguf_kernels.matmul(x, w), 15):
             break
         pays = rows
