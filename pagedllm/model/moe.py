@@ -11,7 +11,7 @@ transformers' `index_add_` over experts sums them (the same rounding in 16-bit d
 
 Tensor parallelism: every rank holds a slice of every expert's intermediate dimension (rows of
 gate and up, columns of down), like the dense MLP; a token's partial sums are all-reduced once.
-The router is replicated. A GGUF file's experts keep their blocks (`quantization.GGUFExperts`)
+The router is replicated. A GGUF file's experts keep their blocks (`expert_methods.GGUFExperts`)
 on a float32 CPU model where the slice of down's columns falls on block boundaries, as a dense
 layer's do; else they are dequantized.
 """
@@ -26,8 +26,8 @@ from torch import nn
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.activations import activation
 from pagedllm.model.layers import ColumnParallelLinear, _copy_into, _new_param
-from pagedllm.model import quantization
-from pagedllm.model.quantization import ExpertsMethod, FloatExperts, GGUFExperts
+from pagedllm.model import expert_methods
+from pagedllm.model.expert_methods import ExpertsMethod, FloatExperts, GGUFExperts
 from pagedllm.model.weights import GGUFBlocks, LazyWeight
 from pagedllm.transformers_utils.arch import MoEConfig
 
@@ -104,7 +104,7 @@ class Experts(nn.Module):
             if len(self._pending_blocks) == 3:
                 pending = self._pending_blocks
                 self._pending_blocks = {}
-                self.install(*quantization.gguf_experts(*(pending[p][1] for p in ("gate", "up", "down"))))
+                self.install(*expert_methods.gguf_experts(*(pending[p][1] for p in ("gate", "up", "down"))))
             return filled
         self._dequantizing = True  # a stack without blocks: all are float
         for held, (lazy, _) in self._pending_blocks.items():

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
-from pagedllm.model import quantization
+from pagedllm.model import expert_methods, quantization
 from pagedllm.paths import cache_dir
 from pagedllm.transformers_utils.file_cache import (
     discard_entry,
@@ -127,7 +127,7 @@ def _method_params(model: nn.Module) -> dict[str, nn.Module]:
 def _packed_experts(model: nn.Module) -> dict[str, nn.Module]:
     """Each mixture's experts whose method is not float (`moe.Experts`), by module name."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(getattr(m, "experts_method", None), quantization.ExpertsMethod)
+            if isinstance(getattr(m, "experts_method", None), expert_methods.ExpertsMethod)
             and m.experts_method.cache_description is not None}
 
 
@@ -314,7 +314,7 @@ def load(model: nn.Module, entry: Path, wait_for_checksum: bool = False) -> Chec
         pass
     for module_name, description in experts.items():
         module = model.get_submodule(module_name)
-        module.install(quantization.experts_from_cache(description), tensors[f"{module_name}.gate_up_proj"],
+        module.install(expert_methods.experts_from_cache(description), tensors[f"{module_name}.gate_up_proj"],
                        tensors[f"{module_name}.down_proj"])
     packed = {f"{m}.{p}" for m in experts for p in ("gate_up_proj", "down_proj")}
     layers = _method_params(model)
