@@ -126,29 +126,26 @@ void amx_matmul_rows(int qtype, float* y, const float* x, const uint8_t* packed,
         const uint32_t* b1h = b0h + kt_count * 256;
         const uint32_t* b0l = xl + mt * kt_count * 256;
         const uint32_t* b1l = b0l + kt_count * 256;
+        // Tiles 4-5 hold W's rows (hi or lo), 6-7 x's (hi or lo); the three products in the order
+        // that reloads least: hi lo, hi hi, lo hi (eight tile loads a step).
+        const auto products = [] {
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        };
         for (int64_t kt = 0; kt < kt_count; ++kt) {
           _tile_loadd(4, wh + 32 * kt, stride);
           _tile_loadd(5, wh + 16 * in_features + 32 * kt, stride);
-          _tile_loadd(6, b0h + kt * 256, 64);
-          _tile_loadd(7, b1h + kt * 256, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
           _tile_loadd(6, b0l + kt * 256, 64);
           _tile_loadd(7, b1l + kt * 256, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-          _tile_loadd(4, wl + 32 * kt, stride);
-          _tile_loadd(5, wl + 16 * in_features + 32 * kt, stride);
+          products();
           _tile_loadd(6, b0h + kt * 256, 64);
           _tile_loadd(7, b1h + kt * 256, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          products();
+          _tile_loadd(4, wl + 32 * kt, stride);
+          _tile_loadd(5, wl + 16 * in_features + 32 * kt, stride);
+          products();
         }
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
