@@ -335,15 +335,21 @@ def test_a_biased_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatc
 # --- the draft model -----------------------------------------------------------------------
 
 
-def test_a_draft_model_equal_to_the_target_has_every_greedy_proposal_accepted(small_vocab_model):
-    """The draft keeps its own KV cache under the target's block tables, chunked prompts included:
-    the same weights propose exactly the target's tokens."""
+def _target_as_its_own_draft(model_path):
+    """Two prompts (chunked: 16 tokens a step), greedy params, the plain engine's tokens, and an
+    engine whose draft model is the target itself, proposing 4 tokens every step."""
     prompts = _prompts(2, [9, 30], seed=2)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     kwargs = dict(max_model_len=256, num_gpu_blocks=256, max_num_batched_tokens=16, max_num_seqs=4)
-    plain = _tokens(LLM(str(small_vocab_model), **kwargs).generate(prompts, params, use_tqdm=False))
-    spec = {"method": "draft_model", "model": str(small_vocab_model), "num_speculative_tokens": 4, "adaptive": False}
-    llm = LLM(str(small_vocab_model), **kwargs, speculative_config=spec)
+    plain = _tokens(LLM(str(model_path), **kwargs).generate(prompts, params, use_tqdm=False))
+    spec = {"method": "draft_model", "model": str(model_path), "num_speculative_tokens": 4, "adaptive": False}
+    return prompts, params, plain, LLM(str(model_path), **kwargs, speculative_config=spec)
+
+
+def test_a_draft_model_equal_to_the_target_has_every_greedy_proposal_accepted(small_vocab_model):
+    """The draft keeps its own KV cache under the target's block tables, chunked prompts included:
+    the same weights propose exactly the target's tokens."""
+    prompts, params, plain, llm = _target_as_its_own_draft(small_vocab_model)
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
     stats = llm.llm_engine.get_stats()
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
@@ -353,12 +359,7 @@ def test_the_draft_model_is_skipped_while_nothing_speculates_and_catches_up_afte
     """While the policy proposes nothing (prompt chunks, then a pause mid-decode) the draft runs
     no model pass; when speculation resumes it first computes the tokens it missed, so a draft
     equal to the target still has every proposal accepted, and outputs equal the plain engine's."""
-    prompts = _prompts(2, [9, 30], seed=2)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    kwargs = dict(max_model_len=256, num_gpu_blocks=256, max_num_batched_tokens=16, max_num_seqs=4)
-    plain = _tokens(LLM(str(small_vocab_model), **kwargs).generate(prompts, params, use_tqdm=False))
-    spec = {"method": "draft_model", "model": str(small_vocab_model), "num_speculative_tokens": 4, "adaptive": False}
-    llm = LLM(str(small_vocab_model), **kwargs, speculative_config=spec)
+    prompts, params, plain, llm = _target_as_its_own_draft(small_vocab_model)
     speculator = llm.llm_engine.speculator
     draft, choose = speculator.draft, speculator.controller.choose
     paused = [*range(0, 3), *range(5, 10)]  # the policy's calls (steps with decodes) that propose nothing
