@@ -26,8 +26,7 @@ from torch import nn
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.activations import activation
 from pagedllm.model.layers import ColumnParallelLinear, _copy_into, _new_param
-from pagedllm.model import expert_methods
-from pagedllm.model.expert_methods import ExpertsMethod, FloatExperts, GGUFExperts
+from pagedllm.model.expert_methods import ExpertsMethod, FloatExperts, GGUFExperts, gguf_experts
 from pagedllm.model.weights import GGUFBlocks, LazyWeight
 from pagedllm.transformers_utils.arch import MoEConfig
 
@@ -104,7 +103,7 @@ class Experts(nn.Module):
             if len(self._pending_blocks) == 3:
                 pending = self._pending_blocks
                 self._pending_blocks = {}
-                self.install(*expert_methods.gguf_experts(*(pending[p][1] for p in ("gate", "up", "down"))))
+                self.install(*gguf_experts(*(pending[p][1] for p in ("gate", "up", "down"))))
             return filled
         self._dequantizing = True  # a stack without blocks: all are float
         for held, (lazy, _) in self._pending_blocks.items():
