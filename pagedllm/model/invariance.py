@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import onednn
-from pagedllm.model import quantization
+from pagedllm.model import expert_methods, quantization
 from pagedllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, prepare_linear_weights
 from pagedllm.model.quantization import FloatLinear
 
@@ -47,7 +47,7 @@ def _row_invariant(packed: torch.Tensor, in_features: int) -> bool:
 
 def make_batch_invariant(model: nn.Module) -> None:
     """Prepare a loaded model's projections for batch-invariant inference (float32, CPU)."""
-    if any(isinstance(getattr(m, "experts_method", None), quantization.ExpertsMethod) for m in model.modules()):
+    if any(isinstance(getattr(m, "experts_method", None), expert_methods.ExpertsMethod) for m in model.modules()):
         raise ValueError(
             "batch_invariant=True is not supported for mixture-of-experts models: their expert products run on "
             "each expert's tokens, so a row's reduction order follows the batch. Drop batch_invariant."
