@@ -146,17 +146,20 @@ def test_threads_split_the_rows_without_changing_a_bit(isa, int8):
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or its kernel) gives no AMX tiles: the path is not built or not granted")
 def test_amx_path_gives_back_another_librarys_tiles():
     """oneDNN (torch's bfloat16 products) keeps its own tile configuration on the same threads:
-    after an AMX product, its products still run and give the same result, on one thread and two."""
+    after an AMX product (float32 on AMX-BF16, int8 on AMX-INT8), its products still run and give
+    the same result, on one thread and two."""
     gen = torch.Generator().manual_seed(9)
     a, b = torch.randn(64, 512, generator=gen).bfloat16(), torch.randn(512, 256, generator=gen).bfloat16()
     w = kernels.random_weight("Q4_K", 96, 512, gen)
     x = torch.randn(64, 512, generator=gen)
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        before, y = a @ b, kernels.matmul(x, w)
+        before, y, y8 = a @ b, kernels.matmul(x, w), kernels.matmul(x, w, int8=True)
         for _ in range(3):
             assert torch.equal(a @ b, before)
             assert torch.equal(kernels.matmul(x, w), y)
+            assert torch.equal(a @ b, before)
+            assert torch.equal(kernels.matmul(x, w, int8=True), y8)
     assert kernels.isa() == "amx"
 
 

@@ -80,8 +80,32 @@ def test_the_gguf_trial_times_a_projection_past_l2_and_reports_its_rows():
     # more than 2 MiB of Q4_K blocks (a core's L2 here): a weight that fits misjudges int8
     assert out_features * in_features * 144 // 256 > 2 << 20
     rows = quantization.int8_rows_that_pay("Q4_K")
-    assert rows == 0 or rows in quantization._GGUF_TRIAL_ROWS
+    assert rows == 0 or rows in quantization._GGUF_TRIAL_ROWS[:-1] or rows == quantization.EVERY_SIZE
     assert quantization.int8_rows_that_pay("Q4_K") == rows  # once per process
+
+
+def test_auto_lets_the_gguf_kernels_take_int8_at_every_size_where_the_trial_says_so(monkeypatch):
+    """Where int8 wins at the largest trial size (AMX-INT8 tiles), a weight on the GGUF kernels
+    takes int8 activations at every size (prompts too); one on kernels/quant.py's stays within
+    the rows its kernels serve (quant.MAX_ROWS); a trial that stops at 16 rows stops there."""
+    from types import SimpleNamespace
+
+    from pagedllm.model import layers, quantization
+
+    def method(qtype):
+        return quantization.GGUFLinear(parts=[SimpleNamespace(qtype=qtype)])
+
+    gguf_only, legacy = method("Q4_K"), method(next(iter(quant.TYPE_IDS)))
+    monkeypatch.setattr(layers, "_linear_layers", lambda model: [SimpleNamespace(quant_method=m) for m in (gguf_only, legacy)])
+    monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: quantization.EVERY_SIZE)
+    assert layers.use_int8_activations(None, "auto") == 2
+    assert gguf_only.int8_rows == quantization.EVERY_SIZE
+    assert legacy.int8_rows == MAX_ROWS or quantization.kernels_for(legacy.qtypes[0]) == "gguf"
+    monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: 16)
+    layers.use_int8_activations(None, "auto")
+    assert gguf_only.int8_rows == 16
+    layers.use_int8_activations(None, "on")
+    assert gguf_only.int8_rows == MAX_ROWS
 
 
 def test_bad_modes_and_combinations_are_refused():

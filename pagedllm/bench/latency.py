@@ -72,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(args)
     engine_args.max_num_batched_tokens = max(engine_args.max_num_batched_tokens or 0, args.batch_size * args.input_len, 2048)
+    # The batch's prompts run in one step, then it decodes together: no step-time budget (it
+    # would spread a large batch's prompts over steps, and its first sequences would finish
+    # before the last began).
+    engine_args.max_step_seconds = 0
     engine = LLMEngine.from_engine_args(engine_args)
     worker = getattr(engine.executor, "worker", None)
     dtype = worker.dtype if worker is not None else torch.float32
@@ -85,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         ttft, steps = run_once(engine, args.batch_size, args.input_len, args.output_len, seed=i)
         after = engine.get_stats().step_time
         spent = {part: getattr(after, part) - getattr(before, part) for part in ("scheduler", "model", "outputs")}
+        if not steps:
+            raise RuntimeError(f"the batch of {args.batch_size} never decoded together (it does not fit the KV cache at "
+                               f"once): raise --kv-cache-memory or lower --batch-size")
         tpot = sum(steps) / len(steps)
         decode_rate = args.batch_size / tpot
         rows.append(

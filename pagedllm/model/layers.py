@@ -18,7 +18,14 @@ from pagedllm.distributed import TensorParallelGroup
 from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.kernels import quant
-from pagedllm.model.quantization import FloatLinear, gguf_kernels, int8_rows_that_pay, load_part
+from pagedllm.model.quantization import (
+    EVERY_SIZE,
+    FloatLinear,
+    gguf_kernels,
+    int8_rows_that_pay,
+    kernels_for,
+    load_part,
+)
 from pagedllm.model.weights import LazyWeight
 from pagedllm.utils import cdiv
 
@@ -67,8 +74,9 @@ def prepare_linear_weights(model: nn.Module) -> int:
 def use_int8_activations(model: nn.Module, mode: str) -> int:
     """Let the GGUF-packed projections of `model` run on int8 activations (a property of their
     method, `GGUFLinear.int8_rows`): "on" up to `quant.MAX_ROWS` rows, "auto" up to the rows where
-    the start-up trial of their types' kernels finds them faster, "off" never. Returns how many
-    weights take them."""
+    the start-up trial of their types' kernels finds them faster (kernels/quant.py's at most
+    `quant.MAX_ROWS`; gguf.py's at every size where they win at the largest trial), "off" never.
+    Returns how many weights take them."""
     if mode not in INT8_MODES:
         raise ValueError(f"int8_activations must be one of {', '.join(INT8_MODES)}, not {mode!r}")
     methods = [m.quant_method for m in _linear_layers(model) if m.quant_method.supports_int8]
@@ -79,10 +87,12 @@ def use_int8_activations(model: nn.Module, mode: str) -> int:
         return 0
     for method in methods:
         trial = min(int8_rows_that_pay(q) for q in method.qtypes)  # (each type's kernels, once)
-        method.int8_rows = quant.MAX_ROWS if mode == "on" else min(trial, quant.MAX_ROWS)
+        most = quant.MAX_ROWS if any(kernels_for(q) == "quant" for q in method.qtypes) else EVERY_SIZE
+        method.int8_rows = quant.MAX_ROWS if mode == "on" else min(trial, most)
     taking = sum(m.int8_rows > 0 for m in methods)
-    logger.info("int8 activations (%s; %s) for products of up to %d rows, on %d quantized weights",
-                quant.int8_isa(), gguf_kernels.isa(), max(m.int8_rows for m in methods), taking)
+    most = max(m.int8_rows for m in methods)
+    logger.info("int8 activations (%s; %s) for products of %s, on %d quantized weights", quant.int8_isa(),
+                gguf_kernels.isa(), "every size" if most == EVERY_SIZE else f"up to {most} rows", taking)
     return taking
 
 

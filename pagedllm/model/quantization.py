@@ -334,7 +334,9 @@ def method_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 _GGUF_TRIAL_SHAPE = (4096, 2048)  # (out, in) of the GGUF kernels' int8 trial
-_GGUF_TRIAL_ROWS = (1, 4, 8, 16, 64)
+_GGUF_TRIAL_ROWS = (1, 4, 8, 16, 64, 256)
+# What int8_rows_that_pay returns where int8 wins at every trial size (AMX-INT8 tiles: prompts too).
+EVERY_SIZE = 2**31 - 1
 
 
 @functools.cache
@@ -346,7 +348,8 @@ def int8_rows_that_pay(qtype: str) -> int:
     A weight that fits in L2 misjudges it: measured (2 threads, Q4_K, AVX-512 VNNI), 1536 x 512
     has int8 losing at 8 rows (0.166 against 0.160 ms) where 4096 x 2048 has it winning (0.72
     against 0.92 ms); the 1B model's decode step at batch 8 with `auto` took 129.0 ms with the
-    small trial, 101.8 ms with this one."""
+    small trial, 101.8 ms with this one. Winning at the largest trial size (on AMX-INT8 tiles,
+    csrc/gguf_amx_int8.h) means every size: EVERY_SIZE."""
     if kernels_for(qtype) == "quant":
         return quant.int8_rows_that_pay()
     gen = torch.Generator().manual_seed(0)
@@ -358,8 +361,11 @@ def int8_rows_that_pay(qtype: str) -> int:
         if best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), 15) >= best_wall_time(lambda: gguf_kernels.matmul(x, w), 15):
             break
         pays = rows
+    if pays == _GGUF_TRIAL_ROWS[-1]:
+        pays = EVERY_SIZE
     logger.info("int8 activations for %s (%s): %s on a trial", qtype, gguf_kernels.isa(),
-                f"used up to {pays} rows" if pays else "not faster than float32, not used")
+                "used at every size" if pays == EVERY_SIZE else f"used up to {pays} rows" if pays
+                else "not faster than float32, not used")
     return pays
 
 

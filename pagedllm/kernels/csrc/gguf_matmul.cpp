@@ -18,6 +18,8 @@
 //   (gguf_blocks.h's int8_values, Q8_0 signed) and multiply from it (AVX2: VPMADDUBSW). It pays at
 //   decode sizes; from about 16 rows on the float way is faster.
 // - float, 32 rows and more where the CPU has AMX (path 3): on its tiles, gguf_amx.h.
+// - int8, 5 rows and more (10 for Q6_K) where the CPU has AMX-INT8 (path 3): on its tiles
+//   (TDPBUSD), the same numbers as VNNI's, gguf_amx_int8.h: then int8 pays at every size.
 // The ISA path (portable C++, AVX2, AVX-512, AMX) is chosen at run time (gguf_set_isa) among those
 // this build has, so tests run every one the machine can. Rows of W are split across OpenMP
 // threads. Math in float32.
@@ -99,7 +101,7 @@ inline void* thread_buffer(int slot, int64_t bytes) {
     int64_t size = 0;
     ~Buffer() { std::free(data); }
   };
-  static thread_local Buffer buffers[9];
+  static thread_local Buffer buffers[10];
   Buffer& b = buffers[slot];
   if (b.size < bytes) {
     std::free(b.data);
@@ -1003,6 +1005,12 @@ void int8_matmul_avx512(int qtype, float* y, const uint8_t* packed, int64_t num_
 }
 #endif
 
+#include "gguf_amx.h"
+#include "gguf_amx_int8.h"
+#ifdef GGUF_AMX
+constexpr int kAmxMinRows = 32;  // from this many rows of x on, AMX's way (float32)
+#endif
+
 template <int ISA, bool kSigned>
 void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
                  int64_t in_features, int num_threads) {
@@ -1014,6 +1022,12 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
   float* xs16 = static_cast<float*>(thread_buffer(5, sizeof(float) * num_rows * groups));
   quantize_activations(x, num_rows, in_features, padded, qx, dx16, xs16);
   const Int8Rows a{qx, dx16, xs16, padded};
+#ifdef GGUF_AMX_INT8
+  if constexpr (ISA == kAvx512Amx) {
+    if (num_rows >= amx_int8_min_rows(qtype))
+      return amx_int8_matmul(qtype, y, packed, num_rows, out_features, in_features, a, num_threads);
+  }
+#endif
 #ifdef GGUF_AVX512
   if constexpr (ISA >= kAvx512) return int8_matmul_avx512(qtype, y, packed, num_rows, out_features, in_features, a, num_threads);
 #endif
@@ -1043,10 +1057,6 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
   }
 }
 
-#include "gguf_amx.h"
-#ifdef GGUF_AMX
-constexpr int kAmxMinRows = 32;  // from this many rows of x on, AMX's way (float32, not int8)
-#endif
 
 // The best path this build and this process can run (AMX: where Linux grants the tiles).
 int best_isa() {
