@@ -347,9 +347,9 @@ inline void load_block_wide(__m512 w[2], const uint8_t* values, const float* sca
 // y[r * out_features + j] = x_r . w_j for R rows of x (R <= kWideGroup) and NW consecutive rows
 // w_j of W, each block of W expanded in registers once. Few pairs (r, j) keep two accumulators
 // each, so that 8 or more FMA chains run side by side.
-template <int R, int NW, bool kSigned, bool kMin>
+template <int R, int NW, bool kSigned, bool kMin, bool kExpanded>
 inline void dot_rows_wide(float* y, int64_t out_features, const float* x, int64_t in_features, const uint8_t* values,
-                          const float* scales, const float* mins, int num_blocks) {
+                          const float* scales, const float* mins, int num_blocks, const float* expanded) {
   constexpr int A = 1;
   constexpr int kBlockBytes = kMin ? kBlock / 2 : kBlock;
   const int64_t stride = row_bytes<kMin>(in_features);
@@ -364,6 +364,11 @@ inline void dot_rows_wide(float* y, int64_t out_features, const float* x, int64_
     __m512 w[NW][2];
 #pragma GCC unroll 2
     for (int j = 0; j < NW; ++j) {
+      if (kExpanded) {
+        w[j][0] = _mm512_load_ps(expanded + j * in_features + b * kBlock);
+        w[j][1] = _mm512_load_ps(expanded + j * in_features + b * kBlock + 16);
+        continue;
+      }
       if (b % (64 / kBlockBytes) == 0)  // once per cache line
         _mm_prefetch(reinterpret_cast<const char*>(values + j * stride + (b + kPrefetchBlocks) * kBlockBytes), _MM_HINT_T0);
       load_block_wide<kSigned, kMin>(w[j], values + j * stride, scales + j * num_blocks,
@@ -387,12 +392,17 @@ inline void dot_rows_wide(float* y, int64_t out_features, const float* x, int64_
       y[r * out_features + j] = _mm512_reduce_add_ps(A == 2 ? _mm512_add_ps(acc[r][j][0], acc[r][j][A - 1]) : acc[r][j][0]);
 }
 
-// dot_rows_wide for `rows` rows of x (1 to kWideGroup).
+// dot_rows_wide for `rows` rows of x (1 to kWideGroup); `expanded`: the NW rows of W expanded
+// (expand_rows_wide), else null.
 template <int NW, bool kSigned, bool kMin>
 inline void wide_group(float* y, int64_t out_features, const float* x, int64_t in_features, const uint8_t* values,
-                       const float* scales, const float* mins, int num_blocks, int rows) {
-#define PAGEDLLM_WIDE_CASE(R) \
-  case R: return dot_rows_wide<R, NW, kSigned, kMin>(y, out_features, x, in_features, values, scales, mins, num_blocks);
+                       const float* scales, const float* mins, int num_blocks, int rows, const float* expanded) {
+#define PAGEDLLM_WIDE_CASE(R)                                                                                   \
+  case R:                                                                                                       \
+    return expanded ? dot_rows_wide<R, NW, kSigned, kMin, true>(y, out_features, x, in_features, values, scales, \
+                                                                 mins, num_blocks, expanded)                     \
+                    : dot_rows_wide<R, NW, kSigned, kMin, false>(y, out_features, x, in_features, values, scales, \
+                                                                  mins, num_blocks, nullptr);
   switch (rows) {
     PAGEDLLM_WIDE_CASE(1) PAGEDLLM_WIDE_CASE(2) PAGEDLLM_WIDE_CASE(3) PAGEDLLM_WIDE_CASE(4)
     PAGEDLLM_WIDE_CASE(5) PAGEDLLM_WIDE_CASE(6) PAGEDLLM_WIDE_CASE(7) default: PAGEDLLM_WIDE_CASE(8)
@@ -400,6 +410,20 @@ inline void wide_group(float* y, int64_t out_features, const float* x, int64_t i
 #undef PAGEDLLM_WIDE_CASE
 }
 static_assert(kWideGroup == 8, "wide_group's cases");
+
+// Rows [0, nw) of W (from `values`, `scales`, `mins`) expanded into w: nw rows of in_features floats.
+template <bool kSigned, bool kMin>
+inline void expand_rows_wide(float* w, int nw, int64_t in_features, const uint8_t* values, const float* scales,
+                             const float* mins, int num_blocks) {
+  for (int j = 0; j < nw; ++j)
+    for (int b = 0; b < num_blocks; ++b) {
+      __m512 v[2];
+      load_block_wide<kSigned, kMin>(v, values + j * row_bytes<kMin>(in_features), scales + j * num_blocks,
+                                     kMin ? mins + j * num_blocks : nullptr, b);
+      _mm512_store_ps(w + j * in_features + b * kBlock, v[0]);
+      _mm512_store_ps(w + j * in_features + b * kBlock + 16, v[1]);
+    }
+}
 
 // The AVX-512 way for 1 to kWideRows rows of x: rows of W in pairs (the odd last one alone),
 // split across the threads; rows of x in balanced groups of at most kWideGroup.
@@ -409,21 +433,28 @@ void wide_matmul(float* y, const float* x, const uint8_t* values, const float* s
   const int num_blocks = in_features / kBlock;
   const int num_pairs = (out_features + 1) / 2;
   const int num_groups = (num_rows + kWideGroup - 1) / kWideGroup;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int p = 0; p < num_pairs; ++p) {
-    const int64_t n = 2 * static_cast<int64_t>(p);
-    const uint8_t* v = values + n * row_bytes<kMin>(in_features);
-    const float* d = scales + n * num_blocks;
-    const float* m = kMin ? mins + n * num_blocks : nullptr;
-    for (int g = 0, r0 = 0; g < num_groups; ++g) {
-      const int rows = (num_rows - r0) / (num_groups - g);
-      float* yg = y + r0 * static_cast<int64_t>(out_features) + n;
-      const float* xg = x + r0 * static_cast<int64_t>(in_features);
-      if (n + 1 < out_features)
-        wide_group<2, kSigned, kMin>(yg, out_features, xg, in_features, v, d, m, num_blocks, rows);
-      else
-        wide_group<1, kSigned, kMin>(yg, out_features, xg, in_features, v, d, m, num_blocks, rows);
-      r0 += rows;
+#pragma omp parallel num_threads(num_threads)
+  {
+    // With several groups, the two rows of W are expanded once, for all of them (in L1).
+    float* expanded = num_groups > 1 ? thread_buffer(1, 2 * static_cast<int64_t>(in_features)) : nullptr;
+#pragma omp for schedule(static)
+    for (int p = 0; p < num_pairs; ++p) {
+      const int64_t n = 2 * static_cast<int64_t>(p);
+      const int nw = n + 1 < out_features ? 2 : 1;
+      const uint8_t* v = values + n * row_bytes<kMin>(in_features);
+      const float* d = scales + n * num_blocks;
+      const float* m = kMin ? mins + n * num_blocks : nullptr;
+      if (expanded) expand_rows_wide<kSigned, kMin>(expanded, nw, in_features, v, d, m, num_blocks);
+      for (int g = 0, r0 = 0; g < num_groups; ++g) {
+        const int rows = (num_rows - r0) / (num_groups - g);
+        float* yg = y + r0 * static_cast<int64_t>(out_features) + n;
+        const float* xg = x + r0 * static_cast<int64_t>(in_features);
+        if (nw == 2)
+          wide_group<2, kSigned, kMin>(yg, out_features, xg, in_features, v, d, m, num_blocks, rows, expanded);
+        else
+          wide_group<1, kSigned, kMin>(yg, out_features, xg, in_features, v, d, m, num_blocks, rows, expanded);
+        r0 += rows;
+      }
     }
   }
 }
