@@ -8,7 +8,8 @@
 // float32 scales and minimums: 0.75 bytes per Q4_1 weight, against 4 for float32, and no
 // float16 to convert. A few rows are bound by reading them, so the nibbles stay packed: an
 // in-lane byte shuffle, a mask and a shift turn each half of a block into its 16 values.
-// Two ways through, by the number of rows of x:
+// With AVX-512, one way for up to 64 rows (QUANT_AVX512 below); else two, by the number of rows
+// of x:
 // - a few rows (decoding a handful of sequences, below kTiledRows): each block's 32 weights are
 //   expanded in registers (w = q d + m, one FMA per 8), and every row of x in a group of up to 8
 //   takes them; 2 to kPairRows rows of x (and, for Q4_1, one) take two rows of W at a time: two
@@ -311,10 +312,15 @@ void tiled_matmul(float* y, const float* x, const uint8_t* values, const float* 
 // each block of W once in registers: a block is two vectors (values 0-15 and 16-31: Q4_1's low
 // and high nibbles of its 16 bytes, in order), taken by up to kWideGroup rows of x, two loads and
 // four FMAs each for two rows of W (16 accumulators at 8 rows). More rows of x run in balanced
-// groups of at most kWideGroup over the same two rows of W, which the second group reads from
-// L1. On the 2-core AVX-512 Xeon (Sapphire Rapids), 1 thread, the default model's 121
-// projections of a step: 1 row 15.2 ms (AVX2 way 17.8), 4 rows 20.0 (24.4), 5 rows 21.5 (37.4),
-// 8 rows 27.5 (41.1), 9 rows 33.7 (60.0), 16 rows 46.0 (61.1), 64 rows 185 (tiled 198).
+// groups of at most kWideGroup over the same two rows of W, expanded once into an L1 buffer for
+// all of them. On the 2-core AVX-512 Xeon (Sapphire Rapids), 1 thread, the default model's 121
+// projections of a step (ms, this way against the AVX2 ways on the same machine): 1 row 15.4
+// (17.8), 2 rows 16.8 (19.6), 4 rows 19.5 (24.4), 5 rows 20.8 (37.4), 8 rows 26.7 (41.1), 9 rows
+// 29.8 (60.0), 12 rows 34.3 (60.4), 16 rows 41.2 (61.1), 64 rows 162 (tiled 198). From 5 rows on
+// it is bound by the two vector ports: expanding a block takes about 7 of the 46 operations a
+// pair of rows of W and 8 rows of x need per block (without it, 8 rows took 18.7 ms; looking the
+// 16 Q4_1 values up with VPERMPS, 5 operations, measured no faster), and the horizontal sums
+// at the end measured no slower than a transposed sum of 16 accumulators.
 #define QUANT_AVX512 1
 constexpr int kWideRows = 64;  // up to this many rows of x, the AVX-512 way (the tiled way above)
 constexpr int kWideGroup = 8;  // rows of x that share each expanded block
@@ -345,21 +351,19 @@ inline void load_block_wide(__m512 w[2], const uint8_t* values, const float* sca
 }
 
 // y[r * out_features + j] = x_r . w_j for R rows of x (R <= kWideGroup) and NW consecutive rows
-// w_j of W, each block of W expanded in registers once. Few pairs (r, j) keep two accumulators
-// each, so that 8 or more FMA chains run side by side.
+// w_j of W, each block of W expanded in registers once (or loaded, kExpanded). One accumulator
+// per pair (r, j), so that each output is one FMA chain over the blocks in order and its result
+// does not depend on the other rows of x (two per pair took about 2% less time at 1-4 rows).
 template <int R, int NW, bool kSigned, bool kMin, bool kExpanded>
 inline void dot_rows_wide(float* y, int64_t out_features, const float* x, int64_t in_features, const uint8_t* values,
                           const float* scales, const float* mins, int num_blocks, const float* expanded) {
-  constexpr int A = 1;
   constexpr int kBlockBytes = kMin ? kBlock / 2 : kBlock;
   const int64_t stride = row_bytes<kMin>(in_features);
-  __m512 acc[R][NW][A];
+  __m512 acc[R][NW];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-    for (int j = 0; j < NW; ++j)
-#pragma GCC unroll 2
-      for (int a = 0; a < A; ++a) acc[r][j][a] = _mm512_setzero_ps();
+    for (int j = 0; j < NW; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int b = 0; b < num_blocks; ++b) {
     __m512 w[NW][2];
 #pragma GCC unroll 2
@@ -380,8 +384,7 @@ inline void dot_rows_wide(float* y, int64_t out_features, const float* x, int64_
       const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
 #pragma GCC unroll 2
       for (int j = 0; j < NW; ++j) {
-        acc[r][j][0] = _mm512_fmadd_ps(w[j][0], x0, acc[r][j][0]);
-        acc[r][j][A - 1] = _mm512_fmadd_ps(w[j][1], x1, acc[r][j][A - 1]);
+        acc[r][j] = _mm512_fmadd_ps(w[j][1], x1, _mm512_fmadd_ps(w[j][0], x0, acc[r][j]));
       }
     }
   }
@@ -389,7 +392,7 @@ inline void dot_rows_wide(float* y, int64_t out_features, const float* x, int64_
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int j = 0; j < NW; ++j)
-      y[r * out_features + j] = _mm512_reduce_add_ps(A == 2 ? _mm512_add_ps(acc[r][j][0], acc[r][j][A - 1]) : acc[r][j][0]);
+      y[r * out_features + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
 // dot_rows_wide for `rows` rows of x (1 to kWideGroup); `expanded`: the NW rows of W expanded
