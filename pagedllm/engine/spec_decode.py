@@ -130,8 +130,9 @@ class StepCost:
     the slope is shrunk towards a prior of `PRIOR_SLOPE` of a one-token step per token until
     steps of different sizes were seen. Up to `EXACT_MAX` tokens, a step of a count that was
     measured is predicted mostly by the decayed mean of those measurements: the kernels' cost is
-    not linear in a few rows (on the CPU, products of 1-4 rows cost about one row's, from 5 rows
-    about twice that), and a line through it would verify 5-16 tokens where 3 pay more."""
+    not linear in a few rows (on an AVX2 CPU, products of 1-4 rows cost about one row's, from 5
+    rows about twice that, and a line through it would verify 5-16 tokens where 3 pay more; with
+    AVX-512 each row adds about a tenth of a one-row product up to 8 rows, then a little more)."""
 
     DECAY = 0.97
     PRIOR_SLOPE = 0.15

@@ -8,8 +8,8 @@
 // float32 scales and minimums: 0.75 bytes per Q4_1 weight, against 4 for float32, and no
 // float16 to convert. A few rows are bound by reading them, so the nibbles stay packed: an
 // in-lane byte shuffle, a mask and a shift turn each half of a block into its 16 values.
-// With AVX-512, one way for up to 64 rows (QUANT_AVX512 below); else two, by the number of rows
-// of x:
+// With AVX-512, products of up to 64 rows take a way of their own (QUANT_AVX512 below) and
+// larger ones the tiled way; with AVX2, two ways by the number of rows of x:
 // - a few rows (decoding a handful of sequences, below kTiledRows): each block's 32 weights are
 //   expanded in registers (w = q d + m, one FMA per 8), and every row of x in a group of up to 8
 //   takes them; 2 to kPairRows rows of x (and, for Q4_1, one) take two rows of W at a time: two
@@ -323,7 +323,7 @@ void tiled_matmul(float* y, const float* x, const uint8_t* values, const float* 
 // at the end measured no slower than a transposed sum of 16 accumulators.
 #define QUANT_AVX512 1
 constexpr int kWideRows = 64;  // up to this many rows of x, the AVX-512 way (the tiled way above)
-constexpr int kWideGroup = 8;  // rows of x that share each expanded block
+constexpr int kWideGroup = 8;  // rows of x that share each expanded block (at 10, accumulators spilled)
 constexpr int kPrefetchBlocks = 8;  // blocks of W ahead that are prefetched
 
 // Block b of a row of W as two vectors of 16 floats, values 0-15 and 16-31 (w = q d + m).
