@@ -27,3 +27,24 @@ def test_bench_matmul_writes_one_record_per_row_count(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rows", "quant_ms"])
     assert [line.split()[0] for line in lines[header + 2 : header + 4]] == ["1", "16"]
+
+
+@pytest.mark.slow
+def test_bench_matmul_multiplies_each_part_with_its_own_kernels():
+    # Q4_1 and Q8_0 parts are in kernels/quant.py's layout: read by gguf.py's kernels (as the
+    # bench once called them) they give other numbers at about the same speed.
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.attention.reference import ReferenceAttentionBackend
+    from pagedllm.bench.matmul import path_fns, step_layers
+    from pagedllm.model import load_model
+    from pagedllm.transformers_utils import resolve_model
+
+    model = load_model(resolve_model(None), 64, ReferenceAttentionBackend(), torch.float32, torch.device("cpu"))
+    layers = step_layers(model)[:4]  # the first layer's projections: Q4_1 and Q8_0
+    fns, floats = path_fns(layers)
+    xs = {k: torch.randn(5, k, generator=torch.Generator().manual_seed(k)) for k in {w.shape[1] for w in floats}}
+    with torch.inference_mode():
+        for y, w in zip(fns["quant"](xs), floats):
+            torch.testing.assert_close(y, F.linear(xs[w.shape[1]], w), atol=1e-3, rtol=1e-4)

@@ -162,6 +162,22 @@ def test_controller_follows_a_step_cost_that_jumps_at_five_tokens():
     assert controller.choose({0: list(range(16))}, base_tokens=1, base_outputs=1, base_multi=False, budget=100) == {0: 3}
 
 
+def test_with_a_draft_model_a_new_sequence_starts_from_the_measured_acceptance():
+    # Drafts that the target rejected at once (1 token matched in 10): a sequence not seen yet
+    # is assumed to accept as rarely, not at least 0.3; n-gram proposals keep that floor.
+    from pagedllm.engine.spec_decode import Speculator
+
+    draft = Speculator(SpeculativeConfig(method="draft_model", model="draft"), 256, 64, draft=object())
+    ngram = Speculator(SpeculativeConfig(), 256, 64)
+    for speculator in (draft, ngram):
+        for n in range(30):
+            speculator.controller.observe_tokens(n, [1, 2, 3], [1, 9] if n % 10 == 0 else [9])
+    measured = draft.controller.overall.rate(0.5)
+    assert measured < 0.15
+    assert draft.controller.rate(100) == pytest.approx(measured)
+    assert ngram.controller.rate(100) == pytest.approx(0.3)
+
+
 # --- lossless: greedy ----------------------------------------------------------------------
 
 

@@ -51,7 +51,7 @@ def path_fns(layers) -> dict:
     """Each path as fn(inputs by in_features) -> None running every projection once; the
     quantized kernel is called directly. The float paths multiply by dequantized copies made
     here (a GGUF-packed model holds none)."""
-    from pagedllm.kernels import onednn
+    from pagedllm.kernels import onednn, quant
     from pagedllm.model.quantization import GGUFLinear, gguf_kernels
 
     floats = [m.quant_method.to_float(m).contiguous() for m in layers]
@@ -63,8 +63,12 @@ def path_fns(layers) -> dict:
     fns = {"linear": step(F.linear, floats)}
     if all(isinstance(m.quant_method, GGUFLinear) and len(m.quant_method.parts) == 1 for m in layers):
         packed = [m.quant_method.parts[0] for m in layers]
-        fns["quant"] = step(lambda x, w: gguf_kernels.matmul(x, w), packed)
-        fns["int8"] = step(lambda x, w: gguf_kernels.matmul(x, w, int8=True), packed)
+
+        def kernels(w):  # each part's own kernels: kernels/quant.py's layout for Q4_1 and Q8_0
+            return quant if isinstance(w, quant.LegacyPacked) else gguf_kernels
+
+        fns["quant"] = step(lambda x, w: kernels(w).matmul(x, w), packed)
+        fns["int8"] = step(lambda x, w: kernels(w).matmul(x, w, int8=True), packed)
     reordered = onednn.pack_all(floats)
     if all(w is not None for w in reordered):
         fns["onednn"] = step(onednn.packed_linear, reordered)
@@ -83,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     flops_per_row = 2 * sum(w.numel() for w in weights)
     qtypes = sorted({q for m in layers for q in getattr(m.quant_method, "qtypes", [])})
     print(f"{len(weights)} projections per step, {flops_per_row / 2e6:.1f}M weights ({', '.join(qtypes) or 'not quantized'}); "
-          f"paths: {', '.join(p for p in PATHS if p in fns)}" + (f"; int8 on {quant.int8_isa()}" if "int8" in fns else ""))
+          f"paths: {', '.join(p for p in PATHS if p in fns)}" + (f"; int8 on {quant.int8_isa()}" if "int8" in fns else "")
+          + f"; Q4_1/Q8_0 float kernel: {quant.float_isa()}")
 
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -119,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"the quantized kernel stops being fastest at {crossover} rows (it serves every float32 product: "
               "see quantization.GGUFLinear)")
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    config.update(quant_overtaken_at=crossover, int8_isa=quant.int8_isa(),
+    config.update(quant_overtaken_at=crossover, int8_isa=quant.int8_isa(), float_isa=quant.float_isa(),
                   num_projections=len(weights), flops_per_row=flops_per_row)
     path = write_json(args.output_json, "matmul", config, rows)
     print(f"wrote {path}")

@@ -130,8 +130,9 @@ class StepCost:
     the slope is shrunk towards a prior of `PRIOR_SLOPE` of a one-token step per token until
     steps of different sizes were seen. Up to `EXACT_MAX` tokens, a step of a count that was
     measured is predicted mostly by the decayed mean of those measurements: the kernels' cost is
-    not linear in a few rows (on the CPU, products of 1-4 rows cost about one row's, from 5 rows
-    about twice that), and a line through it would verify 5-16 tokens where 3 pay more."""
+    not linear in a few rows (on an AVX2 CPU, products of 1-4 rows cost about one row's, from 5
+    rows about twice that, and a line through it would verify 5-16 tokens where 3 pay more; with
+    AVX-512 each row adds about a tenth of a one-row product up to 8 rows, then a little more)."""
 
     DECAY = 0.97
     PRIOR_SLOPE = 0.15
@@ -194,8 +195,13 @@ class _Acceptance:
 class SpecController:
     """How many proposed tokens each sequence verifies this step (the module docstring)."""
 
-    def __init__(self, adaptive: bool = True) -> None:
+    def __init__(self, adaptive: bool = True, min_prior: float = 0.3) -> None:
         self.adaptive = adaptive
+        # A sequence not measured yet is assumed to accept as all have (at most 0.9), and at
+        # least `min_prior`: n-gram proposals exist only where the sequence repeats itself, which
+        # says something of a new one; a draft model proposes for every sequence, so it starts
+        # from the measured rate alone (0).
+        self.min_prior = min_prior
         self.decode_cost = StepCost()  # steps of single-token queries only
         # Steps of decodes and verifications (no prompt chunk: a prompt's first step costs
         # differently, and is never a choice this controller makes).
@@ -211,7 +217,7 @@ class SpecController:
         return model.predict(tokens) if model.known else 1.0
 
     def rate(self, seq_id: int) -> float:
-        prior = min(0.9, max(0.3, self.overall.rate(0.5)))
+        prior = min(0.9, max(self.min_prior, self.overall.rate(0.5)))
         acc = self.acceptance.get(seq_id)
         return acc.rate(prior) if acc is not None else prior
 
@@ -290,7 +296,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
-        self.controller = SpecController(config.adaptive)
+        self.controller = SpecController(config.adaptive, min_prior=0.0 if draft is not None else 0.3)
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
         self._proposals: dict[int, list[int]] = {}  # this step's full proposals, by sequence
         self._steps = 0

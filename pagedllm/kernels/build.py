@@ -113,6 +113,8 @@ def load() -> ctypes.CDLL:
     lib.quant_matmul_int8.restype = None
     lib.quant_int8_isa.argtypes = []
     lib.quant_int8_isa.restype = ctypes.c_int
+    lib.quant_matmul_isa.argtypes = []
+    lib.quant_matmul_isa.restype = ctypes.c_int
     # kernels/gguf.py: the native GGUF block types
     lib.gguf_matmul.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.gguf_dequantize_rows.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
