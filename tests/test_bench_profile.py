@@ -124,3 +124,16 @@ def test_latency_profile_prints_the_parts_and_the_bound(tiny_llama, engine, tmp_
     assert profile["bound_ms"] == pytest.approx(1e3 * expected, rel=1e-6)
     printed = capsys.readouterr().out
     assert "decode step profile" in printed and "physical bound" in printed and "attention" in printed
+
+
+def test_latency_runs_its_batch_together_whatever_the_step_budget(tiny_llama, tmp_path):
+    """The batch's prompts run in one step and it decodes together: a step-time budget that
+    spreads prompts over steps (here a tiny one) would let the first sequences finish before
+    the last began, and no step would decode the whole batch."""
+    out = tmp_path / "latency.json"
+    args = ["bench", "latency", str(tiny_llama), "--max-model-len", "256", "--num-gpu-blocks", "128",
+            "--batch-size", "6", "--input-len", "64", "--output-len", "2", "--num-iters", "1",
+            "--max-step-seconds", "0.000001", "--output-json", str(out)]
+    assert main(args) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["batch"] == 6 and row["tpot_ms"] > 0
