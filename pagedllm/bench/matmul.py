@@ -51,8 +51,8 @@ def path_fns(layers) -> dict:
     """Each path as fn(inputs by in_features) -> None running every projection once; the
     quantized kernel is called directly. The float paths multiply by dequantized copies made
     here (a GGUF-packed model holds none)."""
-    from pagedllm.kernels import onednn, quant
-    from pagedllm.model.quantization import GGUFLinear, gguf_kernels
+    from pagedllm.kernels import onednn
+    from pagedllm.model.quantization import GGUFLinear, kernels_of
 
     floats = [m.quant_method.to_float(m).contiguous() for m in layers]
     in_features = [w.shape[1] for w in floats]
@@ -63,12 +63,9 @@ def path_fns(layers) -> dict:
     fns = {"linear": step(F.linear, floats)}
     if all(isinstance(m.quant_method, GGUFLinear) and len(m.quant_method.parts) == 1 for m in layers):
         packed = [m.quant_method.parts[0] for m in layers]
-
-        def kernels(w):  # each part's own kernels: kernels/quant.py's layout for Q4_1 and Q8_0
-            return quant if isinstance(w, quant.LegacyPacked) else gguf_kernels
-
-        fns["quant"] = step(lambda x, w: kernels(w).matmul(x, w), packed)
-        fns["int8"] = step(lambda x, w: kernels(w).matmul(x, w, int8=True), packed)
+        # each part's own kernels (kernels/quant.py's layout for Q4_1 and Q8_0)
+        fns["quant"] = step(lambda x, w: kernels_of(w).matmul(x, w), packed)
+        fns["int8"] = step(lambda x, w: kernels_of(w).matmul(x, w, int8=True), packed)
     reordered = onednn.pack_all(floats)
     if all(w is not None for w in reordered):
         fns["onednn"] = step(onednn.packed_linear, reordered)

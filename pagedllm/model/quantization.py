@@ -64,7 +64,8 @@ def kernels_for(qtype: str) -> str:
     return "quant" if qtype in LEGACY_TYPES else "gguf"
 
 
-def _kernels_of(part):
+def kernels_of(part):
+    """The kernels module (kernels/quant.py or kernels/gguf.py) that reads this packed part's layout."""
     return quant if isinstance(part, quant.LegacyPacked) else gguf_kernels
 
 
@@ -189,17 +190,17 @@ class GGUFLinear(LinearMethod):
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise TypeError(f"GGUF-packed weights multiply float32 CPU activations, not {x.dtype} on {x.device}")
         int8 = x.shape[0] <= self.int8_rows
-        ys = [_kernels_of(p).matmul(x, p, int8=int8) for p in self.parts]
+        ys = [kernels_of(p).matmul(x, p, int8=int8) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y + bias if bias is not None else y
 
     def embed(self, layer, ids):
         (table,) = self.parts
         flat = ids.reshape(-1)
-        return _kernels_of(table).dequantize_rows(table, flat.long()).view(*ids.shape, self.in_features)
+        return kernels_of(table).dequantize_rows(table, flat.long()).view(*ids.shape, self.in_features)
 
     def to_float(self, layer):
-        return torch.cat([_kernels_of(p).dequantize_rows(p) for p in self.parts])
+        return torch.cat([kernels_of(p).dequantize_rows(p) for p in self.parts])
 
     @property
     def supports_int8(self) -> bool:
@@ -207,14 +208,14 @@ class GGUFLinear(LinearMethod):
 
     @property
     def fused_parts(self) -> list | None:
-        if len(self.parts) > 3 or any(p.qtype not in _kernels_of(p).TYPE_IDS for p in self.parts):  # (kMaxParts)
+        if len(self.parts) > 3 or any(p.qtype not in kernels_of(p).TYPE_IDS for p in self.parts):  # (kMaxParts)
             return None
         return self.parts
 
     @property
     def cache_description(self) -> dict:
         return {"method": "gguf", "parts": [
-            {"qtype": p.qtype, "kernels": "quant" if _kernels_of(p) is quant else "gguf", "out_features": p.out_features,
+            {"qtype": p.qtype, "kernels": "quant" if kernels_of(p) is quant else "gguf", "out_features": p.out_features,
              "in_features": p.in_features, "shape": list(p.data.shape), "nbytes": p.data.numel()} for p in self.parts]}
 
     def rebind(self, flat: torch.Tensor) -> None:
@@ -223,7 +224,7 @@ class GGUFLinear(LinearMethod):
         for p in self.parts:
             n = p.data.numel()
             data = flat[offset : offset + n].view(p.data.shape)
-            parts.append(_kernels_of(p).from_data(p.qtype, p.out_features, p.in_features, data))
+            parts.append(kernels_of(p).from_data(p.qtype, p.out_features, p.in_features, data))
             offset += n
         self.parts = parts
 
