@@ -112,7 +112,14 @@ void amx_int8_matmul_type(float* y, const uint8_t* packed, int64_t num_rows, int
     uint8_t* u = static_cast<uint8_t*>(thread_buffer(9, 16 * kp + sizeof(float) * 16 * (gcount + kp / 16)));
     float* sw = reinterpret_cast<float*>(u + 16 * kp);
     float* cw = sw + 16 * gcount;
-    std::memset(u, 0, 16 * kp + sizeof(float) * 16 * (gcount + kp / 16));
+    // Zero what no row's decoding writes: k from the row's end to kp (a call of another shape
+    // may have left values there).
+    const int64_t written_groups = a.padded / G, written_c16 = in_features / 16;
+    for (int n = 0; n < 16; ++n) {
+      std::memset(u + n * kp + a.padded, 0, kp - a.padded);
+      std::memset(sw + n * gcount + written_groups, 0, sizeof(float) * (gcount - written_groups));
+      std::memset(cw + n * (kp / 16) + written_c16, 0, sizeof(float) * (kp / 16 - written_c16));
+    }
     alignas(64) int32_t c[kAmxGroupsPerStep][16 * 16];
     alignas(64) float out[16 * 16];
     TileConfig saved;  // another library's (oneDNN's) tiles on this thread, put back at the end
