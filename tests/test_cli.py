@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.datasets import PROFILES, sample_requests
 from pagedllm.cli import main
@@ -120,3 +122,42 @@ def test_bench_kernel_latency_and_dtype_write_results(tiny_llama, tmp_path):
     assert rows["float32"]["agree_pct"] == 100 and 0 <= rows["bfloat16"]["agree_pct"] <= 100
     # A safetensors model has no quantized blocks, so int8 activations change nothing there.
     assert rows["float32+int8"]["agree_pct"] == 100
+
+
+def test_grounded_requests_copy_pagedllm_functions_and_are_as_long_as_the_copy(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from pagedllm.bench.spec import grounded_messages, grounded_requests
+
+    messages = grounded_messages(12, seed=1)
+    assert messages == grounded_messages(12, seed=1) and messages != grounded_messages(12, seed=2)
+    sources = [code for _, code in messages]
+    assert len(set(sources)) == 12  # each function once before any repeats
+    for message, code in messages:
+        assert code.startswith("def ") and code in message  # the answer copies the message's source
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    requests = grounded_requests(tokenizer, 12, 4096, seed=1)
+    for request, (message, code) in zip(requests, messages):
+        assert request.output_len == len(tokenizer.encode(code, add_special_tokens=False)) + 16
+        assert tokenizer.decode(request.prompt_token_ids).count(code.splitlines()[0]) == 1
+    room = 600
+    short = grounded_requests(tokenizer, 12, room, seed=1)
+    assert all(len(r.prompt_token_ids) + r.output_len <= room for r in short)
+    with pytest.raises(ValueError, match="--max-model-len"):
+        grounded_requests(tokenizer, 12, 64, seed=1)
+
+
+def test_bench_throughput_grounded_runs_with_and_without_speculation(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(
+        ["bench", "throughput", str(tiny_llama), "--dataset", "grounded", "--num-prompts", "3", "--temperature", "0",
+         "--backend", "pagedllm-nospec", "pagedllm", "--max-model-len", "1024",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}', "--output-json", str(out)]
+    )
+    assert code == 0
+    assert "x_vs_pagedllm-nospec" in capsys.readouterr().out
+    rows = {r["backend"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["pagedllm"]["output_tokens"] == rows["pagedllm-nospec"]["output_tokens"] > 3 * 16
+    assert rows["pagedllm-nospec"]["spec_draft_tokens"] == 0
+    assert rows["pagedllm"]["spec_draft_tokens"] > 0  # the random tiny model repeats itself: n-grams match
+    assert rows["pagedllm"]["x_vs_pagedllm-nospec"] > 0

@@ -72,6 +72,80 @@ def grounded_prompts() -> list[tuple[str, str]]:
     ]
 
 
+# Modules whose short functions the grounded request set (`grounded_messages`) asks to copy or
+# edit: plain Python that imports nothing heavy.
+_SOURCE_MODULES = ("pagedllm.bench.report", "pagedllm.bench.datasets", "pagedllm.core.block_manager",
+                   "pagedllm.core.scheduler", "pagedllm.engine.spec_decode", "pagedllm.sampling_params")
+
+
+def _short_functions(min_lines: int = 6, max_lines: int = 30) -> list:
+    """Functions and methods of `_SOURCE_MODULES` with min_lines..max_lines of source, in a fixed order."""
+    import importlib
+
+    found = {}
+    for name in _SOURCE_MODULES:
+        module = importlib.import_module(name)
+        members = [m for _, m in inspect.getmembers(module)]
+        members += [f for c in members if inspect.isclass(c) and c.__module__ == name for f in vars(c).values()]
+        for obj in members:
+            if inspect.isfunction(obj) and obj.__module__ == name and not obj.__name__.startswith("__"):
+                try:
+                    lines = inspect.getsource(obj).count("\n")
+                except OSError:  # generated (a dataclass's methods)
+                    continue
+                if min_lines <= lines <= max_lines:
+                    found[f"{name}.{obj.__qualname__}"] = obj
+    return [found[k] for k in sorted(found)]
+
+
+# What the grounded request set asks of each source: copy it, edit it lightly, or annotate it.
+_GROUNDED_TASKS = (
+    "Repeat this Python function exactly, with no changes:\n\n```python\n{code}```",
+    "Rewrite this function with the name `{name}` changed to `{name}_v2`; change nothing else:\n\n```python\n{code}```",
+    "Add a docstring line to this function and otherwise copy it unchanged:\n\n```python\n{code}```",
+    "Copy this function and add a short comment above its first line:\n\n```python\n{code}```",
+)
+
+
+def grounded_messages(num: int, seed: int = 0) -> list[tuple[str, str]]:
+    """`num` (user message, source) pairs whose answers copy most of the message: the tasks of
+    `_GROUNDED_TASKS` over short functions of pagedllm's own code (the source), drawn with
+    `seed`, each function once before any repeats."""
+    import random
+    import textwrap
+
+    functions = _short_functions()
+    rng = random.Random(seed)
+    order = list(range(len(functions)))
+    rng.shuffle(order)
+    messages = []
+    for i in range(num):
+        fn = functions[order[i % len(order)]]
+        code = textwrap.dedent(inspect.getsource(fn))
+        task = _GROUNDED_TASKS[rng.randrange(len(_GROUNDED_TASKS))]
+        messages.append((task.format(code=code, name=fn.__name__), code))
+    return messages
+
+
+def grounded_requests(tokenizer, num: int, max_model_len: int, seed: int = 0) -> list:
+    """`bench throughput --dataset grounded`: `grounded_messages` in the chat template, each
+    generating as many tokens as its source has and 16 more (about the answer's length; exactly
+    that many, as every request of the throughput bench), within the context."""
+    from pagedllm.bench.datasets import BenchRequest
+
+    requests = []
+    for message, code in grounded_messages(num, seed):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                             tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        output_len = min(len(tokenizer.encode(code, add_special_tokens=False)) + 16, max_model_len - len(prompt))
+        if output_len < 1:
+            raise ValueError(f"a grounded prompt of {len(prompt)} tokens leaves no room in a context of "
+                             f"{max_model_len}; raise --max-model-len")
+        requests.append(BenchRequest(prompt, output_len))
+    return requests
+
+
 def chat_prompts() -> list[tuple[str, str]]:
     return [
         ("chat-capital", "What is the capital of France, and what is it known for?"),

@@ -28,17 +28,21 @@ from pagedllm.bench.datasets import BenchRequest, sample_requests
 from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 
-# pagedllm-invariant: this engine in batch-invariant mode (batch_invariant=True), for its cost.
-BACKENDS = ("pagedllm", "pagedllm-invariant", "hf", "hf-cb", "vllm", "llama-cpp")
+# pagedllm-invariant: this engine in batch-invariant mode (batch_invariant=True), for its cost;
+# pagedllm-nospec: this engine without the --speculative-config the others get, for its gain.
+BACKENDS = ("pagedllm", "pagedllm-invariant", "pagedllm-nospec", "hf", "hf-cb", "vllm", "llama-cpp")
 PEERS = ("hf", "hf-cb", "vllm", "llama-cpp")
 # Each row's output rate is also given as a ratio to these, where they ran in the same dtype.
-RATIO_BASES = (*PEERS, "pagedllm")
+RATIO_BASES = (*PEERS, "pagedllm", "pagedllm-nospec")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("throughput", help="offline throughput, pagedllm vs transformers")
     add_engine_args(p)
-    p.add_argument("--dataset", choices=("sharegpt", "alpaca"), default="sharegpt")
+    p.add_argument("--dataset", choices=("sharegpt", "alpaca", "grounded"), default="sharegpt",
+                   help="sharegpt, alpaca: random-token prompts of the paper's lengths; grounded: chat requests "
+                        "to copy or lightly edit functions of pagedllm's code (where speculation pays), "
+                        "each as long as its answer")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--backend", nargs="+", choices=BACKENDS, default=["pagedllm"], help="one or more, run in order")
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
@@ -182,13 +186,15 @@ def _summarise(backend: str, raw: dict, requests: list[BenchRequest]) -> dict:
 
 def _run_backend(backend: str, args, engine_args, requests, max_model_len: int) -> dict:
     """One backend's raw result (elapsed_s, output_tokens, ...) in `engine_args.dtype`."""
-    if backend in ("pagedllm", "pagedllm-invariant"):
+    if backend in ("pagedllm", "pagedllm-invariant", "pagedllm-nospec"):
         import dataclasses
 
         from pagedllm.engine.llm_engine import LLMEngine
 
         invariant = backend == "pagedllm-invariant" or engine_args.batch_invariant
-        engine = LLMEngine.from_engine_args(dataclasses.replace(engine_args, batch_invariant=invariant))
+        spec = None if backend == "pagedllm-nospec" else engine_args.speculative_config
+        engine = LLMEngine.from_engine_args(dataclasses.replace(engine_args, batch_invariant=invariant,
+                                                                speculative_config=spec))
         try:
             return {**run_pagedllm(engine, requests, args.temperature), "batch_invariant": invariant}
         finally:
@@ -230,7 +236,14 @@ def run(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)
     arch = load_arch_config(resolve_model(engine_args.model))
     max_model_len = engine_args.max_model_len or arch.max_position_embeddings
-    requests = sample_requests(args.dataset, args.num_prompts, max_model_len, arch.vocab_size, seed=args.dataset_seed)
+    if args.dataset == "grounded":
+        from pagedllm.bench.spec import grounded_requests
+        from pagedllm.transformers_utils import get_tokenizer
+
+        source = resolve_model(engine_args.tokenizer or engine_args.model)
+        requests = grounded_requests(get_tokenizer(source), args.num_prompts, max_model_len, seed=args.dataset_seed)
+    else:
+        requests = sample_requests(args.dataset, args.num_prompts, max_model_len, arch.vocab_size, seed=args.dataset_seed)
     num_in = sum(len(r.prompt_token_ids) for r in requests)
     num_out = sum(r.output_len for r in requests)
     print(f"{len(requests)} {args.dataset}-shaped requests: {num_in} prompt tokens, {num_out} output tokens")
@@ -251,8 +264,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{backend} ({dtype}): {rows[-1]['output_tok_per_s']:.1f} output tok/s", flush=True)
     _add_ratios(rows)
     columns = ["backend", "dtype", "requests", "elapsed_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
-    extra = ("scheduler_pct", "peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", "peak_rss_gib", *(f"x_vs_{p}" for p in RATIO_BASES), "error")
-    columns += [c for c in extra if any(c in r for r in rows)]
+    extra = ("scheduler_pct", "peak_kv_cache_usage", "mean_running_seqs", "num_preemptions", "num_steps",
+             "spec_draft_tokens", "spec_accepted_tokens", "peak_rss_gib", *(f"x_vs_{p}" for p in RATIO_BASES), "error")
+    spec_only = ("spec_draft_tokens", "spec_accepted_tokens")  # shown where some run speculated
+    columns += [c for c in extra if any(r.get(c) if c in spec_only else c in r for r in rows)]
     print(format_table(rows, columns))
     best = _best_dtype_ratio(rows)
     if best:
