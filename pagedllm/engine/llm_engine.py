@@ -347,10 +347,14 @@ class LLMEngine:
         return outputs
 
     def _observe_step(self, scheduled, seconds: float) -> None:
-        """A step that ran the model teaches the step-time budget its cost per prompt token
-        (a speculating sequence's proposals are verification, not prompt work)."""
-        prompt_tokens = sum(len(item.token_ids) for item in scheduled.seqs
-                            if len(item.token_ids) > 1 and not item.draft_token_ids)
+        """A step that ran the model teaches the step-time budget its cost per prompt token.
+        With adaptive speculation, steps that verified proposed tokens are left out: it stops
+        while the budget holds prompts back (`Speculator.propose`), so the steps that admit
+        prompts verify nothing, and their cost is that of the steps that did not."""
+        adaptive = self.speculator is not None and self.speculator.config.adaptive
+        if adaptive and any(item.draft_token_ids for item in scheduled.seqs):
+            return
+        prompt_tokens = sum(len(item.token_ids) for item in scheduled.seqs if len(item.token_ids) > 1)
         self.step_budget.observe(seconds, prompt_tokens)
         self.scheduler.prompt_chunk_limit = self.step_budget.chunk_limit
 
