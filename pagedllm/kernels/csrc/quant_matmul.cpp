@@ -12,10 +12,13 @@
 // larger ones the tiled way; with AVX2, two ways by the number of rows of x:
 // - a few rows (decoding a handful of sequences, below kTiledRows): each block's 32 weights are
 //   expanded in registers (w = q d + m, one FMA per 8), and every row of x in a group of up to 8
-//   takes them; 2 to kPairRows rows of x (and, for Q4_1, one) take two rows of W at a time: two
-//   independent streams of loads (at 2-4 rows, one row of W at a time took 1.3-1.9x the time for
-//   Q4_1 and about 1.15x for Q8_0, so verifying a few speculative tokens cost nearly what as many
-//   decode steps do). The weights are read once; the expansion is the arithmetic's overhead.
+//   takes them; for Q4_1, 1 to kPairRows rows of x take two rows of W at a time: two independent
+//   streams of loads (at 2-4 rows, one row of W at a time took 1.3-1.9x the time, so verifying a
+//   few speculative tokens cost nearly what as many decode steps do). Q8_0 keeps one row of W:
+//   its four vectors a block for each of two rows left too few of the 16 registers for the
+//   accumulators (the default model's Q8_0 LM head, 49152 x 576, 2 threads on a Zen 3 AVX2 VM:
+//   2 rows 4.2 -> 2.2 ms, 3 rows 4.0 -> 2.6, 4 rows 4.4 -> 3.0; 1 thread, 2 rows 7.4 -> 4.0).
+//   The weights are read once; the expansion is the arithmetic's overhead.
 // - more rows: x is transposed into panels of 16 rows (x_i[k] for 16 i side by side), kTileW rows
 //   of W at a time are expanded into a float buffer, and each expanded weight is broadcast to
 //   multiply a panel's column: 12 accumulators of 8 rows of x each, no horizontal sums, and the
@@ -160,7 +163,7 @@ inline void row_group(float* y, int64_t out_features, const float* x, int64_t in
 
 
 // y[r * out_features + j] = x_r . w_j for `rows` rows of x (1 to kPairRows) and two rows w_j of W
-// (Q8_0 at one row of x keeps one row of W, with more accumulators: measured no slower).
+// (Q4_1 only: see the top of the file).
 template <bool kSigned, bool kMin>
 inline void pair_group(float* y, int64_t out_features, const float* x, int64_t in_features, const uint8_t* values,
                        const float* scales, const float* mins, int num_blocks, int rows) {
@@ -514,7 +517,7 @@ void matmul(float* y, const float* x, const uint8_t* values, const float* scales
     tiled_matmul<kSigned, kMin>(y, x, values, scales, mins, num_rows, out_features, in_features, num_threads);
     return;
   }
-  if (num_rows <= kPairRows && (kMin || num_rows > 1)) {  // rows of W in pairs (see dot_rows)
+  if (kMin && num_rows <= kPairRows) {  // rows of W in pairs (see dot_rows)
     const int num_blocks = in_features / kBlock;
     const int num_pairs = out_features / 2;
 #pragma omp parallel num_threads(num_threads)
