@@ -201,7 +201,7 @@ FLOAT_ISA = {0: "portable C++", 1: "AVX2", 2: "AVX-512"}
 def float_isa() -> str:
     """The float kernel's way on this build: with AVX-512, every product of up to 64 rows expands
     each block once for up to 8 rows of x and two rows of W; with AVX2, 1-7 rows do so for up to 8
-    rows of x (two rows of W at 1-4), and from 8 rows on the tiled way runs."""
+    rows of x (for Q4_1 two rows of W at 1-4), and from 8 rows on the tiled way runs."""
     from pagedllm.kernels.build import load
 
     return FLOAT_ISA[load().quant_matmul_isa()]
