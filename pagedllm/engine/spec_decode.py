@@ -23,7 +23,6 @@ none: a lone sequence copying its prompt verifies many, a full batch of chat ver
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -374,15 +373,14 @@ class Speculator:
             if k:
                 seqs[seq_id].draft_token_ids = self._proposals[seq_id][:k]
 
-    @staticmethod
-    def _prompt_work(scheduler: Scheduler, running_prompt_tokens: int) -> int:
+    def _prompt_work(self, scheduler: Scheduler, running_prompt_tokens: int) -> int:
         """Prompt tokens the next step could compute: the running groups' rest of their prompts
         and the waiting groups' that `max_num_seqs` leaves seats for, oldest first."""
         tokens, seats = running_prompt_tokens, scheduler.num_running_seqs
         for group in scheduler.waiting:
             seats += max(group.num_unfinished_seqs, group.sampling_params.best_of)
-            if seats > scheduler.config.max_num_seqs:
-                break
+            if seats > scheduler.config.max_num_seqs or tokens >= self.max_num_batched_tokens:
+                break  # no seat, or already more than a step takes: a long queue is not walked
             tokens += sum(seq.num_uncomputed_tokens for seq in group.unfinished_seqs())
         return tokens
 
