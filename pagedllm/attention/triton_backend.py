@@ -163,21 +163,29 @@ def _plan(metadata: AttentionMetadata, group: int, head_dim: int, num_kv_heads: 
     )
 
 
-def _block_m(decode_only: bool, group: int) -> int:
-    return max(DECODE_BLOCK_M if decode_only else PROMPT_BLOCK_M, 1 << (group - 1).bit_length())
+def _block_m(decode_only: bool, group: int, tokens_per_item: int = 1) -> int:
+    """Query rows of a program: at least `tokens_per_item` tokens of a GQA group, a power of two."""
+    return max(DECODE_BLOCK_M if decode_only else PROMPT_BLOCK_M, 1 << (tokens_per_item * group - 1).bit_length())
 
 
 def _tile_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def decode_items(seq_lens: np.ndarray, size: int) -> np.ndarray:
-    """The work items of a decode-only step of len(seq_lens) sequences (sequence i's token is
-    flat token i), padded to `size` rows of empty items (no token: nothing read or written)."""
+def decode_items(seq_lens: np.ndarray, size: int, query_lens: np.ndarray | None = None, width: int = 1) -> np.ndarray:
+    """The work items, one per sequence, of a step whose len(seq_lens) sequences have
+    `query_lens` tokens each (default 1: decodes), at most `width`: sequence i owns flat tokens
+    [i * width, (i + 1) * width) and its tokens are the last of them (the rows before are
+    padding). Padded to `size` rows of empty items (no token: nothing read or written)."""
+    num_seqs = len(seq_lens)
+    if query_lens is None:
+        query_lens = np.ones(num_seqs, dtype=np.int64)
     items = np.zeros((size, 4), dtype=np.int32)
-    items[:, 0] = items[:, 1] = np.arange(size)
-    items[: len(seq_lens), 2] = 1
-    items[: len(seq_lens), 3] = seq_lens - 1
+    items[:, 0] = np.arange(size)
+    items[:, 1] = np.arange(size) * width
+    items[:num_seqs, 1] += width - query_lens
+    items[:num_seqs, 2] = query_lens
+    items[:num_seqs, 3] = seq_lens - query_lens
     return items
 
 
@@ -219,19 +227,23 @@ class TritonAttentionBackend(AttentionBackend):
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
     def static_decode_plan(self, items: torch.Tensor, block_tables: torch.Tensor, group: int, head_dim: int,
-                           num_kv_heads: int, max_seq_len: int, sliding_window: int | None = None) -> _Plan:
+                           num_kv_heads: int, max_seq_len: int, sliding_window: int | None = None,
+                           tokens_per_item: int = 1) -> _Plan:
         """The plan of a decode step over fixed buffers (a CUDA graph's): `items` ([size, 4] int32,
         filled by `decode_items` before each replay) and `block_tables` ([size, max blocks] int32),
         for layers of `sliding_window`. The flash-decoding split is fixed too, chosen for contexts
         of `max_seq_len` (or the window): partitions past a shorter context see no key and weigh
-        nothing in the merge."""
-        visible = visible_context(max_seq_len, sliding_window, 1)
-        launch = self.launch_for(True, head_dim, group, visible, items.shape[0])
+        nothing in the merge. `tokens_per_item` > 1 (steps verifying proposed tokens): each item
+        holds up to that many tokens of its sequence, so a program's rows are that many tokens of
+        a GQA group, and the launch is tuned as a prompt step's of size * tokens_per_item tokens."""
+        decode_only = tokens_per_item == 1
+        visible = visible_context(max_seq_len, sliding_window, tokens_per_item)
+        launch = self.launch_for(decode_only, head_dim, group, visible, items.shape[0] * tokens_per_item)
         num_partitions = self.num_partitions or (launch.num_partitions if launch is not None else None)
         num_partitions = num_partitions or choose_num_partitions(
             items.shape[0], num_kv_heads, visible, _target_programs(items.device)
         )
-        return _Plan(items=items, block_m=_block_m(True, group),
+        return _Plan(items=items, block_m=_block_m(True, group, tokens_per_item),
                      tile_n=launch.tile_n if launch is not None else _tile_n(head_dim),
                      num_partitions=num_partitions, block_tables=block_tables, sliding_window=sliding_window,
                      num_warps=launch.num_warps if launch is not None else None,

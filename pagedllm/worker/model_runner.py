@@ -68,7 +68,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler  # only the driver samples
-        self.graphs = graphs  # decode steps replay CUDA graphs where they apply
+        self.graphs = graphs  # decode and verify steps replay CUDA graphs where they apply
 
     @torch.inference_mode()
     def time_prefill(self, num_tokens: int, repeats: int = 1) -> list[float]:
@@ -103,8 +103,7 @@ class ModelRunner:
         # Decodes (one query token) first: backends take a fast path over that leading run.
         items = sorted(output.seqs, key=lambda item: len(item.token_ids) != 1)
         if self.graphs is not None and self.graphs.applies(items):
-            hidden = self.graphs.run(items)
-            query_lens = [1] * len(items)
+            hidden, query_lens = self.graphs.run(items)  # each sequence's q rows, its tokens last
         else:
             input_ids, positions, metadata = build_attention_metadata(items, self.block_size, self.device)
             hidden = self.model(input_ids, positions, metadata)

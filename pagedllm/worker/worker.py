@@ -24,7 +24,7 @@ from pagedllm.utils import cdiv
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cpu_threads import ThreadGovernor
-from pagedllm.worker.cuda_graphs import DecodeGraphs
+from pagedllm.worker.cuda_graphs import MAX_GRAPH_TOKENS, DecodeGraphs
 from pagedllm.worker.host_pool import available_memory
 from pagedllm.worker.profile_cache import cached_preemption_costs, machine_identity, model_identity
 from pagedllm.worker.model_runner import ModelRunner, build_attention_metadata
@@ -210,8 +210,9 @@ class Worker:
         self.model.bind_kv_cache(keys, values, groups)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs of decode steps, captured now: on a GPU with the Triton backend, unless
-        `enforce_eager`. Tensor-parallel workers run eagerly (their all-reduces are not captured)."""
+        """CUDA graphs of decode steps (and with speculation, of steps verifying proposed tokens),
+        captured now: on a GPU with the Triton backend, unless `enforce_eager`. Tensor-parallel
+        workers run eagerly (their all-reduces are not captured)."""
         if self.device.type != "cuda" or self.backend.name != "triton" or self.config.model.enforce_eager:
             return None
         if self.tp.size > 1:
@@ -221,8 +222,13 @@ class Worker:
             logger.info("CUDA graphs are off for this model (experts, or windowed or soft-capped attention): decode "
                         "steps run eagerly.")
             return None
+        speculative = self.config.speculative
+        sched = self.config.scheduler
+        # A verify step's graph holds at most as many rows as the profiled forward pass.
         graphs = DecodeGraphs(self.model, self.backend, self.config.cache.block_size, self.max_model_len,
-                              self.config.scheduler.max_num_seqs, self.device)
+                              sched.max_num_seqs, self.device,
+                              num_speculative_tokens=speculative.num_speculative_tokens if speculative else None,
+                              max_tokens=min(MAX_GRAPH_TOKENS, sched.max_num_batched_tokens))
         graphs.capture()
         return graphs
 
