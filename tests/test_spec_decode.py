@@ -42,6 +42,7 @@ class OracleProposer:
     def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
         self.by_prompt = {tuple(p): o for p, o in zip(prompts, outputs)}
         self.calls = 0
+        self.match_lengths: dict[int, int] = {}  # none stated: the controller's per-sequence rate
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         output = self.by_prompt[tuple(seq.prompt_token_ids)]
