@@ -21,9 +21,20 @@
 #    against transformers on the GPU, float32 (equal) and bfloat16 (agreement vs bfloat16 and
 #    float32 transformers, first differences classified as rounding ties or not);
 # 6. pagedllm bench latency on a ~1B Llama shape, decode steps with CUDA graphs and without;
-# 7. pagedllm bench throughput --backend pagedllm hf hf-cb on the ~1B Llama shape.
+# 7. pagedllm bench throughput --backend pagedllm hf hf-cb on the ~1B Llama shape;
+# 8. speculative decoding on CUDA (pagedllm bench spec, float32, greedy): outputs identical with
+#    and without speculation (lossless), and the single-stream speed-up on copy-heavy prompts, with
+#    CUDA graphs (verify steps replay graphs of several query tokens per sequence) and without.
+#    It needs a real model (random weights copy nothing): SPEC_MODEL=path/to/model.gguf (the
+#    default model's file, carried to the machine), else the step is skipped; a `gguf` wheel in
+#    $WHEELS (default results/carry) is installed first when gguf is missing.
 # Each step has STEP_TIMEOUT seconds (default 300), so one that hangs does not take the rest.
-# ONLY="tests greedy" (or tune, kernel, families, latency, throughput) runs those parts alone.
+# Through the device tool (at most 8 files come back, and a command past its limit is killed):
+#   ARCHIVE=$OUT/gpu_check.tgz OUT=/tmp/gpu_check bash benchmarks/gpu_check.sh   (ARCHIVE first: its $OUT is the tool's)
+# (no `| tail`: its output is lost when the command is cut off). Measured 2026-12-04 on an H200:
+# models 20 s, greedy 30 s, tune 100 s, kernel 30 s, families ~60 s, throughput ~150 s (hf-cb's
+# 64 requests alone ~120 s): QUICK=1 with every part but the tests and latency took over 540 s.
+# ONLY="tests greedy" (or tune, kernel, families, latency, throughput, spec) runs those parts alone.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu_check}
@@ -41,6 +52,10 @@ step() {  # step NAME LOG COMMAND...: run, keep the log, note pass/fail and seco
   timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "$OUT/$log"
   local rc=${PIPESTATUS[0]}
   status+=("$name|$rc|$((SECONDS - start))|$log")
+  echo "== $name: rc $rc in $((SECONDS - start)) s"
+  # The device tool brings back at most 8 files: with ARCHIVE set, everything in $OUT so far is
+  # packed into that one file after each step, so a run cut off by its time limit keeps its logs.
+  [ -z "${ARCHIVE:-}" ] || tar czf "$ARCHIVE" -C "$OUT" .
 }
 
 nvidia-smi -L 2>&1 | tee "$OUT/gpu.txt"
@@ -56,6 +71,19 @@ want tests && step kernel-tests kernel_tests.log $PY -m pytest -q -p no:cachepro
   tests/test_triton_attention.py tests/test_gpu_memory.py tests/test_cuda_graphs.py
 
 want greedy && step greedy greedy.log $PY benchmarks/gpu_greedy.py --model "$MODELS/smollm2" --output-json "$OUT/greedy.json"
+
+if want spec && [ -n "${SPEC_MODEL:-}" ] && [ -s "$SPEC_MODEL" ]; then
+  if ! $PY -c "import gguf" 2>/dev/null; then
+    pylib=${PYLIB:-/tmp/gpu_check_pylib}
+    $PY -m pip install -q --no-deps --no-index --target "$pylib" "${WHEELS:-results/carry}"/gguf-*.whl 2>&1 | tail -2
+    export PYTHONPATH="$PYTHONPATH:$pylib"
+  fi
+  for mode in ${SPEC_MODES:-graphs eager}; do
+    flag=$([ $mode = eager ] && echo --enforce-eager)
+    step "spec-$mode" "spec_$mode.log" $PY -m pagedllm bench spec "$SPEC_MODEL" --device cuda --dtype float32 \
+      --max-tokens 128 --num-iters 2 $flag --output-json "$OUT/bench_spec_$mode.json"
+  done
+fi
 
 if [ -n "${QUICK:-}" ]; then
   # transformers' static batches (hf) take minutes on this trace: QUICK compares with its
@@ -95,6 +123,7 @@ want throughput && step bench-throughput bench_throughput.log $PY -m pagedllm be
   --device cuda --max-model-len 2048 --num-prompts $PROMPTS --backend pagedllm $HF \
   --output-json "$OUT/bench_throughput.json"
 
+
 echo
 echo "== GPU check summary ($(head -1 "$OUT/gpu.txt"))"
 printf '%-20s %-6s %6s  %s\n' step result secs "key line"
@@ -123,6 +152,7 @@ PYEOF
 ) ;;
     bench-throughput) key=$(grep -E "^(pagedllm|hf|hf-cb):" "$OUT/$log" | paste -sd ' ' -) ;;
     latency-*) key=$(grep -E "^best:" "$OUT/$log") ;;
+    spec-*) key=$(grep -E "^ *(grounded|chat) +[0-9]+ +[0-9]+ " "$OUT/$log" | awk '{printf "%s %s->%s tok/s %sx (min %sx); ", $1, $4, $5, $6, $7}'; grep -o "OUTPUTS DIFFER.*" "$OUT/$log") ;;
     *) key="" ;;
   esac
   result=$([ "$rc" = 0 ] && echo ok || echo FAIL)

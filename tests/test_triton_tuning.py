@@ -58,6 +58,20 @@ def test_without_a_table_for_the_device_nothing_is_loaded(monkeypatch):
     assert triton_tuning.device_file("NVIDIA H200").name == "nvidia-h200.json"
 
 
+def test_the_committed_h200_table_loads_and_is_chosen_for_that_gpu(monkeypatch):
+    """The sweep's table from an H200 run ships in the package: an H200 finds it by its name, and
+    a decode step of the default model's attention (head size 64, group 3) gets its bucket's
+    measured launch shape."""
+    monkeypatch.delenv(triton_tuning.ENV_VAR, raising=False)
+    table = triton_tuning.load_table("NVIDIA H200", MAX_PARTITIONS)
+    assert table is not None and table.source.endswith("nvidia-h200.json")
+    kinds = {(e.kind, e.group) for e in table.entries}
+    assert {("decode", 3), ("decode", 4), ("prompt", 3), ("prompt", 4)} <= kinds
+    launch = table.lookup("decode", 64, 3, 1024, 64)
+    expected = next(e.config for e in table.entries if (e.kind, e.group, e.context, e.batch) == ("decode", 3, 1024, 64))
+    assert launch == expected
+
+
 @pytest.mark.parametrize("change, message", [
     ({"kind": "both"}, "kind must be one of"),
     ({"context": 0}, "context must be a positive integer"),
