@@ -213,3 +213,39 @@ def test_with_a_draft_model_a_new_sequence_starts_from_the_measured_acceptance()
     assert measured < 0.15
     assert draft.controller.rate(100) == pytest.approx(measured)
     assert ngram.controller.rate(100) == pytest.approx(0.3)
+
+
+def test_while_nothing_is_verified_only_every_fourth_sequence_is_looked_up():
+    """With several sequences running and nothing verified in the last step, the n-gram lookup
+    runs for one sequence in PROBE_EVERY, in turn (it was about 1% of a step of 64 sequences
+    that never verify); once a step verifies, every sequence is looked up again."""
+    from types import SimpleNamespace
+
+    from pagedllm.core import SequenceGroup
+    from pagedllm.engine.spec_decode import Speculator
+
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=8), 4096, 2048)
+    looked_up = []
+    lookup = speculator.proposer.propose
+    speculator.proposer.propose = lambda seq, k: looked_up.append(seq.seq_id) or lookup(seq, k)
+    running = []
+    for seq_id in range(8):  # random-looking tokens: no n-gram repeats, nothing proposed
+        seq = Sequence(seq_id, [(seq_id * 7919 + i * 104729) % 50000 for i in range(40)])
+        seq.num_computed_tokens = seq.num_tokens - 1
+        running.append(SequenceGroup(str(seq_id), [seq], SamplingParams(temperature=0), 0.0))
+    scheduler = SimpleNamespace(running=running, waiting=[], prompt_chunk_limit=None, num_running_seqs=8,
+                                config=SimpleNamespace(max_num_seqs=8))
+    speculator.propose(scheduler)
+    assert sorted(looked_up) == list(range(8))  # the first step looks every sequence up
+    seen = set()
+    for step in range(1, 5):
+        looked_up.clear()
+        speculator._steps = step
+        speculator.propose(scheduler)
+        assert len(looked_up) == 2 and all(s % Speculator.PROBE_EVERY == step % Speculator.PROBE_EVERY for s in looked_up)
+        seen.update(looked_up)
+    assert seen == set(range(8))  # every sequence in turn
+    speculator._verified_last = True  # a step that verified: every sequence again
+    looked_up.clear()
+    speculator.propose(scheduler)
+    assert sorted(looked_up) == list(range(8))
