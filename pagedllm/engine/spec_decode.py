@@ -1,31 +1,25 @@
-"""Speculative decoding's engine side: proposals, the per-step choice of how many to verify, and
-the counters (docs/speculative-decoding.md).
+"""Speculative decoding's engine side: proposals, the per-step choice of how many to verify (its
+model in engine/spec_controller.py), and the counters (docs/speculative-decoding.md).
 
 Before each step, every running sequence that decodes one token at a time (not beam search)
-gets a proposal (under a grammar, cut where the grammar forbids a token): with method "ngram", the tokens that followed the latest
-earlier occurrence of its last n tokens in its own prompt and output (`NgramProposer`, a numpy
-scan, longest n first); with method "draft_model", slots are reserved and the draft model
-(`engine/draft_model.py`) draws the tokens once the step is scheduled. The scheduler adds the proposal's tokens after the sequence's last token,
-the model scores every position in one pass, and the driver's sampler keeps the longest prefix the
+gets a proposal (under a grammar, cut where the grammar forbids a token): with method "ngram",
+the tokens that followed the latest earlier occurrence of its last n tokens in its own prompt and
+output (`NgramProposer`, a numpy scan, longest n first); with method "draft_model", slots are
+reserved and the draft model (`engine/draft_model.py`) draws the tokens once the step is
+scheduled. The scheduler adds the proposal's tokens after the sequence's last token, the model
+scores every position in one pass, and the driver's sampler keeps the longest prefix the
 target agrees with (`pagedllm.sampling.sampler.accept_proposal`); the slots of the rest are
 rolled back (`BlockManager.rollback`).
 
-Never slower: verifying k more tokens is worth it only when the tokens expected to be accepted
-outweigh what the k extra query tokens add to the step. `SpecController` keeps the measured
-chance that a proposed token matches what the target produced (also for tokens proposed but not
-verified: the next token tells): for n-gram proposals by how long the match behind them is, the
-first token apart from the rest (`_MatchAcceptance`); for a draft model's, per sequence. And a
-cost model of a step's seconds as a
-linear function of its query tokens, fitted online to the measured model time of past steps
-(one line for steps of single-token decodes, one for steps with longer queries; a small token
-count's own measured steps weigh more than the line there, `StepCost`). Each step it
-picks the numbers of tokens that maximise expected output tokens per second of the step, down to
-none: a lone sequence copying its prompt verifies many, a full batch of chat verifies nothing.
+Never slower: each step `SpecController` (engine/spec_controller.py) picks how many proposed
+tokens each sequence verifies, from measured acceptance and step costs, down to none: a lone
+sequence copying its prompt verifies many, a full batch of chat verifies nothing. After a step
+that verified nothing, with several sequences running, the n-gram lookup runs for one sequence in
+`Speculator.PROBE_EVERY` each step.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +28,7 @@ from pagedllm.config import SpeculativeConfig
 from pagedllm.core import Scheduler, Sequence, SequenceGroup
 from pagedllm.core.model_output import ModelRunnerOutput
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.engine.spec_controller import SpecController
 from pagedllm.sampling_params import SamplingType
 
 
@@ -134,230 +129,6 @@ class NgramProposer:
             del self._buffers[seq_id]
             self._sources.pop(seq_id, None)
             self.match_lengths.pop(seq_id, None)
-
-
-class StepCost:
-    """Seconds of a step as a + b * (query tokens), fitted by exponentially weighted least squares;
-    the slope is shrunk towards a prior of `PRIOR_SLOPE` of a one-token step per token until
-    steps of different sizes were seen. Up to `EXACT_MAX` tokens, a step of a count that was
-    measured is predicted mostly by the decayed mean of those measurements: the kernels' cost is
-    not linear in a few rows (on an AVX2 CPU, products of 1-4 rows cost about one row's, from 5
-    rows about twice that, and a line through it would verify 5-16 tokens where 3 pay more; with
-    AVX-512 each row adds about a tenth of a one-row product up to 8 rows, then a little more)."""
-
-    DECAY = 0.97
-    PRIOR_SLOPE = 0.15
-    PRIOR_WEIGHT = 8.0  # in squared tokens
-    EXACT_MAX = 64
-    EXACT_DECAY = 0.9
-    LINE_WEIGHT = 1.0  # the line's weight beside a count's own measurements
-
-    def __init__(self) -> None:
-        self.w = self.t = self.c = self.tt = self.tc = 0.0
-        self._exact: dict[int, tuple[float, float]] = {}  # tokens -> decayed (weight, seconds)
-
-    @property
-    def known(self) -> bool:
-        return self.w > 0.5
-
-    def predict(self, tokens: int) -> float:
-        a, b = self.line()
-        line = a + b * tokens
-        weight, seconds = self._exact.get(tokens, (0.0, 0.0))
-        return (seconds + self.LINE_WEIGHT * line) / (weight + self.LINE_WEIGHT)
-
-    def predict_many(self, first: int, count: int) -> np.ndarray:
-        """`predict` for the token counts first, first + 1, ..., first + count - 1."""
-        a, b = self.line()
-        tokens = np.arange(first, first + count)
-        seconds = a + b * tokens
-        for t, (weight, total) in self._exact.items():
-            if first <= t < first + count:
-                seconds[t - first] = (total + self.LINE_WEIGHT * seconds[t - first]) / (weight + self.LINE_WEIGHT)
-        return seconds
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if self.w > 3:  # one slow step (a neighbour's burst, a first call) moves the line little
-            seconds = min(seconds, 2 * self.predict(tokens))
-        d = self.DECAY
-        self.w, self.t, self.c = d * self.w + 1, d * self.t + tokens, d * self.c + seconds
-        self.tt, self.tc = d * self.tt + tokens * tokens, d * self.tc + tokens * seconds
-        if tokens <= self.EXACT_MAX:
-            weight, total = self._exact.get(tokens, (0.0, 0.0))
-            self._exact[tokens] = (self.EXACT_DECAY * weight + 1, self.EXACT_DECAY * total + seconds)
-
-    def line(self) -> tuple[float, float]:
-        mean_t, mean_c = self.t / self.w, self.c / self.w
-        prior = self.PRIOR_SLOPE * mean_c / max(1.0, mean_t)
-        var = self.tt - self.t * mean_t
-        cov = self.tc - self.t * mean_c
-        slope = max(0.0, (cov + self.PRIOR_WEIGHT * prior) / (var + self.PRIOR_WEIGHT))
-        return max(mean_c - slope * mean_t, 0.0), slope
-
-
-@dataclass
-class _Acceptance:
-    """Decayed counts of proposed tokens that matched the target's and of first mismatches: a
-    geometric model whose rate is the chance that the next proposed token is accepted."""
-
-    matched: float = 0.0
-    mismatched: float = 0.0
-
-    DECAY = 0.9
-
-    def observe(self, matched: int, mismatch: bool) -> None:
-        self.matched = self.DECAY * self.matched + matched
-        self.mismatched = self.DECAY * self.mismatched + mismatch
-
-    def rate(self, prior: float) -> float:
-        return (self.matched + 2 * prior) / (self.matched + self.mismatched + 2)
-
-
-# Upper bounds of the match-length buckets (`NgramProposer.match_lengths`): 1, 2, 3-4, 5-8, 9-16
-# and more. Each bucket's prior chance that the first proposed token is accepted, and that each
-# later one is after an accepted one, as measured on the default model over bench spec's grounded
-# and chat prompts and 16 grounded requests (first token: 0.14-0.26 after a 1-token match, about
-# 0.5 after 2, 0.85 after 5-8, 0.95 and more past 8; a proposal whose first token is accepted
-# then runs 4-36 tokens on).
-MATCH_BUCKETS = (1, 2, 4, 8, 16)
-FIRST_PRIORS = (0.2, 0.5, 0.65, 0.85, 0.93, 0.97)
-NEXT_PRIORS = (0.8, 0.8, 0.85, 0.9, 0.93, 0.97)
-
-
-def match_bucket(match_length: int) -> int:
-    return bisect.bisect_left(MATCH_BUCKETS, match_length)
-
-
-@dataclass
-class _MatchAcceptance:
-    """One match-length bucket's decayed counts: proposals, those whose first token was accepted,
-    and after an accepted first token, further tokens matched and first mismatches. Acceptance is
-    not geometric from the first token: a proposal is either wrong at once (the text diverged
-    from its source) or copies on for many tokens; so the first token and the rest get a rate
-    each."""
-
-    first_prior: float
-    next_prior: float
-    proposals: float = 0.0
-    first_accepted: float = 0.0
-    next_matched: float = 0.0
-    next_mismatched: float = 0.0
-
-    DECAY = 0.95
-    PRIOR_WEIGHT = 2.0
-
-    def observe(self, matched: int, known: int) -> None:
-        d = self.DECAY
-        self.proposals = d * self.proposals + 1
-        self.first_accepted = d * self.first_accepted + (matched > 0)
-        self.next_matched, self.next_mismatched = d * self.next_matched, d * self.next_mismatched
-        if matched:
-            self.next_matched += matched - 1
-            self.next_mismatched += matched < known
-
-    def gains(self, num_tokens: int) -> np.ndarray:
-        """The chance that each of the first `num_tokens` proposed tokens is accepted (with all
-        before it): first * next ** (j - 1)."""
-        w = self.PRIOR_WEIGHT
-        first = (self.first_accepted + w * self.first_prior) / (self.proposals + w)
-        rest = (self.next_matched + w * self.next_prior) / (self.next_matched + self.next_mismatched + w)
-        return first * rest ** np.arange(num_tokens, dtype=np.float64)
-
-
-class SpecController:
-    """How many proposed tokens each sequence verifies this step (the module docstring)."""
-
-    def __init__(self, adaptive: bool = True, min_prior: float = 0.3) -> None:
-        self.adaptive = adaptive
-        # A sequence not measured yet is assumed to accept as all have (at most 0.9), and at
-        # least `min_prior`: n-gram proposals exist only where the sequence repeats itself, which
-        # says something of a new one; a draft model proposes for every sequence, so it starts
-        # from the measured rate alone (0).
-        self.min_prior = min_prior
-        self.decode_cost = StepCost()  # steps of single-token queries only
-        # Steps of decodes and verifications (no prompt chunk: a prompt's first step costs
-        # differently, and is never a choice this controller makes).
-        self.verify_cost = StepCost()
-        self.acceptance: dict[int, _Acceptance] = {}
-        self.overall = _Acceptance()
-        # n-gram proposals that state their match length: shared by all sequences, by bucket.
-        self.by_match = [_MatchAcceptance(f, n) for f, n in zip(FIRST_PRIORS, NEXT_PRIORS)]
-
-    def cost(self, tokens: int, multi: bool) -> float:
-        """Predicted seconds of a step of `tokens` query tokens: of single-token decodes only,
-        or (`multi`) with longer queries. Until verifications were measured, as decodes (an
-        optimistic start, so that they are tried and measured)."""
-        model = self.verify_cost if multi and self.verify_cost.known else self.decode_cost
-        return model.predict(tokens) if model.known else 1.0
-
-    def rate(self, seq_id: int) -> float:
-        prior = min(0.9, max(self.min_prior, self.overall.rate(0.5)))
-        acc = self.acceptance.get(seq_id)
-        return acc.rate(prior) if acc is not None else prior
-
-    def gains(self, seq_id: int, num_tokens: int, match_length: int | None = None) -> np.ndarray:
-        """The chance that each of a proposal's first `num_tokens` tokens is accepted (with all
-        before it): by its match length's bucket where the proposer gave one, else the
-        sequence's geometric rate (rate ** j)."""
-        if match_length is not None:
-            return self.by_match[match_bucket(match_length)].gains(num_tokens)
-        return self.rate(seq_id) ** np.arange(1, num_tokens + 1, dtype=np.float64)
-
-    def choose(self, proposals: dict[int, list[int]], base_tokens: int, base_outputs: int, base_multi: bool,
-               budget: int, match_lengths: dict[int, int] | None = None) -> dict[int, int]:
-        """Tokens to verify per sequence, given every proposal (with its match length, where
-        known) and the step's other work (`base_tokens` query tokens producing `base_outputs`
-        tokens). Greedy on the marginal gain, which falls with each token a sequence adds,
-        keeping the best total."""
-        if not self.adaptive:
-            chosen, left = {}, budget
-            for seq_id, proposal in proposals.items():
-                chosen[seq_id] = min(len(proposal), max(0, left))
-                left -= chosen[seq_id]
-            return chosen
-        match_lengths = match_lengths or {}
-        # The marginal gains of every proposed token, best first (ties: the lower sequence id,
-        # then the earlier token), as far as the budget goes: the order in which adding one
-        # token at a time, best marginal gain first, takes them.
-        seq_ids = [s for s, p in proposals.items() for _ in range(len(p))]
-        positions = [j for p in proposals.values() for j in range(1, len(p) + 1)]
-        gains = np.concatenate([self.gains(s, len(p), match_lengths.get(s)) for s, p in proposals.items()] or [[]])
-        order = np.lexsort((positions, seq_ids, -gains))[: max(0, budget)]
-        chosen = dict.fromkeys(proposals, 0)
-        if not order.size:
-            return chosen
-        base_value = base_outputs / self.cost(base_tokens, base_multi)
-        model = self.verify_cost if self.verify_cost.known else self.decode_cost
-        costs = model.predict_many(base_tokens + 1, order.size) if model.known else np.ones(order.size)
-        values = np.cumsum(np.concatenate(([float(base_outputs)], gains[order])))[1:] / costs
-        best = int(np.argmax(values))  # the first of the best
-        if values[best] > base_value:
-            for i in order[: best + 1].tolist():
-                chosen[seq_ids[i]] += 1
-        return chosen
-
-    def observe_step(self, tokens: int, multi: bool, seconds: float) -> None:
-        """A step of decodes (`multi`: and verifications) took `seconds`."""
-        (self.verify_cost if multi else self.decode_cost).observe(tokens, seconds)
-
-    def observe_tokens(self, seq_id: int, proposal: list[int], produced: list[int],
-                       match_length: int | None = None) -> None:
-        """What the target produced after a proposal, verified or not, tells how far it matched."""
-        known = min(len(proposal), len(produced))
-        if not known:
-            return
-        matched = 0
-        while matched < known and proposal[matched] == produced[matched]:
-            matched += 1
-        mismatch = matched < known
-        self.acceptance.setdefault(seq_id, _Acceptance()).observe(matched, mismatch)
-        self.overall.observe(matched, mismatch)
-        if match_length is not None:
-            self.by_match[match_bucket(match_length)].observe(matched, known)
-
-    def forget(self, live_seq_ids: set[int]) -> None:
-        for seq_id in [s for s in self.acceptance if s not in live_seq_ids]:
-            del self.acceptance[seq_id]
 
 
 def _allowed_prefix(seq: Sequence, proposal: list[int]) -> list[int]:

@@ -10,7 +10,8 @@ import torch
 from pagedllm import SamplingParams
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core import Sequence
-from pagedllm.engine.spec_decode import NgramProposer, SpecController
+from pagedllm.engine.spec_controller import SpecController
+from pagedllm.engine.spec_decode import NgramProposer
 
 
 def test_ngram_proposer_continues_the_latest_longest_match():
