@@ -232,11 +232,12 @@ class SpecController:
         matched = 0
         while matched < known and proposal[matched] == produced[matched]:
             matched += 1
+        if match_length is not None:  # an n-gram proposal: its bucket is all that `gains` reads
+            self.by_match[match_bucket(match_length)].observe(matched, known)
+            return
         mismatch = matched < known
         self.acceptance.setdefault(seq_id, _Acceptance()).observe(matched, mismatch)
         self.overall.observe(matched, mismatch)
-        if match_length is not None:
-            self.by_match[match_bucket(match_length)].observe(matched, known)
 
     def forget(self, live_seq_ids: set[int]) -> None:
         for seq_id in [s for s in self.acceptance if s not in live_seq_ids]:

@@ -209,12 +209,11 @@ class Speculator:
                     proposal = self.proposer.propose(seq, room) if room > 0 else []
                     if proposal and seq.constraint is not None:
                         proposal = _allowed_prefix(seq, proposal)
+                    if proposal and seq.seq_id in self.proposer.match_lengths:
+                        self._match_lengths[seq.seq_id] = self.proposer.match_lengths[seq.seq_id]
                 if proposal:
                     self._proposals[seq.seq_id] = proposal
                     seqs[seq.seq_id] = seq
-                    match_length = self.proposer.match_lengths.get(seq.seq_id) if self.draft is None else None
-                    if match_length is not None:
-                        self._match_lengths[seq.seq_id] = match_length
         if not self._proposals:
             return
         prompt_tokens = self._prompt_work(scheduler, base_tokens - base_outputs)
