@@ -14,6 +14,10 @@ steps of the default model on the 2-core AVX-512 machine: 8.4 ms and 1.15 ms). P
 Each set's speed-up is its plain time over its replayed time (plus `--prompt-ms` per request on
 both sides). No timing of the model is involved: the figures are the same on any machine.
 
+A second table gives, per match-length bucket (`spec_controller.MATCH_BUCKETS`), how often the
+first token of a proposal made at every position of the outputs is right, and how far a proposal
+whose first token is right runs on: what the controller's priors were set from.
+
     python benchmarks/spec_replay.py --max-tokens 128 --output-json results/spec_replay.json
 """
 
@@ -28,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedllm.bench.report import format_table, write_json  # noqa: E402
 from pagedllm.bench.spec import chat_prompts, grounded_prompts  # noqa: E402
 from pagedllm.core import Sequence  # noqa: E402
-from pagedllm.engine.spec_controller import SpecController  # noqa: E402
+from pagedllm.engine.spec_controller import MATCH_BUCKETS, SpecController, match_bucket  # noqa: E402
 from pagedllm.engine.spec_decode import NgramProposer  # noqa: E402
 
 
@@ -66,6 +70,27 @@ def replay(policy: str, prompt: list[int], output: list[int], args, controller: 
     return total
 
 
+def by_match(traces: dict, args) -> list[dict]:
+    """Per match-length bucket: proposals made at every position of every output, the share
+    whose first token is right, and the mean accepted length of those."""
+    counts: dict[int, list[int]] = {}
+    for runs in traces.values():
+        for prompt, output in runs:
+            proposer = NgramProposer(args.lookup_max, args.lookup_min)
+            for done in range(1, len(output) - 1):
+                proposal = proposer.propose(Sequence(0, prompt + output[:done]), args.k)
+                if proposal:
+                    right = accepted(proposal, output[done:])
+                    entry = counts.setdefault(match_bucket(proposer.match_lengths[0]), [0, 0, 0])
+                    entry[0] += 1
+                    entry[1] += right > 0
+                    entry[2] += right
+    bounds = (*MATCH_BUCKETS, None)
+    return [{"match_length": f"<= {bounds[b]}" if bounds[b] else f"> {MATCH_BUCKETS[-1]}", "proposals": n,
+             "first_right": round(first / n, 2), "run_when_right": round(total / max(first, 1), 1)}
+            for b, (n, first, total) in sorted(counts.items())]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -97,9 +122,13 @@ def main() -> int:
             row[policy] = round(plain / spec, 3)
         rows.append(row)
     print(format_table(rows))
+    buckets = by_match(traces, args)
+    print()
+    print(format_table(buckets))
     print(f"replayed speed-ups (plain time / speculative time); step {args.step_ms} ms + {args.token_ms} ms a "
           f"verified token, {args.prompt_ms} ms a prompt; k {args.k}, lookup {args.lookup_max}/{args.lookup_min}")
-    print(f"wrote {write_json(args.output_json, 'spec_replay', vars(args), rows)}")
+    path = write_json(args.output_json, "spec_replay", vars(args), {"sets": rows, "by_match": buckets})
+    print(f"wrote {path}")
     return 0
 
 
