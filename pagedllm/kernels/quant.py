@@ -195,16 +195,33 @@ _TRIAL_SHAPE = (1536, 576)
 _TRIAL_ROWS = (1, 4, 16, 64)
 
 
-FLOAT_ISA = {0: "portable C++", 1: "AVX2", 2: "AVX-512"}
+FLOAT_ISA = {0: "portable C++", 1: "AVX2", 2: "AVX-512", 3: "AVX-512 and AMX"}
 
 
 def float_isa() -> str:
     """The float kernel's way on this build: with AVX-512, every product of up to 64 rows expands
     each block once for up to 8 rows of x and two rows of W; with AVX2, 1-7 rows do so for up to 8
-    rows of x (for Q4_1 two rows of W at 1-4), and from 8 rows on the tiled way runs."""
+    rows of x (for Q4_1 two rows of W at 1-4), and from 8 rows on the tiled way runs. Where the
+    CPU has AMX (and Linux grants it), products of `amx_min_rows()` rows and more run on its
+    tiles instead (csrc/quant_amx.h: exact operands, float32 sums)."""
     from pagedllm.kernels.build import load
 
     return FLOAT_ISA[load().quant_matmul_isa()]
+
+
+def amx_min_rows() -> int:
+    """The fewest rows of x whose float products run on AMX tiles now; 0 if none do."""
+    from pagedllm.kernels.build import load
+
+    return load().quant_matmul_amx_min_rows()
+
+
+def set_amx(on: bool) -> bool:
+    """Turns the AMX way of the float products on or off (tests, benchmarks); False if this build
+    or CPU cannot turn it on."""
+    from pagedllm.kernels.build import load
+
+    return load().quant_matmul_set_amx(int(on)) == 0
 
 
 def int8_isa() -> str:

@@ -14,36 +14,10 @@
 
 #if defined(GGUF_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define GGUF_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-// Linux lets a process use the tile registers once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); false where the kernel or the CPU refuses.
-inline bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: C (16 x 16 float32), 4-5: A (16 rows x 32 bfloat16), 6-7: B (16 pairs x 16 x 2).
-inline void amx_configure() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
+#include "amx_tiles.h"
+using pagedllm_amx::amx_permitted;
+using pagedllm_amx::TileConfig;
+using pagedllm_amx::TileScope;
 
 // 32 float32 -> their bfloat16 hi and lo halves (32 each, natural order).
 inline void split32(const float* v, uint16_t* hi, uint16_t* lo) {
@@ -99,9 +73,7 @@ void amx_matmul_rows(int qtype, float* y, const float* x, const uint8_t* packed,
     uint16_t* wh = static_cast<uint16_t*>(thread_buffer(8, sizeof(uint16_t) * 2 * kAmxRows * in_features));
     uint16_t* wl = wh + kAmxRows * in_features;
     alignas(64) float c[4][16 * 16];
-    TileConfig saved;  // another library's (oneDNN's) tiles on this thread, put back at the end
-    _tile_storeconfig(&saved);
-    amx_configure();
+    const TileScope tiles;  // tiles 0-3: C (16 x 16 float32), 4-5: A (16 rows x 32 bfloat16), 6-7: B (16 pairs x 16 x 2)
     const int64_t stride = 2 * in_features;  // bytes between rows of wh, wl
 #pragma omp for schedule(static)
     for (int64_t nb = 0; nb < n_blocks; ++nb) {
@@ -164,10 +136,6 @@ void amx_matmul_rows(int qtype, float* y, const float* x, const uint8_t* packed,
             }
       }
     }
-    if (saved.palette != 0)
-      _tile_loadconfig(&saved);
-    else
-      _tile_release();
   }
 }
 // At most kAmxChunk rows of x at a time (in even chunks): the split x of a chunk stays in the core's L2 while every

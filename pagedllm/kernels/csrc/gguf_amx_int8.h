@@ -24,7 +24,7 @@
 // Tiles 0-3: C (16 rows of W x 16 rows of x, int32), 4-5: A (16 rows of W x G bytes of u),
 // 6-7: B (G / 4 rows x 16 rows of x x 4 bytes of qx).
 template <int G>
-inline void amx_int8_configure() {
+inline TileConfig amx_int8_tiles() {
   TileConfig config;
   for (int t = 0; t < 4; ++t) {
     config.colsb[t] = 64;
@@ -38,7 +38,7 @@ inline void amx_int8_configure() {
     config.colsb[t] = 64;
     config.rows[t] = G / 4;
   }
-  _tile_loadconfig(&config);
+  return config;
 }
 
 // From this many rows of x on, the int8 way runs on the tiles: below, the tiles' fixed cost per
@@ -122,9 +122,7 @@ void amx_int8_matmul_type(float* y, const uint8_t* packed, int64_t num_rows, int
     }
     alignas(64) int32_t c[kAmxGroupsPerStep][16 * 16];
     alignas(64) float out[16 * 16];
-    TileConfig saved;  // another library's (oneDNN's) tiles on this thread, put back at the end
-    _tile_storeconfig(&saved);
-    amx_int8_configure<G>();
+    const TileScope tiles(amx_int8_tiles<G>());
     const __m512i lanes_of_groups = G == 16 ? _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
                                             : _mm512_setr_epi32(0, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
 #pragma omp for schedule(static)
@@ -191,10 +189,6 @@ void amx_int8_matmul_type(float* y, const uint8_t* packed, int64_t num_rows, int
         }
       }
     }
-    if (saved.palette != 0)
-      _tile_loadconfig(&saved);
-    else
-      _tile_release();
   }
 }
 

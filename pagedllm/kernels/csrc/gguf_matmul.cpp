@@ -31,6 +31,7 @@
 
 #include <omp.h>
 
+#include "amx_tiles.h"
 #include "gguf_blocks.h"
 #include "gguf_matmul.h"
 #if defined(__AVX2__) && defined(__FMA__)

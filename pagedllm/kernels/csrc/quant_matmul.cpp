@@ -31,6 +31,8 @@
 #include <cstring>
 
 #include <omp.h>
+
+#include "amx_tiles.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include "simd.h"
 #define QUANT_AVX2 1
@@ -246,7 +248,7 @@ inline float* thread_buffer(int slot, int64_t floats) {
     int64_t size = 0;
     ~Buffer() { _mm_free(data); }
   };
-  static thread_local Buffer buffers[2];
+  static thread_local Buffer buffers[6];
   Buffer& b = buffers[slot];
   if (b.size < floats) {
     _mm_free(b.data);
@@ -466,6 +468,8 @@ void wide_matmul(float* y, const float* x, const uint8_t* values, const float* s
 }
 #endif
 
+#include "quant_amx.h"
+
 #else  // portable
 
 template <bool kSigned, bool kMin>
@@ -506,6 +510,12 @@ inline void direct_row(float* y, const float* x, const uint8_t* values, const fl
 template <bool kSigned, bool kMin>
 void matmul(float* y, const float* x, const uint8_t* values, const float* scales, const float* mins, int num_rows,
             int out_features, int in_features, int num_threads) {
+#ifdef QUANT_AMX
+  if (num_rows >= kAmxMinRows && amx_on()) {
+    amx_matmul<kSigned, kMin>(y, x, values, scales, mins, num_rows, out_features, in_features, num_threads);
+    return;
+  }
+#endif
 #ifdef QUANT_AVX512
   if (num_rows <= kWideRows) {
     wide_matmul<kSigned, kMin>(y, x, values, scales, mins, num_rows, out_features, in_features, num_threads);
@@ -556,14 +566,39 @@ void quant_matmul_f32(float* y, const float* x, const uint8_t* values, const flo
 }
 
 // Which way the products of a few rows take on this build: 0 portable C++, 1 AVX2 (few-rows way
-// below kTiledRows, tiled from there), 2 AVX-512 (the wide way up to kWideRows, tiled above).
+// below kTiledRows, tiled from there), 2 AVX-512 (the wide way up to kWideRows, tiled above), 3
+// AMX (quant_amx.h from kAmxMinRows rows on, the AVX-512 way below).
 int quant_matmul_isa() {
+#if defined(QUANT_AMX)
+  if (amx_on()) return 3;
+#endif
 #if defined(QUANT_AVX512)
   return 2;
 #elif defined(QUANT_AVX2)
   return 1;
 #else
   return 0;
+#endif
+}
+
+// The fewest rows of x whose products take the AMX way now; 0 if none do.
+int quant_matmul_amx_min_rows() {
+#if defined(QUANT_AMX)
+  return amx_on() ? kAmxMinRows : 0;
+#else
+  return 0;
+#endif
+}
+
+// Turns the AMX way on (1, where this build has it and Linux grants the tiles) or off (0: the
+// AVX-512 way; tests, benchmarks). Returns 0, or -1 (unchanged) if it cannot be turned on.
+int quant_matmul_set_amx(int on) {
+#if defined(QUANT_AMX)
+  if (on && !amx_permitted()) return -1;
+  g_amx = on ? 1 : 0;
+  return 0;
+#else
+  return on ? -1 : 0;
 #endif
 }
 
