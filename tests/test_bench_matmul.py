@@ -48,3 +48,28 @@ def test_bench_matmul_multiplies_each_part_with_its_own_kernels():
     with torch.inference_mode():
         for y, w in zip(fns["quant"](xs), floats):
             torch.testing.assert_close(y, F.linear(xs[w.shape[1]], w), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_bench_matmul_times_the_avx512_way_beside_the_amx_one():
+    # On AMX CPUs the quant column takes the tiles from 10 rows on; quant_no_amx turns them off
+    # for its own calls only: both agree with the float product, and the tiles are on after it.
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.attention.reference import ReferenceAttentionBackend
+    from pagedllm.bench.matmul import path_fns, step_layers
+    from pagedllm.kernels import quant
+    from pagedllm.model import load_model
+    from pagedllm.transformers_utils import resolve_model
+
+    if not quant.amx_min_rows():
+        pytest.skip("no AMX way on this CPU: the column is not timed")
+    model = load_model(resolve_model(None), 64, ReferenceAttentionBackend(), torch.float32, torch.device("cpu"))
+    fns, floats = path_fns(step_layers(model)[:4])
+    xs = {k: torch.randn(16, k, generator=torch.Generator().manual_seed(k)) for k in {w.shape[1] for w in floats}}
+    with torch.inference_mode():
+        for path in ("quant", "quant_no_amx"):
+            for y, w in zip(fns[path](xs), floats):
+                torch.testing.assert_close(y, F.linear(xs[w.shape[1]], w), atol=1e-3, rtol=1e-4)
+    assert quant.amx_min_rows() == 10

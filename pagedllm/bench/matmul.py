@@ -12,6 +12,9 @@ input row counts (sequences decoding together), through the three paths a layer 
   float32 path of models without quantized blocks;
 - plain `F.linear` (MKL sgemm), which re-packs the weight on every call and is slow on the
   skinny products of decoding: the reason float32 projections go through packed oneDNN.
+- `quant_no_amx` (on CPUs with AMX): the quantized kernel with its AMX way turned off, the
+  AVX-512 way at every row count up to 64: what the tiles (csrc/quant_amx.h, from 10 rows on)
+  buy; informational, as the `quant` column takes the tiles where they pay.
 - `int8`: the quantized blocks times int8-quantized activations (`int8_activations`), on the
   CPU's integer dot products (VNNI, or AVX2's VPMADDUBSW; the table's header names which): not
   float32's outputs, so it is not in the race; its column shows what it would buy.
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from pagedllm.bench.hardware import best_time
 from pagedllm.bench.report import format_table, write_json
 
-PATHS = ("quant", "onednn", "linear", "int8")
+PATHS = ("quant", "onednn", "linear", "quant_no_amx", "int8")
 FLOAT_PATHS = PATHS[:3]
 
 
@@ -47,11 +50,24 @@ def step_layers(model) -> list[torch.nn.Module]:
     return [layer_of(model, w) for w in model.step_projection_weights()]
 
 
+def _without_amx(fn):
+    from pagedllm.kernels import quant
+
+    def run(xs):
+        quant.set_amx(False)
+        try:
+            return fn(xs)
+        finally:
+            quant.set_amx(True)
+
+    return run
+
+
 def path_fns(layers) -> dict:
     """Each path as fn(inputs by in_features) -> None running every projection once; the
     quantized kernel is called directly. The float paths multiply by dequantized copies made
     here (a GGUF-packed model holds none)."""
-    from pagedllm.kernels import onednn
+    from pagedllm.kernels import onednn, quant
     from pagedllm.model.quantization import GGUFLinear, kernels_of
 
     floats = [m.quant_method.to_float(m).contiguous() for m in layers]
@@ -66,6 +82,8 @@ def path_fns(layers) -> dict:
         # each part's own kernels (kernels/quant.py's layout for Q4_1 and Q8_0)
         fns["quant"] = step(lambda x, w: kernels_of(w).matmul(x, w), packed)
         fns["int8"] = step(lambda x, w: kernels_of(w).matmul(x, w, int8=True), packed)
+        if quant.amx_min_rows() and all(isinstance(w, quant.LegacyPacked) for w in packed):
+            fns["quant_no_amx"] = _without_amx(fns["quant"])
     reordered = onednn.pack_all(floats)
     if all(w is not None for w in reordered):
         fns["onednn"] = step(onednn.packed_linear, reordered)

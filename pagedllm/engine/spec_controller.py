@@ -139,13 +139,38 @@ class _MatchAcceptance:
             self.next_matched += matched - 1
             self.next_mismatched += matched < known
 
-    def gains(self, num_tokens: int) -> np.ndarray:
+    def first(self) -> float:
+        """The chance that a proposal's first token is accepted."""
+        return (self.first_accepted + self.PRIOR_WEIGHT * self.first_prior) / (self.proposals + self.PRIOR_WEIGHT)
+
+    def gains(self, num_tokens: int, first: float | None = None) -> np.ndarray:
         """The chance that each of the first `num_tokens` proposed tokens is accepted (with all
-        before it): first * next ** (j - 1)."""
+        before it): first * next ** (j - 1); `first` replaces the bucket's own chance."""
         w = self.PRIOR_WEIGHT
-        first = (self.first_accepted + w * self.first_prior) / (self.proposals + w)
         rest = (self.next_matched + w * self.next_prior) / (self.next_matched + self.next_mismatched + w)
-        return first * rest ** np.arange(num_tokens, dtype=np.float64)
+        return (self.first() if first is None else first) * rest ** np.arange(num_tokens, dtype=np.float64)
+
+
+@dataclass
+class _FirstTokenRecord:
+    """One sequence's n-gram proposals: decayed counts of first tokens accepted and of those its
+    buckets expected. Their ratio corrects the buckets' chance for this sequence: the buckets
+    are shared by every sequence of the engine, and a sequence's text (a chat answer after a run
+    of code edits) may repeat its context far less than theirs did."""
+
+    accepted: float = 0.0
+    expected: float = 0.0
+
+    DECAY = 0.9
+    WEIGHT = 2.0  # the buckets' word, in proposals
+    MAX_FIRST = 0.99
+
+    def observe(self, accepted: bool, expected: float) -> None:
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.expected = self.DECAY * self.expected + expected
+
+    def correct(self, first: float) -> float:
+        return min(self.MAX_FIRST, first * (self.accepted + self.WEIGHT) / (self.expected + self.WEIGHT))
 
 
 class SpecController:
@@ -164,8 +189,10 @@ class SpecController:
         self.verify_cost = StepCost()
         self.acceptance: dict[int, _Acceptance] = {}
         self.overall = _Acceptance()
-        # n-gram proposals that state their match length: shared by all sequences, by bucket.
+        # n-gram proposals that state their match length: shared by all sequences, by bucket,
+        # and each sequence's record against its buckets' expectation.
         self.by_match = [_MatchAcceptance(f, n) for f, n in zip(FIRST_PRIORS, NEXT_PRIORS)]
+        self.first_records: dict[int, _FirstTokenRecord] = {}
 
     def cost(self, tokens: int, multi: bool) -> float:
         """Predicted seconds of a step of `tokens` query tokens: of single-token decodes only,
@@ -181,10 +208,12 @@ class SpecController:
 
     def gains(self, seq_id: int, num_tokens: int, match_length: int | None = None) -> np.ndarray:
         """The chance that each of a proposal's first `num_tokens` tokens is accepted (with all
-        before it): by its match length's bucket where the proposer gave one, else the
-        sequence's geometric rate (rate ** j)."""
+        before it): by its match length's bucket where the proposer gave one (the first token's
+        chance corrected by the sequence's record), else the sequence's geometric rate (rate ** j)."""
         if match_length is not None:
-            return self.by_match[match_bucket(match_length)].gains(num_tokens)
+            bucket = self.by_match[match_bucket(match_length)]
+            record = self.first_records.get(seq_id)
+            return bucket.gains(num_tokens, record.correct(bucket.first()) if record is not None else None)
         return self.rate(seq_id) ** np.arange(1, num_tokens + 1, dtype=np.float64)
 
     def choose(self, proposals: dict[int, list[int]], base_tokens: int, base_outputs: int, base_multi: bool,
@@ -233,13 +262,16 @@ class SpecController:
         matched = 0
         while matched < known and proposal[matched] == produced[matched]:
             matched += 1
-        if match_length is not None:  # an n-gram proposal: its bucket is all that `gains` reads
-            self.by_match[match_bucket(match_length)].observe(matched, known)
+        if match_length is not None:  # an n-gram proposal: its bucket and the record are what `gains` reads
+            bucket = self.by_match[match_bucket(match_length)]
+            self.first_records.setdefault(seq_id, _FirstTokenRecord()).observe(matched > 0, bucket.first())
+            bucket.observe(matched, known)
             return
         mismatch = matched < known
         self.acceptance.setdefault(seq_id, _Acceptance()).observe(matched, mismatch)
         self.overall.observe(matched, mismatch)
 
     def forget(self, live_seq_ids: set[int]) -> None:
-        for seq_id in [s for s in self.acceptance if s not in live_seq_ids]:
-            del self.acceptance[seq_id]
+        for records in (self.acceptance, self.first_records):
+            for seq_id in [s for s in records if s not in live_seq_ids]:
+                del records[seq_id]

@@ -62,6 +62,30 @@ def test_a_long_match_is_verified_further_than_a_short_one():
     assert controller.choose(proposal, 1, 1, False, 100, match_lengths={0: 5})[0] > 0  # unmeasured bucket: its prior
 
 
+def test_a_sequence_whose_proposals_keep_failing_verifies_less_than_its_bucket_expects():
+    """The buckets are shared by the engine's sequences: after others' 2-token matches were right
+    half the time, a fresh sequence's 2-token match is verified far; one whose own proposals of
+    that bucket failed five times in a row verifies fewer tokens in the same state (none here),
+    and one whose proposals were all right no fewer (its record corrects the bucket's
+    first-token chance)."""
+    controller = SpecController()
+    for tokens in range(1, 18):
+        controller.observe_step(tokens, tokens > 1, 0.010 + 0.004 * tokens)
+    for seq in range(1, 41):
+        controller.observe_tokens(seq, list(range(8)), (list(range(8)) if seq % 2 else []) + [99], match_length=2)
+    for _ in range(5):
+        controller.observe_tokens(200, list(range(8)), [99], match_length=2)
+        controller.observe_tokens(300, list(range(8)), list(range(8)) + [99], match_length=2)
+
+    def chosen(seq_id: int) -> int:
+        return controller.choose({seq_id: list(range(16))}, 1, 1, False, 100, match_lengths={seq_id: 2})[seq_id]
+
+    fresh, failing, right = chosen(100), chosen(200), chosen(300)
+    assert fresh > 0 and failing < fresh <= right
+    controller.forget({100, 300})
+    assert chosen(200) == fresh  # a finished sequence's record is dropped: the bucket's word alone
+
+
 def _controller(step_s: float, per_token_s: float, rate: float, seqs: int) -> SpecController:
     """A controller that measured steps of `step_s` + `per_token_s` a query token, and proposals
     accepted whole at `rate` (else rejected at once), of no stated match length and of long
