@@ -25,7 +25,9 @@
 //   core's FMA rate (about 93 GFLOP/s of its 98 peak on one Zen 3 core, in cache). On the 2-core
 //   AVX2 machine, all of a decode step's projections at 16-64 rows take about 0.8x the time of the
 //   dot-product tiles (6 rows of W by 2 of x) this replaced.
-// Rows of W are split across OpenMP threads. Math in float32.
+// With AMX (where Linux grants the tiles), products of kAmxMinRows rows and more take its tiles
+// instead, with exact operands and float32 sums (quant_amx.h). Rows of W are split across OpenMP
+// threads. Math in float32.
 
 #include <cstdint>
 #include <cstring>
