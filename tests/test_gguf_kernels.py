@@ -144,9 +144,30 @@ def test_threads_split_the_rows_without_changing_a_bit(isa, int8):
 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or its kernel) gives no AMX tiles: the path is not built or not granted")
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t != "Q6_K"])
+def test_amx_exact_way_of_10_to_31_rows_is_float32_exact_and_row_independent(qtype):
+    """Products of 10-31 rows of the types with one scale per 32 weights run on AMX tiles with
+    exact operands (csrc/amx_exact.h): their error stays within 4 float32 roundings of sum |w x|
+    (the FMA ways' bound here is 64; the two-halves way of 32 rows and more is about 25 on this
+    data), and a row's bits do not depend on the rows that share its product."""
+    kernels.set_isa("amx")
+    try:
+        w = weight(qtype, seed=5)
+        x = torch.randn(31, w.in_features, generator=torch.Generator().manual_seed(5))
+        x64, w64 = x.double().numpy(), gguf_dense(w).astype(np.float64)
+        full = kernels.matmul(x, w)
+        err = np.abs(full.double().numpy() - x64 @ w64.T)
+        assert (err <= 4 * EPS32 * (np.abs(x64) @ np.abs(w64).T) + 1e-30).all()
+        for start, rows in ((0, 10), (3, 16), (5, 17), (20, 11)):
+            assert torch.equal(kernels.matmul(x[start : start + rows], w), full[start : start + rows])
+    finally:
+        kernels.set_isa(None)
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or its kernel) gives no AMX tiles: the path is not built or not granted")
 def test_amx_path_gives_back_another_librarys_tiles():
     """oneDNN (torch's bfloat16 products) keeps its own tile configuration on the same threads:
-    after an AMX product (float32 on AMX-BF16, int8 on AMX-INT8), its products still run and give
+    after an AMX product (float32 on AMX-BF16, both ways; int8 on AMX-INT8), its products still run and give
     the same result, on one thread and two."""
     gen = torch.Generator().manual_seed(9)
     a, b = torch.randn(64, 512, generator=gen).bfloat16(), torch.randn(512, 256, generator=gen).bfloat16()
@@ -154,10 +175,12 @@ def test_amx_path_gives_back_another_librarys_tiles():
     x = torch.randn(64, 512, generator=gen)
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        before, y, y8 = a @ b, kernels.matmul(x, w), kernels.matmul(x, w, int8=True)
+        before, y, y8, y16 = a @ b, kernels.matmul(x, w), kernels.matmul(x, w, int8=True), kernels.matmul(x[:16], w)
         for _ in range(3):
             assert torch.equal(a @ b, before)
             assert torch.equal(kernels.matmul(x, w), y)
+            assert torch.equal(a @ b, before)
+            assert torch.equal(kernels.matmul(x[:16], w), y16)  # the exact way's tiles
             assert torch.equal(a @ b, before)
             assert torch.equal(kernels.matmul(x, w, int8=True), y8)
     assert kernels.isa() == "amx"

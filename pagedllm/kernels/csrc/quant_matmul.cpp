@@ -34,7 +34,7 @@
 
 #include <omp.h>
 
-#include "amx_tiles.h"
+#include "amx_exact.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include "simd.h"
 #define QUANT_AVX2 1
