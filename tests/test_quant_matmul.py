@@ -128,3 +128,17 @@ def test_packed_weights_refuse_activations_they_cannot_multiply(smollm_llm):
     model = smollm_llm.llm_engine.executor.worker.model
     with pytest.raises(TypeError, match="float32 CPU activations"):
         model.lm_head.quant_method.apply(model.lm_head, torch.zeros(1, 576, dtype=torch.bfloat16))
+
+
+def test_the_environment_variable_turns_the_amx_way_off():
+    # PAGEDLLM_QUANT_AMX=0: a benchmark's run without the tiles, in a fresh process.
+    import os
+    import subprocess
+    import sys
+
+    code = "from pagedllm.kernels import quant; print(quant.amx_min_rows(), quant.float_isa())"
+    off = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PAGEDLLM_QUANT_AMX": "0"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert off[0] == "0" and "AMX" not in " ".join(off[1:])
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert on[0] == ("10" if _cpu_has_amx_bf16() else "0")

@@ -19,9 +19,15 @@ using pagedllm_amx::kAmxW;
 constexpr int kAmxMinRows = 10;
 constexpr int kAmxPrefetch = 2048;  // bytes of W ahead of its expansion that are prefetched
 
-int g_amx = -1;  // 1: products take this way (amx_permitted() at first use); quant_matmul_set_amx
+// 1: products take this way; at first use, where Linux grants the tiles and the environment
+// variable PAGEDLLM_QUANT_AMX is not "0" (benchmarks: the same run without the tiles);
+// quant_matmul_set_amx changes it.
+int g_amx = -1;
 inline bool amx_on() {
-  if (g_amx < 0) g_amx = amx_permitted() ? 1 : 0;
+  if (g_amx < 0) {
+    const char* env = std::getenv("PAGEDLLM_QUANT_AMX");
+    g_amx = amx_permitted() && !(env != nullptr && std::strcmp(env, "0") == 0) ? 1 : 0;
+  }
   return g_amx == 1;
 }
 
