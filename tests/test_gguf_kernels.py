@@ -145,8 +145,8 @@ def test_threads_split_the_rows_without_changing_a_bit(isa, int8):
 
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or its kernel) gives no AMX tiles: the path is not built or not granted")
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t != "Q6_K"])
-def test_amx_exact_way_of_10_to_31_rows_is_float32_exact_and_row_independent(qtype):
-    """Products of 10-31 rows of the types with one scale per 32 weights run on AMX tiles with
+def test_amx_exact_way_of_8_to_31_rows_is_float32_exact_and_row_independent(qtype):
+    """Products of 8-31 rows of the types with one scale per 32 weights run on AMX tiles with
     exact operands (csrc/amx_exact.h): their error stays within 4 float32 roundings of sum |w x|
     (the FMA ways' bound here is 64; the two-halves way of 32 rows and more is about 25 on this
     data), and a row's bits do not depend on the rows that share its product."""
@@ -158,7 +158,7 @@ def test_amx_exact_way_of_10_to_31_rows_is_float32_exact_and_row_independent(qty
         full = kernels.matmul(x, w)
         err = np.abs(full.double().numpy() - x64 @ w64.T)
         assert (err <= 4 * EPS32 * (np.abs(x64) @ np.abs(w64).T) + 1e-30).all()
-        for start, rows in ((0, 10), (3, 16), (5, 17), (20, 11)):
+        for start, rows in ((0, 8), (3, 16), (5, 17), (20, 11)):
             assert torch.equal(kernels.matmul(x[start : start + rows], w), full[start : start + rows])
     finally:
         kernels.set_isa(None)

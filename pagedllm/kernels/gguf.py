@@ -9,7 +9,7 @@ weight cache (`from_data` rebuilds it). `LAYOUT` names that layout, for a cache 
 
 `matmul` runs csrc/gguf_matmul.cpp (its top comment says how): float32 activations, or with
 `int8=True` activations quantized per block of 32 (llama.cpp's Q8_0 way) multiplied on 8-bit
-integers (AVX-512 VNNI or AVX2); on CPUs with AMX (path 'amx'), float32 products of 10 to 31
+integers (AVX-512 VNNI or AVX2); on CPUs with AMX (path 'amx'), float32 products of 8 to 31
 rows of the types with one scale per 32 weights run on its tiles with exact operands
 (csrc/amx_exact.h), those of 32 rows and more carried as two bfloat16 halves (csrc/gguf_amx.h),
 and int8 products of 5 rows and more (10 for Q6_K) on its int8 tiles (csrc/gguf_amx_int8.h). The path is the

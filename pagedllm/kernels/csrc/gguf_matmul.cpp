@@ -17,6 +17,8 @@
 //   64 products an instruction); AVX2 and the portable path decode a row into a buffer
 //   (gguf_blocks.h's int8_values, Q8_0 signed) and multiply from it (AVX2: VPMADDUBSW). It pays at
 //   decode sizes; from about 16 rows on the float way is faster.
+// - float, 8 to 31 rows where the CPU has AMX (path 3), types with one scale per 32 weights: on
+//   its tiles with exact operands, gguf_amx_exact.h (amx_exact.h).
 // - float, 32 rows and more where the CPU has AMX (path 3): on its tiles, gguf_amx.h.
 // - int8, 5 rows and more (10 for Q6_K) where the CPU has AMX-INT8 (path 3): on its tiles
 //   (TDPBUSD), the same numbers as VNNI's, gguf_amx_int8.h: then int8 pays at every size.
@@ -1012,67 +1014,7 @@ void int8_matmul_avx512(int qtype, float* y, const uint8_t* packed, int64_t num_
 constexpr int kAmxMinRows = 32;  // from this many rows of x on, AMX's way (float32)
 #endif
 
-#if defined(GGUF_AMX) && defined(PAGEDLLM_AMX_EXACT)
-// The float products of 10 to 31 rows, for the types with one scale per 32 weights (all but Q6_K), on AMX tiles with
-// exact operands (amx_exact.h): each row of W decoded as the int8 way decodes it (unsigned values
-// u, 0..255, which bfloat16 holds exactly, and per 32 weights s and c, w = s u - c), so q = u,
-// d = s, m = -c. Its error is of the FMA ways' size, where gguf_amx.h's two halves of each value
-// lose 2^-18 of it. It serves kExactMinRows to kAmxMinRows - 1 rows (decode batches, verified
-// tokens), where the FMA ways served them: measured on the 2-core Xeon VM, a Llama-3.2-1B layer's
-// seven Q4_K projections, 2 threads, ms, this way / the FMA way: 10 rows 7.4 / 11.5, 16 rows
-// 7.2 / 12.6, 32 rows 11.9 / 18.2 (the two halves' way 11.7), 128 rows 45.8 (theirs 27.8: they
-// split x once per 256 rows and expand W once per 256, this way once per 64).
-#define GGUF_AMX_EXACT 1
-constexpr int kExactMinRows = 10;
-inline bool exact_type(int qtype) { return qtype != kQ6_K; }
-
-template <int T>
-void amx_exact_matmul_type(float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
-                           int64_t in_features, int num_threads) {
-  const TypeSize t = type_size(T);
-  const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
-  const auto expand = [=](int n0, int nw, uint16_t* a, float* d, float* m) {
-    // locals, not the closure's members (see quant_amx.h's expander)
-    const int64_t bytes = row_bytes, blocks = num_blocks, k = in_features, groups = in_features / 32;
-    const uint8_t* const w = packed;
-    float* c16 = pagedllm_amx::exact_buffer(5, k / 16 + 16);
-    for (int j = 0; j < nw; ++j) {
-      uint16_t* aj = a + j * k;
-      float* dj = d + j * groups;
-      int8_chunks_avx512<T>(w + (n0 + j) * bytes, blocks, c16, [&](int64_t kk, __m512i u, __m512 s) {
-        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, 0)));
-        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, 1)));
-        _mm512_storeu_si512(aj + kk, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f1, f0)));
-        dj[kk / 32] = _mm512_cvtss_f32(s);
-        if (kk + 32 < k) {  // (a lone last legacy block comes paired with itself)
-          const __m512 f2 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, 2)));
-          const __m512 f3 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, 3)));
-          _mm512_storeu_si512(aj + kk + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f3, f2)));
-          dj[kk / 32 + 1] = _mm512_cvtss_f32(_mm512_castps256_ps512(_mm512_extractf32x8_ps(s, 1)));
-        }
-      });
-      float* mj = m + j * groups;
-      for (int64_t g = 0; g < groups; ++g) mj[g] = -c16[2 * g];
-    }
-  };
-  pagedllm_amx::exact_matmul<true>(y, x, static_cast<int>(num_rows), static_cast<int>(out_features),
-                                   static_cast<int>(in_features), num_threads, expand);
-}
-
-void amx_exact_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
-                      int64_t in_features, int num_threads) {
-  switch (qtype) {
-    case kQ4_0: return amx_exact_matmul_type<kQ4_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ4_1: return amx_exact_matmul_type<kQ4_1>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ5_0: return amx_exact_matmul_type<kQ5_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ5_1: return amx_exact_matmul_type<kQ5_1>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ8_0: return amx_exact_matmul_type<kQ8_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ4_K: return amx_exact_matmul_type<kQ4_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ5_K: return amx_exact_matmul_type<kQ5_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    default: return;
-  }
-}
-#endif
+#include "gguf_amx_exact.h"
 
 template <int ISA, bool kSigned>
 void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
