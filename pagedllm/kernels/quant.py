@@ -203,7 +203,7 @@ def float_isa() -> str:
     each block once for up to 8 rows of x and two rows of W; with AVX2, 1-7 rows do so for up to 8
     rows of x (for Q4_1 two rows of W at 1-4), and from 8 rows on the tiled way runs. Where the
     CPU has AMX (and Linux grants it), products of `amx_min_rows()` rows and more run on its
-    tiles instead (csrc/quant_amx.h: exact operands, float32 sums)."""
+    tiles instead (csrc/quant_amx.h over csrc/amx_exact.h: exact operands, float32 sums)."""
     from pagedllm.kernels.build import load
 
     return FLOAT_ISA[load().quant_matmul_isa()]
