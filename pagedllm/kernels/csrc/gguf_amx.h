@@ -14,8 +14,7 @@
 
 #if defined(GGUF_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define GGUF_AMX 1
-#include "amx_tiles.h"
-using pagedllm_amx::amx_permitted;
+using pagedllm_amx::amx_permitted;  // amx_tiles.h, which gguf_matmul.cpp includes (through amx_exact.h)
 using pagedllm_amx::TileConfig;
 using pagedllm_amx::TileScope;
 

@@ -7,7 +7,6 @@
 #if defined(QUANT_AVX512) && defined(PAGEDLLM_AMX_EXACT)
 #define QUANT_AMX 1
 using pagedllm_amx::amx_permitted;
-using pagedllm_amx::kAmxW;
 
 // From this many rows of x on, products take this way. Measured on the 2-core Xeon VM (AMX), a
 // decode step's products of the default model's shapes (121 of them), ms, AVX-512 way / this:

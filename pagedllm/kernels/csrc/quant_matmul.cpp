@@ -250,7 +250,7 @@ inline float* thread_buffer(int slot, int64_t floats) {
     int64_t size = 0;
     ~Buffer() { _mm_free(data); }
   };
-  static thread_local Buffer buffers[6];
+  static thread_local Buffer buffers[2];
   Buffer& b = buffers[slot];
   if (b.size < floats) {
     _mm_free(b.data);
