@@ -1,8 +1,9 @@
 """A Llama-3.2-1B layer's seven Q4_K projections (q, k, v, o, gate, up, down; random blocks) timed
 through each way gguf_matmul has on an AMX CPU, at the row counts given: the FMA float way (path
 'avx512'), the float way on AMX tiles (path 'amx': exact operands from 8 to 31 rows, the two
-bfloat16 halves from 32), and int8 activations on the AMX-INT8 tiles. Best of three, torch's
-thread count. The source of the figures in docs/gguf-kernels.md and docs/paper.md (2026-12-04).
+bfloat16 halves from 32), and int8 activations by AVX-512 VNNI (path 'avx512') and on the
+AMX-INT8 tiles (Q4_K: x per 256, csrc/gguf_amx_q8k.h). Best of three, torch's thread count. The
+source of the figures in docs/gguf-kernels.md and docs/paper.md.
 
     python benchmarks/gguf_amx_ways.py 1 8 16 32 128
 """
@@ -20,7 +21,7 @@ from pagedllm.bench.hardware import best_time  # noqa: E402
 from pagedllm.kernels import gguf  # noqa: E402
 
 SHAPES = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]
-WAYS = (("avx512", "avx512", False), ("amx", "amx", False), ("int8-amx", "amx", True))
+WAYS = (("avx512", "avx512", False), ("amx", "amx", False), ("int8-vnni", "avx512", True), ("int8-amx", "amx", True))
 
 
 def main(rows_list: list[int]) -> int:

@@ -81,7 +81,7 @@ def test_int8_product_is_the_float64_product_of_its_quantized_activations(qtype,
     w = weight(qtype, seed=2)
     w64 = gguf_dense(w).astype(np.float64)
     x = torch.randn(max(ROWS), w.in_features, generator=torch.Generator().manual_seed(3))
-    q, d = kernels.quantize_activations(x)  # per row: the first rows of x quantize alike
+    q, d = kernels.quantize_activations(x, qtype)  # per row: the first rows of x quantize alike
     xq = (q.double().numpy().reshape(len(x), -1, 32) * d.double().numpy()[..., None]).reshape(len(x), -1)
     quantized, exact = Reference(xq, w64), Reference(x.double().numpy(), w64)
     # each activation moves by at most half its block's step
@@ -92,13 +92,34 @@ def test_int8_product_is_the_float64_product_of_its_quantized_activations(qtype,
         exact.check(y, extra=half_steps)
 
 
-def test_activations_are_quantized_per_block_of_32_to_127_steps():
-    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(4))
-    q, d = kernels.quantize_activations(x)
-    blocks = x.view(3, 3, 32)
-    assert torch.allclose(d, blocks.abs().amax(-1) / 127, rtol=1e-6)
+@pytest.mark.parametrize("qtype, block", [("Q8_0", 32), ("Q4_0", 32), ("Q4_K", 256), ("Q6_K", 256)])
+def test_activations_are_quantized_per_block_to_127_steps(qtype, block):
+    """Per 32 for the legacy types, per 256 for the K-quants (llama.cpp's Q8_0 and Q8_K)."""
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(4))
+    x[1, 300] = 40.0  # an outlier: its whole block (and only it) takes a coarser step
+    assert kernels.activation_block(qtype) == block
+    q, d = kernels.quantize_activations(x, qtype)
+    blocks = x.view(3, 768 // block, block)
+    step = blocks.abs().amax(-1) / 127
+    assert torch.allclose(d, step.repeat_interleave(block // 32, dim=1), rtol=1e-6)
     assert int(q.abs().max()) == 127
-    assert torch.all((q.view(3, 3, 32) * d[..., None] - blocks).abs() <= d[..., None] / 2 * 1.0001)
+    assert torch.all((q.view(3, -1, block) * step[..., None] - blocks).abs() <= step[..., None] / 2 * 1.0001)
+    with pytest.raises(ValueError, match="per 256"):
+        kernels.quantize_activations(torch.randn(2, 96), "Q4_K")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+def test_int8_product_of_an_odd_number_of_super_blocks(qtype, isa):
+    """Three super-blocks a row: the AMX way (csrc/gguf_amx_q8k.h) takes them two at a time."""
+    gen = torch.Generator().manual_seed(12)
+    w = kernels.random_weight(qtype, 33, 768, gen)
+    w64 = gguf_dense(w).astype(np.float64)
+    x = torch.randn(40, 768, generator=gen)
+    q, d = kernels.quantize_activations(x, qtype)
+    xq = (q.double().numpy().reshape(len(x), -1, 32) * d.double().numpy()[..., None]).reshape(len(x), -1)
+    reference = Reference(xq, w64)
+    for rows in (1, 4, 5, 16, 17, 40):
+        reference.check(kernels.matmul(x[:rows], w, int8=True))
 
 
 @pytest.mark.parametrize("qtype", TYPES)

@@ -122,7 +122,7 @@ def load() -> ctypes.CDLL:
     # kernels/gguf.py: the native GGUF block types
     lib.gguf_matmul.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.gguf_dequantize_rows.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    lib.gguf_quantize_activations.argtypes = [_P, _P, _P, ctypes.c_int64, ctypes.c_int64]
+    lib.gguf_quantize_activations.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
     for name in ("gguf_matmul", "gguf_dequantize_rows", "gguf_quantize_activations"):
         getattr(lib, name).restype = None
     lib.gguf_set_isa.argtypes = [ctypes.c_int]

@@ -8,11 +8,12 @@ nothing else: no float copy, scales included, `.data` about the file's size, sav
 weight cache (`from_data` rebuilds it). `LAYOUT` names that layout, for a cache to key on.
 
 `matmul` runs csrc/gguf_matmul.cpp (its top comment says how): float32 activations, or with
-`int8=True` activations quantized per block of 32 (llama.cpp's Q8_0 way) multiplied on 8-bit
-integers (AVX-512 VNNI or AVX2); on CPUs with AMX (path 'amx'), float32 products of 8 to 31
+`int8=True` activations quantized per block of 32 for the legacy types and per 256 for the
+K-quants (llama.cpp's Q8_0 and Q8_K ways) multiplied on 8-bit integers (AVX-512 VNNI or AVX2); on CPUs with AMX (path 'amx'), float32 products of 8 to 31
 rows of the types with one scale per 32 weights run on its tiles with exact operands
 (csrc/amx_exact.h), those of 32 rows and more carried as two bfloat16 halves (csrc/gguf_amx.h),
-and int8 products of 5 rows and more (10 for Q6_K) on its int8 tiles (csrc/gguf_amx_int8.h). The path is the
+and int8 products of 5 rows and more (10 for Q6_K) on its int8 tiles (csrc/gguf_amx_int8.h; Q4_K
+and Q5_K with their sub-block scales folded into the weights, csrc/gguf_amx_q8k.h). The path is the
 best this CPU has (`isa()`); `set_isa` forces a lesser one (tests check each, the benchmark
 compares them), as does the environment variable PAGEDLLM_GGUF_ISA (portable, avx2, avx512,
 amx) read at first use. The C ABI `gguf_matmul` is the
@@ -114,7 +115,7 @@ def _set_isa(lib, name: str) -> None:
 
 def matmul(x: torch.Tensor, w: PackedWeight, int8: bool = False) -> torch.Tensor:
     """x: float32 [rows, in_features] -> x W^T: float32 [rows, out_features]; int8: x quantized
-    per block of 32 and multiplied on 8-bit integers (close to, not equal to, the float product)."""
+    per block of `activation_block(w.qtype)` and multiplied on 8-bit integers (close to, not equal to, the float product)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be float32 [rows, {w.in_features}], got {x.dtype} {list(x.shape)}")
     return packed_product(_lib().gguf_matmul, x, w, TYPE_IDS[w.qtype], int8)
@@ -146,13 +147,25 @@ def dequantize_rows(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.
     return out
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the int8 path quantizes it: int8 [rows, in] and the scales float32 [rows, in / 32]
-    (x ~= q * scale per block): for tests."""
+def activation_block(qtype: str) -> int:
+    """How many activations share one int8 scale in a product with W of `qtype`: 256 for the
+    K-quants (llama.cpp's Q8_K: a super-block's sub-block scales then apply to integer sums), 32
+    for the legacy types."""
+    return 256 if GGUF_TYPES[qtype][0] == 256 else 32
+
+
+def quantize_activations(x: torch.Tensor, qtype: str = "Q8_0") -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the int8 path quantizes it for a product with W of `qtype`: int8 [rows, in] and the
+    scales float32 [rows, in / 32], each block's scale repeated over its 32s (x ~= q * scale per
+    32): for tests."""
+    if qtype not in GGUF_TYPES:
+        raise ValueError(f"Unknown GGUF type {qtype!r}; choose one of {', '.join(GGUF_TYPES)}.")
     x = x.contiguous()
+    if x.shape[1] % activation_block(qtype):
+        raise ValueError(f"{qtype} quantizes activations per {activation_block(qtype)}: x has {x.shape[1]} columns.")
     q = torch.empty(x.shape, dtype=torch.int8)
     d = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32)
-    _lib().gguf_quantize_activations(q.data_ptr(), d.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1])
+    _lib().gguf_quantize_activations(TYPE_IDS[qtype], q.data_ptr(), d.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1])
     return q, d
 
 

@@ -16,7 +16,8 @@
 // (int8_chunks_avx512, the VNNI way's registers stored as A's rows: natural order) and meet every
 // tile of 16 rows of x; x is laid out once per call as the unit reads B (VNNI: per 16 rows of x,
 // 4 bytes of k each, k / 4 rows). Rows of W are split across threads; each thread configures its
-// tiles and gives back another library's.
+// tiles and gives back another library's. Q4_K and Q5_K take gguf_amx_q8k.h's way instead (x per
+// 256, a super-block's sums kept in the tiles); this one serves the legacy types and Q6_K.
 
 #if defined(GGUF_AMX) && defined(__AMX_INT8__)
 #define GGUF_AMX_INT8 1

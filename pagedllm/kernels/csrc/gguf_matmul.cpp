@@ -10,8 +10,8 @@
 // - float, more rows (prompts): x is transposed into panels of 2 vectors of rows (32 rows on
 //   AVX-512, 16 on AVX2); 12 rows of W at a time are expanded into a float buffer and each expanded
 //   weight is broadcast to multiply a panel's column (24 or 12 accumulators), the core's FMA rate.
-// - int8 (use_int8): each row of x is quantized per block of 32 (llama.cpp's Q8_0 way: a scale
-//   max|x| / 127 and 32 int8); a weight is s u - c over each 16 (u its unsigned value, 0..63, or
+// - int8 (use_int8): each row of x is quantized per block of 32 for the legacy types and of 256
+//   for the K-quants (llama.cpp's Q8_0 and Q8_K ways: a scale max|x| / 127 and int8); a weight is s u - c over each 16 (u its unsigned value, 0..63, or
 //   Q8_0's int8 + 128), so a group's dot product is s dx sum(u qx) - c sum(x), sum(u qx) on 8-bit
 //   integers. AVX-512 VNNI decodes each 64 weights in registers for up to 8 rows of x (VPDPBUSD,
 //   64 products an instruction); AVX2 and the portable path decode a row into a buffer
@@ -21,7 +21,9 @@
 //   its tiles with exact operands, gguf_amx_exact.h (amx_exact.h).
 // - float, 32 rows and more where the CPU has AMX (path 3): on its tiles, gguf_amx.h.
 // - int8, 5 rows and more (10 for Q6_K) where the CPU has AMX-INT8 (path 3): on its tiles
-//   (TDPBUSD), the same numbers as VNNI's, gguf_amx_int8.h: then int8 pays at every size.
+//   (TDPBUSD), the same numbers as VNNI's, gguf_amx_int8.h; Q4_K and Q5_K with their sub-block
+//   scales folded into W's operand so that a super-block's sums stay in the tiles,
+//   gguf_amx_q8k.h: then int8 pays at every size.
 // The ISA path (portable C++, AVX2, AVX-512, AMX) is chosen at run time (gguf_set_isa) among those
 // this build has, so tests run every one the machine can. Rows of W are split across OpenMP
 // threads. Math in float32.
@@ -567,23 +569,54 @@ void rows_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
 // ---------------------------------------------------------------------------------------------
 // int8 activations.
 
-// Row r of x quantized per block of 32 into qx (stride `padded` bytes, zero past in_features),
-// with per group of 16 its block's scale dx16 and dx times the sum of the group's int8 values
-// xs16 (stride padded / 16, zero past in_features / 16).
+#ifdef GGUF_AVX512
+// One row of quantize_activations, 16 values a vector: max |x| per block, then each value times
+// the block's 1 / d rounded to nearest even (as std::nearbyint in the default rounding mode).
+inline void quantize_row_avx512(const float* x, int64_t in_features, int block, int8_t* q, float* d16, float* s16) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t k0 = 0; k0 < in_features; k0 += block) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int h = 0; h < block / 16; ++h) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + k0 + 16 * h)));
+    const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+    const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    for (int h = 0; h < block / 16; ++h) {
+      const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k0 + 16 * h), inv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16 * h), _mm512_cvtepi32_epi8(v));
+      d16[k0 / 16 + h] = d;
+      s16[k0 / 16 + h] = d * static_cast<float>(_mm512_reduce_add_epi32(v));
+    }
+  }
+}
+#endif
+
+// Row r of x quantized per block of `block` (32, or 256 for the K-quants: llama.cpp's Q8_K, so that
+// a super-block's sub-block scales apply to integer sums, gguf_amx_q8k.h) into qx (stride `padded`
+// bytes, zero past in_features), with per group of 16 its block's scale dx16 and dx times the sum
+// of the group's int8 values xs16 (stride padded / 16, zero past in_features / 16). in_features:
+// a multiple of `block`.
 void quantize_activations(const float* x, int64_t num_rows, int64_t in_features, int64_t padded, int8_t* qx,
-                          float* dx16, float* xs16) {
+                          float* dx16, float* xs16, int block = 32) {
   const int64_t groups = padded / 16;
   for (int64_t r = 0; r < num_rows; ++r) {
     const float* xr = x + r * in_features;
     int8_t* q = qx + r * padded;
     float* d16 = dx16 + r * groups;
     float* s16 = xs16 + r * groups;
-    for (int64_t k0 = 0; k0 < in_features; k0 += 32) {
+#ifdef GGUF_AVX512
+    if (in_features % 32 == 0) {  // 16 at a time; the same numbers as the loop below
+      quantize_row_avx512(xr, in_features, block, q, d16, s16);
+      std::memset(q + in_features, 0, padded - in_features);
+      for (int64_t g = in_features / 16; g < groups; ++g) d16[g] = s16[g] = 0.0f;
+      continue;
+    }
+#endif
+    for (int64_t k0 = 0; k0 < in_features; k0 += block) {
       float amax = 0.0f;
-      for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(xr[k0 + j]));
+      for (int j = 0; j < block; ++j) amax = std::fmax(amax, std::fabs(xr[k0 + j]));
       const float d = amax / 127.0f;
       const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < block / 16; ++h) {
         int sum = 0;
         for (int j = 16 * h; j < 16 * h + 16; ++j) {
           const int v = static_cast<int>(std::nearbyint(xr[k0 + j] * inv));
@@ -598,6 +631,10 @@ void quantize_activations(const float* x, int64_t num_rows, int64_t in_features,
     for (int64_t g = in_features / 16; g < groups; ++g) d16[g] = s16[g] = 0.0f;
   }
 }
+
+// The block x is quantized in for a product with W of type qtype: 256 for the K-quants (as
+// llama.cpp's Q8_K), 32 for the legacy types (Q8_0's, Q8_1's).
+inline int activation_block(int qtype) { return type_size(qtype).weights == 256 ? 256 : 32; }
 
 // Activations and a row of W as the int8 dot products read them.
 struct Int8Rows {
@@ -798,6 +835,39 @@ inline void int8_dot_group(float* y, int64_t y_stride, const uint8_t* u, const f
 }
 
 #ifdef GGUF_AVX512
+// Q4_K's and Q5_K's eight 6-bit sub-block scales and minimums of the super-block at p, as bytes
+// (ggml's utmp unpacking).
+inline void k4_scales_mins(const uint8_t* p, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t q[3], s[2], m[2];
+  std::memcpy(q, p + 4, 12);
+  s[0] = q[0] & 0x3F3F3F3F;
+  s[1] = (q[2] & 0x0F0F0F0F) | (((q[0] >> 6) & 0x03030303) << 4);
+  m[0] = q[1] & 0x3F3F3F3F;
+  m[1] = ((q[2] >> 4) & 0x0F0F0F0F) | (((q[1] >> 6) & 0x03030303) << 4);
+  std::memcpy(sc, s, 8);
+  std::memcpy(mn, m, 8);
+}
+
+inline __m256 k4_bytes_as_floats(const uint8_t v[8]) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+}
+
+// Weights 64 c to 64 c + 63 of the Q4_K or Q5_K super-block at p as 64 unsigned bytes in natural
+// order: sub-block 2 c, then 2 c + 1.
+template <int T>
+inline __m512i k4_chunk(const uint8_t* p, int c) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (T == kQ4_K ? 16 : 48) + 32 * c));
+  __m512i u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
+                               _mm512_set1_epi8(0x0F));
+  if constexpr (T == kQ5_K) {
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const uint64_t lo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c))));
+    const uint64_t hi = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1))));
+    u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(lo | hi << 32, _mm512_set1_epi8(16)));
+  }
+  return u;
+}
+
 // The int8 way on AVX-512 VNNI, a few rows of x at a time and no buffer for W: each 64 weights of
 // a block (a pair of legacy blocks) are decoded in registers into their unsigned values
 // (Q8_0's int8 + 128, so VPDPBUSD's unsigned operand holds them; its constant c is 128 d) and a
@@ -879,32 +949,16 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
     for (int64_t b = 0; b < num_blocks; ++b) {
       const uint8_t* p = row + b * t.bytes;
       prefetch_ahead(p, t.bytes);
-      // the 6-bit scales and minimums as bytes (ggml's utmp unpacking)
-      uint32_t q[3], sc[2], mn[2];
-      std::memcpy(q, p + 4, 12);
-      sc[0] = q[0] & 0x3F3F3F3F;
-      sc[1] = (q[2] & 0x0F0F0F0F) | (((q[0] >> 6) & 0x03030303) << 4);
-      mn[0] = q[1] & 0x3F3F3F3F;
-      mn[1] = ((q[2] >> 4) & 0x0F0F0F0F) | (((q[1] >> 6) & 0x03030303) << 4);
-      const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)),
-                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
-      const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)),
-                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)))));
+      uint8_t sc[8], mn[8];
+      k4_scales_mins(p, sc, mn);
+      const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)), k4_bytes_as_floats(sc));
+      const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)), k4_bytes_as_floats(mn));
       _mm512_storeu_ps(c16 + 16 * b, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(m8)));
       const __m512 s512 = _mm512_castps256_ps512(s8);
-      const __m256i qh = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)) : _mm256_setzero_si256();
-      const uint8_t* qs = p + (T == kQ4_K ? 16 : 48);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-        __m512i u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low4);
-        if constexpr (T == kQ5_K) {
-          const uint64_t lo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c))));
-          const uint64_t hi = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1))));
-          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(lo | hi << 32, _mm512_set1_epi8(16)));
-        }
         const __m512i which = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * c)), _mm256_set1_epi32(2 * c + 1), 1);
-        sink(256 * b + 64 * c, u, _mm512_permutexvar_ps(which, s512));
+        sink(256 * b + 64 * c, k4_chunk<T>(p, c), _mm512_permutexvar_ps(which, s512));
       }
     }
   } else if constexpr (T == kQ6_K) {
@@ -1010,6 +1064,7 @@ void int8_matmul_avx512(int qtype, float* y, const uint8_t* packed, int64_t num_
 
 #include "gguf_amx.h"
 #include "gguf_amx_int8.h"
+#include "gguf_amx_q8k.h"
 #ifdef GGUF_AMX
 constexpr int kAmxMinRows = 32;  // from this many rows of x on, AMX's way (float32)
 #endif
@@ -1025,12 +1080,14 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
   int8_t* qx = static_cast<int8_t*>(thread_buffer(3, num_rows * padded));
   float* dx16 = static_cast<float*>(thread_buffer(4, sizeof(float) * num_rows * groups));
   float* xs16 = static_cast<float*>(thread_buffer(5, sizeof(float) * num_rows * groups));
-  quantize_activations(x, num_rows, in_features, padded, qx, dx16, xs16);
+  quantize_activations(x, num_rows, in_features, padded, qx, dx16, xs16, activation_block(qtype));
   const Int8Rows a{qx, dx16, xs16, padded};
 #ifdef GGUF_AMX_INT8
   if constexpr (ISA == kAvx512Amx) {
-    if (num_rows >= amx_int8_min_rows(qtype))
+    if (num_rows >= amx_int8_min_rows(qtype)) {
+      if (q8k_type(qtype)) return amx_q8k_matmul(qtype, y, packed, num_rows, out_features, in_features, a, num_threads);
       return amx_int8_matmul(qtype, y, packed, num_rows, out_features, in_features, a, num_threads);
+    }
   }
 #endif
 #ifdef GGUF_AVX512
@@ -1146,12 +1203,13 @@ void gguf_dequantize_rows(int qtype_id, float* out, const uint8_t* packed, const
     expand_row_portable(qtype_id, packed + indices[i] * row_bytes, num_blocks, out + i * in_features);
 }
 
-// x quantized as the int8 path does (tests): qx [rows, in_features] int8, dx [rows, in_features / 32].
-void gguf_quantize_activations(int8_t* qx, float* dx, const float* x, int64_t rows, int64_t in_features) {
+// x quantized as the int8 path does for a product with W of type qtype_id (tests): qx [rows,
+// in_features] int8, dx [rows, in_features / 32] (each block's scale, repeated over its 32s).
+void gguf_quantize_activations(int qtype_id, int8_t* qx, float* dx, const float* x, int64_t rows, int64_t in_features) {
   const int64_t padded = round_up(in_features, 64), groups = padded / 16;
   int8_t* q = static_cast<int8_t*>(std::malloc(rows * padded));
   float* d16 = static_cast<float*>(std::malloc(sizeof(float) * rows * groups * 2));
-  quantize_activations(x, rows, in_features, padded, q, d16, d16 + rows * groups);
+  quantize_activations(x, rows, in_features, padded, q, d16, d16 + rows * groups, activation_block(qtype_id));
   for (int64_t r = 0; r < rows; ++r) {
     std::memcpy(qx + r * in_features, q + r * padded, in_features);
     for (int64_t b = 0; b < in_features / 32; ++b) dx[r * (in_features / 32) + b] = d16[r * groups + 2 * b];
