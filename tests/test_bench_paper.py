@@ -132,3 +132,78 @@ def test_a_search_runs_every_rate_through_the_runner_it_is_given():
     assert result.bracket[0] <= 1.0 <= result.bracket[1]
     assert result.sustained_rate == pytest.approx(1.0, rel=0.02)
     assert len(tried) == len(result.points) == 4  # 0.7, 0.875, 1.09 (over the bar), then one halving
+
+
+def test_the_real_search_covers_all_five_systems_from_their_simulated_rates(monkeypatch, tmp_path):
+    """`--real-search` (real_search.py) searches vLLM, the three Orcas and static batching, each
+    from its simulated rate (static batching's without the padding the real engine never
+    computes), and finds the rate where each system's real latency crosses the bar."""
+    from types import SimpleNamespace
+
+    from pagedllm.bench.paper import real_search
+    from pagedllm.bench.paper.context import Context
+    from pagedllm.bench.paper.profiles import get_profile
+    from pagedllm.bench.paper.search import Pool
+
+    capacity = {"vLLM": 1.0, "Orca (Oracle)": 0.7, "Orca (Pow2)": 0.55, "Orca (Max)": 0.4, "FasterTransformer": 0.2}
+    simulated = {s: 1.1 * c for s, c in capacity.items()}  # the simulation 10% optimistic
+    tried: dict[str, list[float]] = {s: [] for s in capacity}
+    setups = {}
+
+    def real_run(engine, curve, rate):  # latency 2 (the bar) exactly at the system's capacity
+        tried[curve.system].append(rate)
+        setups[curve.system] = curve.setup
+        latency = 2 * rate / capacity[curve.system]
+        return SimpleNamespace(rate=rate, normalized_latency=latency, num_failed=0, as_dict=lambda: {"rate": rate})
+
+    monkeypatch.setattr(real_search, "build_engine", lambda *a, **k: SimpleNamespace(shutdown=lambda: None))
+    monkeypatch.setattr(real_search, "real_run_at", real_run)
+    monkeypatch.setattr(real_search, "unloaded_latency", lambda ctx, curve, run=None: 1.0)
+    monkeypatch.setattr(real_search, "sustained", lambda ctx, dataset, system: simulated[system])
+    monkeypatch.setattr(real_search, "sustained_rate", _simulated_ft_or_real(real_search.sustained_rate, simulated))
+    ctx = Context(get_profile("a100-opt13b", tmp_path), "real", tmp_path, Pool(1), requests_override=40)
+    result = real_search.real_sustained_rates(ctx)
+    assert set(result["systems"]) == set(capacity)
+    assert not setups["FasterTransformer"].pad_static
+    for system, found in result["systems"].items():
+        assert tried[system][0] == pytest.approx(simulated[system])  # started where the simulation said
+        assert found["sustained_rate"] == pytest.approx(capacity[system], rel=0.03)
+        assert len(tried[system]) == 2  # over the bar at the start, under it one 1.25x step down
+    # written as each system's search ends: the same answer
+    saved = json.loads((tmp_path / f"real_search_{ctx.tag}.json").read_text())
+    assert saved["systems"]["FasterTransformer"]["sustained_rate"] == result["systems"]["FasterTransformer"]["sustained_rate"]
+
+
+def _simulated_ft_or_real(search, simulated):
+    """real_search's sustained_rate: the simulated search of static batching's unpadded curve
+    (cost given) answers the stubbed simulated rate; the real searches (no cost) run as they are."""
+    from types import SimpleNamespace
+
+    def wrapped(curve, cost, *args, **kwargs):
+        if cost is not None:
+            assert curve.system == "FasterTransformer" and not curve.setup.pad_static
+            return SimpleNamespace(sustained_rate=simulated[curve.system])
+        return search(curve, cost, *args, **kwargs)
+
+    return wrapped
+
+
+def test_the_real_search_reuses_the_validation_runs_of_the_same_rates(monkeypatch, tmp_path):
+    """`--figures 12 --real-search` after `--figures 12` in the same folder does not run the
+    validation again when its rates are the same; at other rates it does."""
+    from pagedllm.bench.paper import real_figures
+    from pagedllm.bench.paper.context import Context
+    from pagedllm.bench.paper.profiles import get_profile
+    from pagedllm.bench.paper.search import Pool
+
+    monkeypatch.setattr(real_figures, "sustained", lambda ctx, dataset, system="vLLM": 1.0)
+    ctx = Context(get_profile("a100-opt13b", tmp_path), "real", tmp_path, Pool(1), requests_override=40, real_search=True)
+    rate = real_figures.COMMON_RATE_SHARE * 1.0
+    data = {d: {"rate": rate, "systems": {"vLLM": [{"mark": d}]}} for d in ("sharegpt", "alpaca")}
+    (tmp_path / f"fig12_{ctx.tag}.json").write_text(json.dumps({"results": {"data": data}}))
+    monkeypatch.setattr(real_figures, "build_engine", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran again")))
+    assert real_figures.real_runs(ctx) == data
+    other = Context(ctx.profile, "real", tmp_path, Pool(1), requests_override=40, real_search=True)
+    monkeypatch.setattr(real_figures, "sustained", lambda ctx, dataset, system="vLLM": 2.0)
+    with pytest.raises(AssertionError, match="ran again"):
+        real_figures.real_runs(other)

@@ -16,6 +16,7 @@ One model load serves all the runs (`real.use_policy`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 from pagedllm.bench.paper import plots
@@ -93,6 +94,9 @@ def real_runs(ctx: Context) -> dict:
         return ctx._memo["real_runs"]
     sim_ctx = Context(ctx.profile, "simulated", ctx.out_dir, ctx.pool, ctx.requests_override)
     rates = {dataset: COMMON_RATE_SHARE * sustained(sim_ctx, dataset) for dataset in DATASETS}
+    if ctx.real_search and (saved := _saved_runs(ctx, rates)) is not None:
+        ctx._memo["real_runs"] = saved
+        return saved
     engine = build_engine(ctx.profile.scale, model=ctx.profile.model, threads=ctx.profile.threads)
     try:
         runs = [_run(engine, sim_ctx, system, dataset, rates[dataset]) for dataset in DATASETS for system in SYSTEMS]
@@ -120,6 +124,20 @@ def real_runs(ctx: Context) -> dict:
     }
     ctx._memo["real_runs"] = result
     return result
+
+
+def _saved_runs(ctx: Context, rates: dict) -> dict | None:
+    """With --real-search, the validation runs of an earlier `--figures 12` in the same folder, at
+    the same rates (the same calibration and traces), so that the hour-long search does not
+    repeat them; delete fig12_<tag>.json to run them again."""
+    path = ctx.out_dir / f"fig12_{ctx.tag}.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())["results"]["data"]
+    if any(dataset not in data or abs(data[dataset]["rate"] - rates[dataset]) > 1e-9 for dataset in DATASETS):
+        return None
+    print(f"  the validation runs of {path} (same rates): reused; delete it to run them again", flush=True)
+    return data
 
 
 def fig12_real(ctx: Context) -> dict:
