@@ -43,8 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--real-search",
         action="store_true",
-        help="real clock, figure 12: also search vLLM's, Orca (Oracle)'s and Orca (Max)'s sustained rates on ShareGPT "
-        "with real runs (the paper's ratios as a target; about 45 minutes)",
+        help="real clock, figure 12: also search the sustained rates of vLLM, the three Orcas and static batching on "
+        "ShareGPT with real runs (the paper's ratios as a target; about 45 minutes for cpu, an hour for cpu-1b)",
     )
     p.set_defaults(func=run)
 

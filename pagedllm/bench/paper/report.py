@@ -204,7 +204,8 @@ def _validation(out_dir: Path) -> list[str]:
     if "sustained_search" not in payload["results"]:
         lines += [
             "Figure 12's target on the real clock (each system's sustained rate, searched with real runs) is not in "
-            "these runs: `pagedllm bench paper --clock real --figures 12 --real-search` adds it (about 45 minutes).",
+            "these runs: `pagedllm bench paper --clock real --figures 12 --real-search` adds it (about 45 minutes; an hour "
+            "for cpu-1b).",
             "",
         ]
     return lines
