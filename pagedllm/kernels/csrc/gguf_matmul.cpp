@@ -868,6 +868,23 @@ inline __m512i k4_chunk(const uint8_t* p, int c) {
   return u;
 }
 
+// Each of 32 int16 lanes' eighth: the sub-block of 16 weights whose products the lane holds, in a chunk of 64.
+alignas(64) constexpr int16_t kLaneEighths[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                  2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+
+// Weights 64 c to 64 c + 63 of the Q6_K super-block at p as 64 unsigned bytes (0..63) in natural
+// order: sub-blocks 4 c to 4 c + 3.
+inline __m512i k6_chunk(const uint8_t* p, int c) {
+  const int h = c / 2;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+  const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+  const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+  if (c % 2 == 0) return _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(qh2, three), 4));
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh2, 4), three), 4));
+}
+
 // The int8 way on AVX-512 VNNI, a few rows of x at a time and no buffer for W: each 64 weights of
 // a block (a pair of legacy blocks) are decoded in registers into their unsigned values
 // (Q8_0's int8 + 128, so VPDPBUSD's unsigned operand holds them; its constant c is 128 d) and a
@@ -878,7 +895,6 @@ inline __m512i k4_chunk(const uint8_t* p, int c) {
 template <int T, class Sink>
 inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c16, Sink&& sink) {
   const TypeSize t = type_size(T);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
     constexpr bool has_min = T == kQ4_1 || T == kQ5_1, five = T == kQ5_0 || T == kQ5_1;
     constexpr int qs_at = T == kQ8_0 ? 2 : (has_min ? 4 : 2) + (five ? 4 : 0), qh_at = has_min ? 4 : 2;
@@ -968,20 +984,10 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
       const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(half_to_float(p + 208)),
                                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)))));
       _mm512_storeu_ps(c16 + 16 * b, _mm512_mul_ps(s16, _mm512_set1_ps(32.0f)));
-      const __m512i three = _mm512_set1_epi8(3);
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m512i ql = _mm512_loadu_si512(p + 64 * h);
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
-        const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-        const __m512i u0 = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(qh2, three), 4));
-        const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh2, 4), three), 4));
-        const __m512i g0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        const __m512i first = _mm512_add_epi32(g0, _mm512_set1_epi32(8 * h));
-        sink(256 * b + 128 * h, u0, _mm512_permutexvar_ps(first, s16));
-        sink(256 * b + 128 * h + 64, u1, _mm512_permutexvar_ps(_mm512_add_epi32(first, _mm512_set1_epi32(4)), s16));
-      }
+      const __m512i g0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)
+        sink(256 * b + 64 * c, k6_chunk(p, c), _mm512_permutexvar_ps(_mm512_add_epi32(g0, _mm512_set1_epi32(4 * c)), s16));
     }
   }
 }
@@ -1013,15 +1019,91 @@ inline void int8_fused_rows(float* y, int64_t y_stride, const uint8_t* row, int6
     y[r * y_stride] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[r], _mm512_add_ps(off[r][0], off[r][1])));
 }
 
+// The K-quants with x quantized per 256 (llama.cpp's Q8_K way on AVX-512 VNNI): a super-block's
+// sub-block scales (Q4_K/Q5_K: eight of 6 bits; Q6_K: sixteen signed bytes) apply to integer
+// sums, so each row of x takes, per 64 weights, one VPMADDUBSW (u by qx into int16 pairs, at most
+// 2 x 63 x 127) and one VPDPWSSD by the sub-blocks' scales into int32 lanes (exact: at most
+// 256 x 63 x 127 x 128 in all), and per super-block one conversion and one FMA by d dx: half
+// the vector work of int8_fused_rows, whose scales are floats per 64. The constants' term
+// (minimums; Q6_K's 32) is the same as there (c16 against xs16).
+template <int T, int R>
+inline void q8k_fused_rows(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const Int8Rows& a,
+                           int64_t r0, float* c16) {
+  const TypeSize t = type_size(T);
+  const int64_t groups = a.padded / 16;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* p = row + b * t.bytes;
+    prefetch_ahead(p, t.bytes);
+    // the sub-block scales as int16 (lanes 0-7, or 0-15 for Q6_K), and the constants per 16 weights
+    __m512i scales;
+    float d;
+    if constexpr (T == kQ6_K) {
+      d = half_to_float(p + 208);
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+      scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc));
+      const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+      _mm512_storeu_ps(c16 + 16 * b, _mm512_mul_ps(s16, _mm512_set1_ps(32.0f)));
+    } else {
+      d = half_to_float(p);
+      uint8_t sc[8], mn[8];
+      k4_scales_mins(p, sc, mn);
+      const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)), k4_bytes_as_floats(mn));
+      _mm512_storeu_ps(c16 + 16 * b, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(m8)));
+      scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    }
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      __m512i u, which;  // which: each int16 lane's sub-block (a lane holds two weights' products)
+      if constexpr (T == kQ6_K) {
+        u = k6_chunk(p, c);
+        which = _mm512_add_epi16(_mm512_loadu_si512(kLaneEighths), _mm512_set1_epi16(static_cast<short>(4 * c)));
+      } else {
+        u = k4_chunk<T>(p, c);
+        which = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<short>(2 * c))),
+                                   _mm256_set1_epi16(static_cast<short>(2 * c + 1)), 1);
+      }
+      const __m512i scale = _mm512_permutexvar_epi16(which, scales);
+      for (int r = 0; r < R; ++r) {
+        const __m512i q = _mm512_loadu_si512(a.qx + (r0 + r) * a.padded + 256 * b + 64 * c);
+        isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, q), scale);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * a.dx16[(r0 + r) * groups + 16 * b]), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 off[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t g = 0; g < 16 * num_blocks; g += 16)
+      off[(g / 16) & 1] = _mm512_fmadd_ps(_mm512_loadu_ps(c16 + g), _mm512_loadu_ps(a.xs16 + (r0 + r) * groups + g), off[(g / 16) & 1]);
+    y[r * y_stride] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[r], _mm512_add_ps(off[0], off[1])));
+  }
+}
+
+template <int T, int R>
+inline void int8_rows_avx512(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const Int8Rows& a,
+                             const float* dxl, int64_t r0, float* c16) {
+  if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K)  // x per 256: the scales apply to integer sums
+    q8k_fused_rows<T, R>(y, y_stride, row, num_blocks, a, r0, c16);
+  else
+    int8_fused_rows<T, R>(y, y_stride, row, num_blocks, a, dxl, r0, c16);
+}
+
 template <int T>
 void int8_matmul_avx512(float* y, const uint8_t* packed, int64_t num_rows, int64_t out_features, int64_t in_features,
                         const Int8Rows& a, int num_threads) {
   const TypeSize t = type_size(T);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
   const int64_t lanes = a.padded / 4, groups = a.padded / 16;
-  float* dxl = static_cast<float*>(thread_buffer(6, sizeof(float) * num_rows * lanes));
-  for (int64_t r = 0; r < num_rows; ++r)
-    for (int64_t l = 0; l < lanes; ++l) dxl[r * lanes + l] = a.dx16[r * groups + l / 4];
+  constexpr bool kQ8K = T == kQ4_K || T == kQ5_K || T == kQ6_K;  // q8k_fused_rows: no lane scales
+  float* dxl = kQ8K ? nullptr : static_cast<float*>(thread_buffer(6, sizeof(float) * num_rows * lanes));
+  if constexpr (!kQ8K)
+    for (int64_t r = 0; r < num_rows; ++r)
+      for (int64_t l = 0; l < lanes; ++l) dxl[r * lanes + l] = a.dx16[r * groups + l / 4];
   constexpr int kGroup = 8;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -1032,14 +1114,14 @@ void int8_matmul_avx512(float* y, const uint8_t* packed, int64_t num_rows, int64
       for (int64_t r0 = 0; r0 < num_rows; r0 += kGroup) {
         float* yr = y + r0 * out_features + n;
         switch (num_rows - r0 < kGroup ? num_rows - r0 : kGroup) {
-          case 1: int8_fused_rows<T, 1>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
-          case 2: int8_fused_rows<T, 2>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
-          case 3: int8_fused_rows<T, 3>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
-          case 4: int8_fused_rows<T, 4>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
-          case 5: int8_fused_rows<T, 5>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
-          case 6: int8_fused_rows<T, 6>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
-          case 7: int8_fused_rows<T, 7>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
-          default: int8_fused_rows<T, 8>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 1: int8_rows_avx512<T, 1>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 2: int8_rows_avx512<T, 2>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 3: int8_rows_avx512<T, 3>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 4: int8_rows_avx512<T, 4>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 5: int8_rows_avx512<T, 5>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 6: int8_rows_avx512<T, 6>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          case 7: int8_rows_avx512<T, 7>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
+          default: int8_rows_avx512<T, 8>(yr, out_features, row, num_blocks, a, dxl, r0, c16); break;
         }
       }
     });
