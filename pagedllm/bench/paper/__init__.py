@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="simulated: a100-opt13b (default), cpu or cpu-1b; real: cpu (default) or cpu-1b"
     )
     p.add_argument("--model", default=None, help="cpu-1b: the 1B-class model (default: the benchmark's 1B Q4_K_M file)")
-    p.add_argument("--kv-slots", type=int, default=None, help="cpu-1b: the KV budget in tokens (default 2048)")
+    p.add_argument("--kv-slots", type=int, default=None, help="cpu-1b: the KV budget in tokens (default 1024: one full-length sequence)")
     p.add_argument("--threads", type=int, default=None, help="cpu-1b: torch threads (default 2)")
     p.add_argument("--output-dir", default="results/paper")
     p.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")

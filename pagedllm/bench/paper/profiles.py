@@ -17,10 +17,13 @@ KV slots, block size), how trace lengths are scaled, trace sizes, and the step c
   quantized weights whatever the batch, so the step is nearly flat in the batch up to a few dozen
   sequences, as an A100's is: the regime in which paged memory's larger batches become
   throughput. Contexts of 1024 tokens, ShareGPT lengths x1/2, Alpaca x1; the KV budget
-  (`--kv-slots`, default 2048 slots = 128 MiB of float32 KV for Llama-3.2-1B's 16 layers of 8 KV
-  heads) is chosen as the cpu profile's was: small enough that memory, not the CPU, limits vLLM,
-  checked by `bench paper --figures 12` reporting vLLM's simulated sustained rate at this budget
-  against unbounded memory. Its step cost is calibrated on that model (`calibrate.py`).
+  (`--kv-slots`, default 1024 slots = 64 MiB of float32 KV for Llama-3.2-1B's 16 layers of 8 KV
+  heads) is chosen by the cpu profile's rule: the smallest pool that holds one maximum-length
+  sequence, so that memory limits vLLM as much as it can. `benchmarks/paper_kv_budget.py` shows
+  vLLM's simulated ShareGPT rate at each budget against unbounded memory: on 2 threads of a
+  Zen 4 EPYC (2026-12-05) 86% at 1024 slots and 100% at 2048 (the CPU binds first there; the
+  default was 2048 until then, 91% on the AMX Xeon of 2026-12-03). Its step cost is calibrated on
+  that model (`calibrate.py`).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ CPU_SCALE = Scale(max_model_len=512, kv_slots=512, block_size=16, cpu_swap_slots
 # batches span 1 to about 20 sequences (the model's step time does not depend on the pool size).
 CALIBRATION_SCALE = Scale(max_model_len=512, kv_slots=1024, block_size=16, cpu_swap_slots=1024)
 CPU_LENGTH_SCALE = {"sharegpt": 0.25, "alpaca": 1.0}
-CPU_1B_SLOTS = 2048
+CPU_1B_SLOTS = 1024
 CPU_1B_LENGTH_SCALE = {"sharegpt": 0.5, "alpaca": 1.0}
 CPU_1B_THREADS = 2
 # The benchmark's 1B model (benchmarks/make_gguf_models.py writes it).
@@ -113,22 +116,29 @@ def get_profile(name: str, results_dir: Path, recalibrate: bool = False, model: 
             raise ValueError(f"--kv-slots must be a multiple of 16 of at least 1024 (one full-length sequence), "
                              f"got {kv_slots}.")
         threads = threads or CPU_1B_THREADS
-        scale = cpu_1b_scale(kv_slots or CPU_1B_SLOTS)
+        kv_slots = kv_slots or CPU_1B_SLOTS
         # Calibrated at twice the budget, so that the calibration's batches span more sizes.
-        calibration = cpu_1b_scale(2 * scale.kv_slots)
+        calibration = cpu_1b_scale(2 * kv_slots)
         cost = load_or_calibrate(calibration, CPU_1B_LENGTH_SCALE, results_dir, recalibrate, name, model, threads)
-        return Profile(
-            name=name,
-            description=f"{Path(model).name} on {threads} threads of this CPU: {scale.kv_slots} KV slots, contexts of "
-            "1024 tokens (ShareGPT lengths x1/2, Alpaca x1); step cost fitted to timed steps of that model",
-            scale=scale,
-            cost=cost,
-            length_scale=CPU_1B_LENGTH_SCALE,
-            trace_seconds={"sharegpt": 240.0, "alpaca": 120.0},
-            min_requests=40,
-            max_requests={"sharegpt": 600, "alpaca": 600},
-            rate_guess={"sharegpt": 0.5, "alpaca": 1.0},
-            model=model,
-            threads=threads,
-        )
+        return cpu_1b_profile(cost, kv_slots, model, threads)
     raise ValueError(f"Unknown profile {name!r}; choose one of {', '.join(PROFILE_NAMES)}.")
+
+
+def cpu_1b_profile(cost: LinearCost, kv_slots: int = CPU_1B_SLOTS, model: str = str(CPU_1B_MODEL),
+                   threads: int = CPU_1B_THREADS) -> Profile:
+    """The cpu-1b profile at `kv_slots`, priced by `cost` (its calibration on `model`)."""
+    scale = cpu_1b_scale(kv_slots)
+    return Profile(
+        name="cpu-1b",
+        description=f"{Path(model).name} on {threads} threads of this CPU: {scale.kv_slots} KV slots, contexts of "
+        "1024 tokens (ShareGPT lengths x1/2, Alpaca x1); step cost fitted to timed steps of that model",
+        scale=scale,
+        cost=cost,
+        length_scale=CPU_1B_LENGTH_SCALE,
+        trace_seconds={"sharegpt": 240.0, "alpaca": 120.0},
+        min_requests=40,
+        max_requests={"sharegpt": 600, "alpaca": 600},
+        rate_guess={"sharegpt": 0.5, "alpaca": 1.0},
+        model=model,
+        threads=threads,
+    )
