@@ -274,6 +274,19 @@ inline void expand_block(const uint8_t* b, Sink&& sink, const float* d_in = null
   }
 }
 
+// The float16 at byte `at` of each of eight blocks of `stride` bytes from p, as eight int16 lanes
+// (one conversion then gives the eight blocks' scales or minimums).
+inline __m128i halves_of_8_blocks(const uint8_t* p, int64_t stride, int at) {
+  __m128i h = _mm_setzero_si128();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    uint16_t v;
+    std::memcpy(&v, p + j * stride + at, 2);
+    h = _mm_insert_epi16(h, v, j);
+  }
+  return h;
+}
+
 // Every block of a row through expand_block, sink(b, k, w); the legacy types' float16 scales
 // (and minimums) converted eight blocks at a time (one VCVTPH2PS, not eight).
 template <class V, int T, class Sink>
@@ -285,17 +298,8 @@ inline void expand_row_blocks(const uint8_t* row, int64_t num_blocks, Sink&& sin
     for (; b + 8 <= num_blocks; b += 8) {
       const uint8_t* p = row + b * t.bytes;
       prefetch_ahead(p, 8 * t.bytes);
-      __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        uint16_t v;
-        std::memcpy(&v, p + j * t.bytes, 2);
-        dh = _mm_insert_epi16(dh, v, j);
-        if constexpr (has_min) {
-          std::memcpy(&v, p + j * t.bytes + 2, 2);
-          mh = _mm_insert_epi16(mh, v, j);
-        }
-      }
+      const __m128i dh = halves_of_8_blocks(p, t.bytes, 0);
+      const __m128i mh = has_min ? halves_of_8_blocks(p, t.bytes, 2) : _mm_setzero_si128();
       alignas(32) float d[8], m[8];
       _mm256_store_ps(d, _mm256_cvtph_ps(dh));
       _mm256_store_ps(m, _mm256_cvtph_ps(mh));

@@ -100,17 +100,8 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
     for (; b + 8 <= num_blocks; b += 8) {
       const uint8_t* p = row + b * t.bytes;
       prefetch_ahead(p, 8 * t.bytes);
-      __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        uint16_t v;
-        std::memcpy(&v, p + j * t.bytes, 2);
-        dh = _mm_insert_epi16(dh, v, j);
-        if constexpr (has_min) {
-          std::memcpy(&v, p + j * t.bytes + 2, 2);
-          mh = _mm_insert_epi16(mh, v, j);
-        }
-      }
+      const __m128i dh = halves_of_8_blocks(p, t.bytes, 0);
+      const __m128i mh = has_min ? halves_of_8_blocks(p, t.bytes, 2) : _mm_setzero_si128();
       const __m256 d8 = _mm256_cvtph_ps(dh);
       const __m256 c8 = has_min ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(mh)) : _mm256_mul_ps(d8, _mm256_set1_ps(offset));
       _mm512_storeu_ps(c16 + 2 * b, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(c8)));
