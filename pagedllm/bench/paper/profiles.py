@@ -61,6 +61,11 @@ CPU_SCALE = Scale(max_model_len=512, kv_slots=512, block_size=16, cpu_swap_slots
 # batches span 1 to about 20 sequences (the model's step time does not depend on the pool size).
 CALIBRATION_SCALE = Scale(max_model_len=512, kv_slots=1024, block_size=16, cpu_swap_slots=1024)
 CPU_LENGTH_SCALE = {"sharegpt": 0.25, "alpaca": 1.0}
+# The CPU profiles' trace sizes: long enough that min_requests never lengthens a slow baseline's
+# trace beyond the others' (on the cpu profile Orca-Max sustains about 0.24 req/s on ShareGPT,
+# 0.46 on Alpaca).
+CPU_TRACES = dict(trace_seconds={"sharegpt": 240.0, "alpaca": 120.0}, min_requests=40,
+                  max_requests={"sharegpt": 600, "alpaca": 600})
 CPU_1B_SLOTS = 1024
 CPU_1B_LENGTH_SCALE = {"sharegpt": 0.5, "alpaca": 1.0}
 CPU_1B_THREADS = 2
@@ -98,12 +103,8 @@ def get_profile(name: str, results_dir: Path, recalibrate: bool = False, model: 
             scale=CPU_SCALE,
             cost=cost,
             length_scale=CPU_LENGTH_SCALE,
-            # Long enough that min_requests never lengthens a slow baseline's trace beyond the
-            # others' (Orca-Max sustains about 0.24 req/s on ShareGPT, 0.46 on Alpaca).
-            trace_seconds={"sharegpt": 240.0, "alpaca": 120.0},
-            min_requests=40,
-            max_requests={"sharegpt": 600, "alpaca": 600},
             rate_guess={"sharegpt": 1.0, "alpaca": 2.0},
+            **CPU_TRACES,
         )
     if name == "cpu-1b":
         from pagedllm.bench.paper.calibrate import load_or_calibrate
@@ -135,10 +136,8 @@ def cpu_1b_profile(cost: LinearCost, kv_slots: int = CPU_1B_SLOTS, model: str = 
         scale=scale,
         cost=cost,
         length_scale=CPU_1B_LENGTH_SCALE,
-        trace_seconds={"sharegpt": 240.0, "alpaca": 120.0},
-        min_requests=40,
-        max_requests={"sharegpt": 600, "alpaca": 600},
         rate_guess={"sharegpt": 0.5, "alpaca": 1.0},
+        **CPU_TRACES,
         model=model,
         threads=threads,
     )
