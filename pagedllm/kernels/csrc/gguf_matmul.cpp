@@ -37,6 +37,8 @@
 
 #include "amx_exact.h"
 #include "gguf_blocks.h"
+#include "gguf_common.h"
+#include "gguf_int8_avx2.h"
 #include "gguf_matmul.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -68,53 +70,6 @@ constexpr int kTileW = 12;     // rows of W expanded together (tiled way)
 constexpr int kBlockRows = 128;  // rows of x transposed at a time (tiled way)
 constexpr int kSliceK = 1024;   // weights of k per pass of the tiled way (its slices in L1)
 constexpr int kRowGroup = 4;   // rows of x sharing each load of an expanded row of W
-
-inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-// Software prefetch of the weight stream, kPrefetchAhead bytes ahead of the bytes [p, p + n)
-// being decoded: one decode is too short to hide a memory access behind (measured: a 1-row
-// product read 5.8 GB/s of a 9.9 GB/s stream without).
-constexpr int kPrefetchAhead = 2048;
-inline void prefetch_ahead(const uint8_t* p, int n) {
-#if defined(__SSE__)
-  for (int off = 0; off < n; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + off), _MM_HINT_T0);
-#endif
-}
-
-// The rows of W that this thread of an OpenMP team reads (its static share), in kStreams
-// interleaved runs: a row from each of kStreams separate parts of the share in turn, so that the
-// hardware prefetchers follow several streams at once. One stream leaves DRAM's latency exposed
-// when each line takes some arithmetic (measured on one core of a 2-core Xeon VM: a 1-row int8
-// Q4_K product read 5.5 GB/s from DRAM in one stream, 8.7 GB/s in four; 15 GB/s from L2).
-constexpr int kStreams = 4;
-template <class Fn>
-inline void for_rows_streamed(int64_t count, Fn&& fn) {
-  const int teams = omp_get_num_threads(), me = omp_get_thread_num();
-  const int64_t lo = count * me / teams, hi = count * (me + 1) / teams, run = (hi - lo + kStreams - 1) / kStreams;
-  for (int64_t i = 0; i < run; ++i)
-    for (int s = 0; s < kStreams; ++s) {
-      const int64_t n = lo + s * run + i;
-      if (n < hi) fn(n);
-    }
-}
-
-// A 64-byte aligned buffer of at least `bytes` that the calling thread keeps between calls (one
-// per slot): fresh pages on every call would fault in.
-inline void* thread_buffer(int slot, int64_t bytes) {
-  struct Buffer {
-    void* data = nullptr;
-    int64_t size = 0;
-    ~Buffer() { std::free(data); }
-  };
-  static thread_local Buffer buffers[10];
-  Buffer& b = buffers[slot];
-  if (b.size < bytes) {
-    std::free(b.data);
-    b.size = round_up(bytes, 64);
-    b.data = std::aligned_alloc(64, b.size);
-  }
-  return b.data;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Portable C++: the exact dequantization of each block, plain loops.
@@ -673,115 +628,6 @@ void int8_dot_portable(float* y, int64_t y_stride, const uint8_t* u, const float
   }
 }
 
-#ifdef GGUF_AVX2
-// A block's values as int8_values gives them, with AVX2's byte operations.
-inline __m256i nibbles_low(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
-inline __m256i nibbles_high(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-inline __m256i bits_at(__m256i v, int shift, int mask) {  // (v >> shift) & mask per byte
-  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
-}
-inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline void store32(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-
-// 32 bytes, 0xFF where bit j of `bits` is set (ggml's bytes_from_bits_32).
-inline __m256i bytes_from_bits(uint32_t bits) {
-  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
-  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE));
-  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
-}
-
-template <int T>
-inline void int8_values_avx2(const uint8_t* b, uint8_t* u) {
-  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1) {
-    constexpr bool has_min = T == kQ4_1 || T == kQ5_1, five = T == kQ5_0 || T == kQ5_1;
-    const uint8_t* qs = b + (has_min ? 4 : 2) + (five ? 4 : 0);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-    __m256i v = _mm256_set_m128i(hi, lo);
-    if (five) {
-      uint32_t qh;
-      std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
-      v = _mm256_or_si256(v, _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10)));
-    }
-    store32(u, v);
-  } else if constexpr (T == kQ8_0) {
-    store32(u, load32(b + 2));
-  } else if constexpr (T == kQ4_K || T == kQ5_K) {
-    const __m256i qh = T == kQ5_K ? load32(b + 16) : _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      const __m256i q = load32(b + (T == kQ4_K ? 16 : 48) + 32 * c);
-      __m256i lo = nibbles_low(q), hi = nibbles_high(q);
-      if (T == kQ5_K) {
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(bits_at(qh, 2 * c, 1), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(bits_at(qh, 2 * c + 1, 1), 4));
-      }
-      store32(u + 64 * c, lo);
-      store32(u + 64 * c + 32, hi);
-    }
-  } else if constexpr (T == kQ6_K) {
-    for (int h = 0; h < 2; ++h) {
-      const __m256i qh = load32(b + 128 + 32 * h);
-      const __m256i a = load32(b + 64 * h), c = load32(b + 64 * h + 32);
-      store32(u + 128 * h, _mm256_or_si256(nibbles_low(a), _mm256_slli_epi16(bits_at(qh, 0, 3), 4)));
-      store32(u + 128 * h + 32, _mm256_or_si256(nibbles_low(c), _mm256_slli_epi16(bits_at(qh, 2, 3), 4)));
-      store32(u + 128 * h + 64, _mm256_or_si256(nibbles_high(a), _mm256_slli_epi16(bits_at(qh, 4, 3), 4)));
-      store32(u + 128 * h + 96, _mm256_or_si256(nibbles_high(c), _mm256_slli_epi16(bits_at(qh, 6, 3), 4)));
-    }
-  }
-}
-
-template <int T>
-inline void int8_row_avx2(const uint8_t* row, int64_t num_blocks, uint8_t* u, float* s16, float* c16) {
-  constexpr int bw = T == kQ4_K || T == kQ5_K || T == kQ6_K ? 256 : 32;
-  const TypeSize t = type_size(T);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    prefetch_ahead(row + b * t.bytes, t.bytes);
-    int8_values_avx2<T>(row + b * t.bytes, u + b * bw);
-    int8_scales(T, row + b * t.bytes, s16 + b * (bw / 16), c16 + b * (bw / 16));
-  }
-}
-
-inline void int8_row_simd(int qtype, const uint8_t* row, int64_t num_blocks, uint8_t* u, float* s16, float* c16) {
-  switch (qtype) {
-    case kQ4_0: return int8_row_avx2<kQ4_0>(row, num_blocks, u, s16, c16);
-    case kQ4_1: return int8_row_avx2<kQ4_1>(row, num_blocks, u, s16, c16);
-    case kQ5_0: return int8_row_avx2<kQ5_0>(row, num_blocks, u, s16, c16);
-    case kQ5_1: return int8_row_avx2<kQ5_1>(row, num_blocks, u, s16, c16);
-    case kQ8_0: return int8_row_avx2<kQ8_0>(row, num_blocks, u, s16, c16);
-    case kQ4_K: return int8_row_avx2<kQ4_K>(row, num_blocks, u, s16, c16);
-    case kQ5_K: return int8_row_avx2<kQ5_K>(row, num_blocks, u, s16, c16);
-    case kQ6_K: return int8_row_avx2<kQ6_K>(row, num_blocks, u, s16, c16);
-    default: return;
-  }
-}
-
-// AVX2: 32 products at a time, VPMADDUBSW (pairs into int16: at most 2 * 128 * 127, no
-// saturation with u <= 63 or |Q8_0| <= 128) and VPMADDWD.
-template <int R, bool kSigned>
-inline void int8_dot_avx2(float* y, int64_t y_stride, const uint8_t* u, const float* s16, const float* c16,
-                          const Int8Rows& a, int64_t r0) {
-  const int64_t groups = a.padded / 16;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t k = 0; k < a.padded; k += 32) {
-    const __m256i w = load32(u + k);
-    const __m256i wu = kSigned ? _mm256_abs_epi8(w) : w;
-    for (int r = 0; r < R; ++r) {
-      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qx + (r0 + r) * a.padded + k));
-      if (kSigned) q = _mm256_sign_epi8(q, w);
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, q), ones);
-      const float* d16 = a.dx16 + (r0 + r) * groups + k / 16;
-      const __m256 scale = _mm256_set_m128(_mm_set1_ps(s16[k / 16 + 1] * d16[1]), _mm_set1_ps(s16[k / 16] * d16[0]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    y[r * y_stride] = V256::hsum(acc[r]) - offset_term(c16, a.xs16 + (r0 + r) * groups, groups);
-}
-#endif
 
 #ifdef GGUF_AVX512
 // AVX-512 VNNI: 64 products at a time, VPDPBUSD (unsigned by signed bytes into int32; Q8_0's
@@ -816,16 +662,6 @@ template <int ISA, bool kSigned>
 inline void int8_dot_group(float* y, int64_t y_stride, const uint8_t* u, const float* s16, const float* c16,
                            const Int8Rows& a, int64_t r0, int rows) {
   if constexpr (ISA == kPortable) int8_dot_portable(y, y_stride, u, s16, c16, kSigned, a, r0, rows);
-#ifdef GGUF_AVX2
-  if constexpr (ISA == kAvx2) {
-    switch (rows) {
-      case 1: return int8_dot_avx2<1, kSigned>(y, y_stride, u, s16, c16, a, r0);
-      case 2: return int8_dot_avx2<2, kSigned>(y, y_stride, u, s16, c16, a, r0);
-      case 3: return int8_dot_avx2<3, kSigned>(y, y_stride, u, s16, c16, a, r0);
-      default: return int8_dot_avx2<4, kSigned>(y, y_stride, u, s16, c16, a, r0);
-    }
-  }
-#endif
 #ifdef GGUF_AVX512
   if constexpr (ISA >= kAvx512) {
     switch (rows) {
@@ -852,6 +688,9 @@ constexpr int kAmxMinRows = 32;  // from this many rows of x on, AMX's way (floa
 template <int ISA, bool kSigned>
 void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
                  int64_t in_features, int num_threads) {
+#ifdef GGUF_INT8_AVX2
+  if constexpr (ISA == kAvx2) return int8_avx2::matmul(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
+#endif
   const TypeSize t = type_size(qtype);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
   const int64_t padded = round_up(in_features, 64), groups = padded / 16;
@@ -879,15 +718,9 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
     std::memset(u, 0, padded + sizeof(float) * 2 * groups);
     for_rows_streamed(out_features, [&](int64_t n) {
       const uint8_t* row = packed + n * row_bytes;
-      if constexpr (ISA == kPortable) {
-        for (int64_t b = 0; b < num_blocks; ++b) {
-          int8_values(qtype, row + b * t.bytes, u + b * t.weights);
-          int8_scales(qtype, row + b * t.bytes, s16 + b * (t.weights / 16), c16 + b * (t.weights / 16));
-        }
-      } else {
-#ifdef GGUF_AVX2
-        int8_row_simd(qtype, row, num_blocks, u, s16, c16);
-#endif
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        int8_values(qtype, row + b * t.bytes, u + b * t.weights);
+        int8_scales(qtype, row + b * t.bytes, s16 + b * (t.weights / 16), c16 + b * (t.weights / 16));
       }
       for (int64_t r0 = 0; r0 < num_rows; r0 += kRowGroup) {
         const int rows = num_rows - r0 < kRowGroup ? static_cast<int>(num_rows - r0) : kRowGroup;

@@ -1,0 +1,629 @@
+// The int8 way on AVX2 (path 'avx2'): y = x W^T with x quantized per 32 (legacy types, llama.cpp's
+// Q8_0) or per 256 (K-quants, its Q8_K) and W's blocks multiplied as 8-bit integers by
+// VPMADDUBSW, register-blocked over rows of W and of x. Self-contained; gguf_matmul.cpp calls
+// int8_avx2::matmul.
+//
+// The layout. A row of W is read 256 weights at a time (a chunk: a super-block, or 8 legacy
+// blocks), decoded once into an L1 buffer (WChunk: unsigned values, and the scales as the kernel
+// applies them), and kTileRows rows of W share every load of x. The rows of x go in groups of G =
+// 8, 4, 2 or 1 (a step of 8 rows, then what is left), and a group's quantized activations are
+// interleaved: each 32-byte vector holds 32 / G bytes of each of its G rows at the same weights.
+// The matching 32 / G bytes of a row of W are broadcast (VPBROADCASTD/Q, VBROADCASTI128) and one
+// VPMADDUBSW multiplies them with all G rows at once; its int16 pairs are summed over as many
+// steps as cannot overflow (kDepth: 8 for 4-bit values, 4 for 5-bit, 2 for 6-bit; 2 x umax x 127
+// a step) before one VPMADDWD applies the sub-block's scale (the K-quants, whose x shares one
+// scale per 256: llama.cpp's Q8_K way) or sums pairs (legacy types, whose float16 scale per 32
+// then applies in float, for G rows at once). So at G = 8 a Q4_K sub-block of 32 weights takes 8
+// VPMADDUBSW and 1 VPMADDWD for 8 rows of x, and int32 lane l of every sum belongs to row l G / 8
+// of the group. With G = 1 (one row: decoding) Q4_K and Q5_K are decoded in pairs of sub-blocks
+// (each 32 bytes: 16 weights of sub-block 2c, then 16 of 2c + 1; x is permuted the same way), so
+// that two steps still share one VPMADDWD by a vector of two scales.
+//
+// The constants (Q4_K/Q5_K's minimums, Q6_K's 32, Q4_0's 8, Q5_0's 16, Q4_1/Q5_1's minimums)
+// multiply the sums of x's quantized values per sub-block (integer, kept with x), and come in per
+// chunk: as integers where they share the main scale, else by one float FMA.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "gguf_blocks.h"
+#include "gguf_common.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define GGUF_INT8_AVX2 1
+
+namespace gguf {
+namespace int8_avx2 {
+
+constexpr int kChunk = 256;    // weights of a row of W decoded at a time
+constexpr int kTileRows = 4;   // rows of W sharing each load of x
+
+enum Family { kK4, kK6, kLegacy };
+template <int T>
+constexpr Family family = T == kQ4_K || T == kQ5_K ? kK4 : T == kQ6_K ? kK6 : kLegacy;
+// Steps of VPMADDUBSW summed in int16 before a VPMADDWD: 2 umax 127 per step within 32767.
+template <int T>
+constexpr int kDepth = T == kQ4_0 || T == kQ4_1 || T == kQ4_K ? 8 : T == kQ5_0 || T == kQ5_1 || T == kQ5_K ? 4 : T == kQ6_K ? 2 : 1;
+// Activations quantized per this many: llama.cpp's Q8_K for the K-quants, Q8_0 for the rest.
+template <int T>
+constexpr int kXBlock = family<T> == kLegacy ? 32 : 256;
+// Weights per sum of x kept for the constants: a sub-block (32), Q6_K's scale group (16).
+template <int T>
+constexpr int kSumUnit = T == kQ6_K ? 16 : 32;
+
+// One row of W's chunk as the kernel reads it.
+struct alignas(64) WChunk {
+  uint8_t u[kChunk];   // values: unsigned (Q8_0: signed); Q4_K/Q5_K in pairs of sub-blocks (see the top)
+  int16_t sv[8][16];   // G = 1: per step (Q4_K/Q5_K: per pair of steps), the scales of its two halves
+  int16_t mins[16];    // Q4_K/Q5_K: the 8 minimums, then zeros; Q6_K: 32 times its 16 scales
+  int16_t sc[16];      // the scale of each sub-block (Q4_K/Q5_K: 8; Q6_K: 16 groups of 16)
+  float d, dmin;       // K-quants
+  float db[8], mb[8];  // legacy types: each block's scale and minimum (zero past the row)
+};
+
+// Weight byte p (0..63) of a pair of Q4_K/Q5_K sub-blocks in WChunk::u -> the weight it holds.
+inline int pair_weight(int p) {
+  static constexpr int kQuarter[4] = {0, 2, 1, 3};
+  return kQuarter[p / 16] * 16 + p % 16;
+}
+
+inline __m256i nibbles_of_16(const uint8_t* p) {  // [low nibbles of p[0..15] | high nibbles]
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i bits_of_16(const uint8_t* p, int lo_bit, int hi_bit) {  // [bit lo_bit of p[0..15] | bit hi_bit], 0/1
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(lo_bit, lo_bit, lo_bit, lo_bit, hi_bit, hi_bit, hi_bit, hi_bit)),
+                          _mm256_set1_epi8(1));
+}
+
+inline __m256i bytes_from_bits(uint32_t bits) {  // 32 bytes, 0xFF where bit j is set (ggml's bytes_from_bits_32)
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+inline void store(void* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+
+// The shuffle of 8 int16 (repeated in both halves) into [int16 2q x 8 | int16 2q + 1 x 8].
+inline __m256i pair_of_scales(int q) {
+  const char lo = static_cast<char>(4 * q), hi = static_cast<char>(4 * q + 2);
+  return _mm256_setr_epi8(lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1,
+                          hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1);
+}
+
+// Q4_K's and Q5_K's eight 6-bit scales and eight minimums, packed in the 12 bytes at q (ggml's
+// get_scale_min_k4), as 16 bytes: the scales, then the minimums. Reads 16 bytes (the block goes on).
+//   sc[j] = q[j] & 63, m[j] = q[j + 4] & 63                                    (j < 4)
+//   sc[j] = (q[j + 4] & 15) | (q[j - 4] >> 6) << 4, m[j] = q[j + 4] >> 4 | (q[j] >> 6) << 4  (j >= 4)
+inline __m128i k4_scales_and_mins(const uint8_t* q) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i high = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  // bytes 0-11 keep their low 6 or 4 bits; 12-15 take their high nibble
+  const __m128i lows = _mm_blend_epi32(_mm_and_si128(low, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+                                       _mm_and_si128(_mm_srli_epi16(low, 4), _mm_set1_epi8(15)), 0x8);
+  return _mm_or_si128(lows, _mm_and_si128(_mm_srli_epi16(high, 2), _mm_set1_epi8(0x30)));  // (b >> 6) << 4
+}
+
+// Chunk c of a row of W decoded in registers as the kernel asks for it: its scales at once, its
+// values 32 at a time (step(s): the values of step s of a one-row group, in WChunk::u's order).
+template <int T>
+struct Decoder {
+  const uint8_t* p;        // the super-block, or the chunk's first legacy block
+  int blocks = 8;          // legacy: the chunk's blocks in the row (values past them are zero)
+  float d = 0.0f, dmin = 0.0f;
+  __m256i scales;          // Q4_K/Q5_K: the 8 scales as int16, in both halves; Q6_K: its 16
+  __m256i mins;            // as WChunk::mins
+  alignas(32) float db[8], mb[8];
+
+  Decoder(const uint8_t* row, int64_t num_blocks, int64_t c) {
+    const TypeSize t = type_size(T);
+    if constexpr (family<T> == kK4) {
+      p = row + c * t.bytes;
+      prefetch_ahead(p, t.bytes);
+      d = half_to_float(p);
+      dmin = half_to_float(p + 2);
+      const __m128i both = k4_scales_and_mins(p + 4);
+      scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both));
+      mins = _mm256_cvtepu8_epi16(_mm_srli_si128(both, 8));  // then zeros
+    } else if constexpr (T == kQ6_K) {
+      p = row + c * t.bytes;
+      prefetch_ahead(p, t.bytes);
+      d = half_to_float(p + 208);
+      scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+      mins = _mm256_slli_epi16(scales, 5);
+    } else {
+      constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
+      p = row + c * 8 * t.bytes;
+      prefetch_ahead(p, 8 * t.bytes);
+      blocks = num_blocks - 8 * c < 8 ? static_cast<int>(num_blocks - 8 * c) : 8;
+      alignas(16) uint16_t dh[8] = {}, mh[8] = {};  // the float16 scales and minimums, one conversion each
+      for (int j = 0; j < blocks; ++j) {
+        std::memcpy(dh + j, p + j * t.bytes, 2);
+        if (has_min) std::memcpy(mh + j, p + j * t.bytes + 2, 2);
+      }
+      _mm256_store_ps(db, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh))));
+      _mm256_store_ps(mb, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh))));
+    }
+  }
+
+  __m256i step(int s) const {
+    if constexpr (family<T> == kK4) {  // pair s / 2 of sub-blocks, its weights 0-15 (s even) or 16-31
+      const int q = s / 2, half = 16 * (s % 2);
+      const __m256i v = nibbles_of_16(p + (T == kQ4_K ? 16 : 48) + 32 * q + half);
+      if constexpr (T == kQ4_K) return v;
+      return _mm256_or_si256(v, _mm256_slli_epi16(bits_of_16(p + 16 + half, 2 * q, 2 * q + 1), 4));
+    } else if constexpr (T == kQ6_K) {  // weights 32 s to 32 s + 31
+      const int h = s / 4, r = s % 4;
+      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (r & 1)));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+      const __m256i nib = r < 2 ? _mm256_and_si256(ql, low4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * r), _mm256_set1_epi8(3));
+      return _mm256_or_si256(nib, _mm256_slli_epi16(hi, 4));
+    } else {  // block s
+      constexpr bool has_min = T == kQ4_1 || T == kQ5_1, five = T == kQ5_0 || T == kQ5_1;
+      constexpr int qs_at = T == kQ8_0 ? 2 : (has_min ? 4 : 2) + (five ? 4 : 0), qh_at = has_min ? 4 : 2;
+      if (s >= blocks) return _mm256_setzero_si256();
+      const uint8_t* b = p + s * type_size(T).bytes;
+      if constexpr (T == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + qs_at));
+      __m256i v = nibbles_of_16(b + qs_at);
+      if constexpr (five) {
+        uint32_t qh;
+        std::memcpy(&qh, b + qh_at, 4);
+        v = _mm256_or_si256(v, _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10)));
+      }
+      return v;
+    }
+  }
+
+  // The two scales of step pair q (Q4_K/Q5_K; both halves of steps 2q and 2q + 1) or of step q
+  // (Q6_K), each over its half: [scale x 8 | scale x 8].
+  __m256i pair_scales(int q) const {
+    if constexpr (family<T> == kK4) return _mm256_shuffle_epi8(scales, pair_of_scales(q));
+    const __m256i half = q < 4 ? _mm256_broadcastsi128_si256(_mm256_castsi256_si128(scales))
+                               : _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scales, 1));
+    return _mm256_shuffle_epi8(half, pair_of_scales(q % 4));
+  }
+
+  // As the kernel reads a one-row group (G = 1).
+  template <int G>
+  __m256i values(int t) const {
+    static_assert(G == 1, "a decoder in registers serves one row of x");
+    return step(t);
+  }
+  template <int G>
+  __m256i min_values(int) const {
+    static_assert(G == 1, "a decoder in registers serves one row of x");
+    return mins;
+  }
+  float scale_d() const { return d; }
+  float scale_dmin() const { return dmin; }
+  float block_d(int j) const { return db[j]; }
+  float block_m(int j) const { return mb[j]; }
+};
+
+// Chunk c of a row of W into w (the L1 buffer every group of x reads).
+template <int T>
+inline void decode_chunk(const uint8_t* row, int64_t num_blocks, int64_t c, WChunk& w) {
+  const Decoder<T> dec(row, num_blocks, c);
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; ++s) store(w.u + 32 * s, dec.step(s));
+  if constexpr (family<T> == kLegacy) {
+    std::memcpy(w.db, dec.db, sizeof(w.db));
+    std::memcpy(w.mb, dec.mb, sizeof(w.mb));
+  } else {
+    w.d = dec.d;
+    w.dmin = dec.dmin;
+    store(w.mins, dec.mins);
+    if constexpr (family<T> == kK4) {
+      _mm_store_si128(reinterpret_cast<__m128i*>(w.sc), _mm256_castsi256_si128(dec.scales));
+      for (int q = 0; q < 4; ++q) store(w.sv[q], dec.pair_scales(q));
+    } else {
+      store(w.sc, dec.scales);
+      for (int s = 0; s < 8; ++s) store(w.sv[s], dec.pair_scales(s));
+    }
+  }
+}
+
+// x's rows in groups, as the kernel reads them (see the top). Per chunk of 256 weights:
+// q: the group's interleaved steps (256 G bytes); dx: 8 lane scales (K-quants; legacy: per block,
+// 8 x 8); sums: K-quants, the sums of each row's values per kSumUnit, interleaved as q is (2-byte
+// elements; at least one 32-byte step); offs: legacy, per block 8 lanes holding each row's
+// constant term in its first lane (Q4_0/Q5_0: -8 or -16 times the sum, int32; Q4_1/Q5_1: dx times
+// the sum, float).
+struct Group {
+  int G;
+  int64_t row0;
+  int8_t* q;
+  float* dx;
+  int16_t* sums;
+  int32_t* offs;
+};
+
+template <int T>
+constexpr int64_t sums_bytes(int G) {  // per chunk
+  const int64_t per_row = 2 * kChunk / kSumUnit<T>;
+  return per_row * G < 32 ? 32 : per_row * G;
+}
+
+template <int T>
+constexpr int64_t group_bytes(int G, int64_t chunks) {
+  const int64_t side = family<T> == kLegacy ? 2 * 8 * 8 * 4 : 8 * 4 + sums_bytes<T>(G);
+  return chunks * (kChunk * G + side);
+}
+
+// Row r of x quantized per `block` into q (kc bytes, zeros past in_features) and d (per block),
+// as the portable quantize_activations does it: d = max |x| / 127, q = x / d rounded to nearest
+// even (the same floats: one multiply by 1 / d).
+inline void quantize_row(const float* x, int64_t in_features, int64_t kc, int block, int8_t* q, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t k0 = 0; k0 < in_features; k0 += block) {
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < block; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k0 + j)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float dk = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 inv = _mm256_set1_ps(dk > 0.0f ? 1.0f / dk : 0.0f);
+    for (int j = 0; j < block; j += 32) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k0 + j), inv));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k0 + j + 8), inv));
+      const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k0 + j + 16), inv));
+      const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k0 + j + 24), inv));
+      const __m256i ab = _mm256_packs_epi32(a, b), ce = _mm256_packs_epi32(c, e);
+      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, ce), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0 + j), bytes);
+    }
+    d[k0 / block] = dk;
+  }
+  std::memset(q + in_features, 0, kc - in_features);
+  for (int64_t b = in_features / block; b < kc / block; ++b) d[b] = 0.0f;
+}
+
+// The rows [row0, row0 + G) of x into group g's buffers; qrow, drow: scratch for one row.
+template <int T>
+void fill_group(const Group& g, const float* x, int64_t in_features, int64_t chunks, int8_t* qrow, float* drow) {
+  constexpr int B = kXBlock<T>, U = kSumUnit<T>;
+  const int64_t kc = chunks * kChunk;
+  const int S = 32 / g.G;  // bytes of a row per step
+  for (int i = 0; i < g.G; ++i) {
+    quantize_row(x + (g.row0 + i) * in_features, in_features, kc, B, qrow, drow);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int8_t* qc = qrow + c * kChunk;
+      int8_t* dst = g.q + c * kChunk * g.G + i * S;
+      // the values, in W's order (Q4_K/Q5_K: pairs of sub-blocks), S bytes a step
+      for (int p = 0; p < kChunk; p += 16) {
+        const int src = family<T> == kK4 ? (p / 64) * 64 + pair_weight(p % 64) : p;
+        for (int b = 0; b < 16; b += S < 16 ? S : 16) {
+          const int pos = p + b;
+          std::memcpy(dst + (pos / S) * 32 + pos % S, qc + src + b, S < 16 ? S : 16);
+        }
+      }
+      // the lane scales
+      if constexpr (family<T> != kLegacy) {
+        for (int l = i * 8 / g.G; l < (i + 1) * 8 / g.G; ++l) g.dx[c * 8 + l] = drow[c];
+      } else {
+        for (int j = 0; j < 8; ++j)
+          for (int l = i * 8 / g.G; l < (i + 1) * 8 / g.G; ++l) g.dx[(c * 8 + j) * 8 + l] = drow[c * 8 + j];
+      }
+      // the sums per unit, interleaved (K-quants) or in each row's first lane (legacy)
+      int16_t sums[kChunk / 16];
+      for (int u = 0; u < kChunk / U; ++u) {
+        int s = 0;
+        for (int k = 0; k < U; ++k) s += qc[u * U + k];
+        sums[u] = static_cast<int16_t>(s);
+      }
+      if constexpr (family<T> != kLegacy) {
+        constexpr int per_row = 2 * kChunk / U;  // bytes
+        uint8_t* sd = reinterpret_cast<uint8_t*>(g.sums) + c * sums_bytes<T>(g.G);
+        const uint8_t* ss = reinterpret_cast<const uint8_t*>(sums);
+        if (per_row * g.G < 32 && i == 0) std::memset(sd, 0, 32);
+        const int step = per_row * g.G < 32 ? 32 : S;  // one row, less than a step: its sums then zeros
+        for (int pos = 0; pos < per_row; pos += step)
+          std::memcpy(sd + (pos / step) * 32 + (step == 32 ? 0 : i * S), ss + pos, step < per_row ? step : per_row);
+      } else {
+        constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
+        constexpr int offset = T == kQ5_0 ? 16 : T == kQ4_0 ? 8 : 0;
+        for (int j = 0; j < 8; ++j) {
+          int32_t* o = g.offs + (c * 8 + j) * 8;
+          if (i == 0) std::memset(o, 0, 32);
+          if constexpr (has_min) {
+            const float v = drow[c * 8 + j] * static_cast<float>(sums[j]);
+            std::memcpy(o + i * 8 / g.G, &v, 4);
+          } else {
+            o[i * 8 / g.G] = -offset * sums[j];
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int G>
+inline __m256i bcast(const uint8_t* p) {  // 32 / G bytes at p, repeated
+  if constexpr (G == 8) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  } else if constexpr (G == 4) {
+    long long v;
+    std::memcpy(&v, p, 8);
+    return _mm256_set1_epi64x(v);
+  } else if constexpr (G == 2) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+  }
+}
+
+inline __m256i load(const void* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// A row of W's chunk in the L1 buffer (decode_chunk), read by groups of any G.
+struct Buffered {
+  const WChunk* w;
+  template <int G>
+  __m256i values(int t) const { return bcast<G>(w->u + t * (32 / G)); }
+  template <int G>
+  __m256i min_values(int s) const { return bcast<G>(reinterpret_cast<const uint8_t*>(w->mins) + s * (32 / G)); }
+  __m256i pair_scales(int q) const { return load(w->sv[q]); }
+  __m256i scale(int i) const { return _mm256_set1_epi16(w->sc[i]); }
+  float scale_d() const { return w->d; }
+  float scale_dmin() const { return w->dmin; }
+  float block_d(int j) const { return w->db[j]; }
+  float block_m(int j) const { return w->mb[j]; }
+};
+
+// acc[n] += the products of step t (its x vector xv) with row n of W.
+template <int T, int G, int NR, class Row>
+inline void step_products(__m256i (&acc)[NR], const Row* w, int t, __m256i xv) {
+#pragma GCC unroll 4
+  for (int n = 0; n < NR; ++n) {
+    const __m256i wv = w[n].template values<G>(t);
+    if constexpr (T == kQ8_0)
+      acc[n] = _mm256_add_epi32(acc[n], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)),
+                                                          _mm256_set1_epi16(1)));
+    else
+      acc[n] = _mm256_add_epi16(acc[n], _mm256_maddubs_epi16(wv, xv));
+  }
+}
+
+// The steps [t0, t0 + count) of a unit of one scale, summed into isum[n] by scale(n).
+template <int T, int G, int NR, class Row, class Scale>
+inline void unit_products(__m256i (&isum)[NR], const Row* w, const int8_t* xq, int t0, int count, Scale&& scale) {
+  constexpr int L = kDepth<T>;
+  __m256i acc[NR];
+  for (int s0 = 0; s0 < count; s0 += L) {
+    for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_si256();
+    for (int s = s0; s < s0 + L && s < count; ++s) step_products<T, G, NR, Row>(acc, w, t0 + s, load(xq + (t0 + s) * 32));
+    for (int n = 0; n < NR; ++n) isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(acc[n], scale(n)));
+  }
+}
+
+// facc[n] (8 float lanes) += chunk c of group g times rows w[0..NR) of W.
+template <int T, int G, int NR, class Row>
+inline void chunk_product(float* facc, const Row* w, const Group& g, int64_t c) {
+  constexpr int S = 32 / G;  // bytes of a row of x (and of W) per step
+  const int8_t* xq = g.q + c * kChunk * G;
+  __m256 f[NR];
+  for (int n = 0; n < NR; ++n) f[n] = _mm256_load_ps(facc + 8 * n);
+  if constexpr (family<T> == kLegacy) {
+    constexpr bool has_min = T == kQ4_1 || T == kQ5_1, has_offset = T == kQ4_0 || T == kQ5_0;
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {  // block j: steps [G j, G j + G)
+      __m256i isum[NR];
+      const __m256i off = has_offset ? load(g.offs + (c * 8 + j) * 8) : _mm256_setzero_si256();
+      for (int n = 0; n < NR; ++n) isum[n] = off;
+      if constexpr (T == kQ8_0) {
+        for (int s = 0; s < G; ++s) step_products<T, G, NR, Row>(isum, w, G * j + s, load(xq + (G * j + s) * 32));
+      } else {
+        unit_products<T, G, NR, Row>(isum, w, xq, G * j, G, [&](int) { return ones; });
+      }
+      const __m256 dx = _mm256_load_ps(g.dx + (c * 8 + j) * 8);
+      for (int n = 0; n < NR; ++n) {
+        f[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].block_d(j)), dx), f[n]);
+        if constexpr (has_min)
+          f[n] = _mm256_fmadd_ps(_mm256_set1_ps(w[n].block_m(j)), _mm256_castsi256_ps(load(g.offs + (c * 8 + j) * 8)), f[n]);
+      }
+    }
+  } else {
+    __m256i isum[NR];
+    for (int n = 0; n < NR; ++n) isum[n] = _mm256_setzero_si256();
+    if constexpr (family<T> == kK4) {
+      if constexpr (G == 1) {
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) unit_products<T, G, NR, Row>(isum, w, xq, 2 * q, 2, [&](int n) { return w[n].pair_scales(q); });
+      } else {
+        constexpr int half = 16 / S;  // steps per 16 weights
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {  // sub-block i: its two halves in pair q = i / 2, at 16 e and 16 e + 32 of it
+          const int q = i / 2, e = i % 2;
+          const auto scale = [&](int n) { return w[n].scale(i); };
+          if constexpr (kDepth<T> >= 2 * half) {  // both halves in one int16 sum: a unit of non-adjacent steps
+            __m256i acc[NR];
+            for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_si256();
+            for (int s = 0; s < half; ++s) {
+              const int ta = (64 * q + 16 * e) / S + s, tb = (64 * q + 32 + 16 * e) / S + s;
+              step_products<T, G, NR, Row>(acc, w, ta, load(xq + ta * 32));
+              step_products<T, G, NR, Row>(acc, w, tb, load(xq + tb * 32));
+            }
+            for (int n = 0; n < NR; ++n) isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(acc[n], scale(n)));
+          } else {
+            unit_products<T, G, NR, Row>(isum, w, xq, (64 * q + 16 * e) / S, half, scale);
+            unit_products<T, G, NR, Row>(isum, w, xq, (64 * q + 32 + 16 * e) / S, half, scale);
+          }
+        }
+      }
+    } else {  // Q6_K: groups of 16 weights, natural order
+      if constexpr (G == 1) {
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; ++s) unit_products<T, G, NR, Row>(isum, w, xq, s, 1, [&](int n) { return w[n].pair_scales(s); });
+      } else {
+        constexpr int half = 16 / S;
+#pragma GCC unroll 16
+        for (int grp = 0; grp < 16; ++grp)
+          unit_products<T, G, NR, Row>(isum, w, xq, grp * half, half, [&](int n) { return w[n].scale(grp); });
+      }
+    }
+    // the constants: sums of x per unit times W's minimums (Q4_K/Q5_K, by dmin) or 32 sc (Q6_K, by d)
+    const uint8_t* sums = reinterpret_cast<const uint8_t*>(g.sums) + c * sums_bytes<T>(G);
+    constexpr int steps = sums_bytes<T>(G) / 32;
+    __m256i m[NR];
+    for (int n = 0; n < NR; ++n) m[n] = _mm256_setzero_si256();
+    for (int s = 0; s < steps; ++s) {
+      const __m256i xs = load(sums + 32 * s);
+      for (int n = 0; n < NR; ++n)
+        m[n] = _mm256_add_epi32(m[n], _mm256_madd_epi16(xs, w[n].template min_values<G>(s)));
+    }
+    const __m256 dx = _mm256_load_ps(g.dx + c * 8);
+    for (int n = 0; n < NR; ++n) {
+      if constexpr (family<T> == kK6) {
+        f[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[n], m[n])), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_d()), dx), f[n]);
+      } else {
+        f[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_d()), dx), f[n]);
+        f[n] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_dmin()), dx), f[n]);
+      }
+    }
+  }
+  for (int n = 0; n < NR; ++n) _mm256_store_ps(facc + 8 * n, f[n]);
+}
+
+template <int T, int NR>
+inline void group_chunk(float* facc, const Buffered* w, const Group& g, int64_t c) {
+  switch (g.G) {
+    case 8: return chunk_product<T, 8, NR, Buffered>(facc, w, g, c);
+    case 4: return chunk_product<T, 4, NR, Buffered>(facc, w, g, c);
+    case 2: return chunk_product<T, 2, NR, Buffered>(facc, w, g, c);
+    default: return chunk_product<T, 1, NR, Buffered>(facc, w, g, c);
+  }
+}
+
+// Rows [n0, n0 + NR) of W times every group of x, into y.
+template <int T, int NR>
+inline void tile_product(float* y, const uint8_t* packed, int64_t row_bytes, int64_t num_blocks, int64_t chunks, int64_t n0,
+                         int64_t out_features, const Group* groups, int num_groups, WChunk* w, float* facc) {
+  std::memset(facc, 0, sizeof(float) * 8 * kTileRows * num_groups);
+  for (int64_t c = 0; c < chunks; ++c) {
+    Buffered rows[NR];
+    for (int n = 0; n < NR; ++n) {
+      decode_chunk<T>(packed + (n0 + n) * row_bytes, num_blocks, c, w[n]);
+      rows[n].w = w + n;
+    }
+    for (int gi = 0; gi < num_groups; ++gi) group_chunk<T, NR>(facc + 8 * kTileRows * gi, rows, groups[gi], c);
+  }
+  for (int gi = 0; gi < num_groups; ++gi) {
+    const Group& g = groups[gi];
+    const int lanes = 8 / g.G;
+    for (int n = 0; n < NR; ++n) {
+      const float* f = facc + 8 * (kTileRows * gi + n);
+      for (int i = 0; i < g.G; ++i) {
+        float s = 0.0f;
+        for (int l = 0; l < lanes; ++l) s += f[i * lanes + l];
+        y[(g.row0 + i) * out_features + n0 + n] = s;
+      }
+    }
+  }
+}
+
+template <int T>
+void matmul_type(float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
+                 int64_t in_features, int num_threads) {
+  const TypeSize t = type_size(T);
+  const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
+  const int64_t chunks = (in_features + kChunk - 1) / kChunk, kc = chunks * kChunk;
+  // rows of x in groups of 8, then 4, 2, 1
+  Group groups[64 / 8 + 3];
+  int num_groups = 0;
+  int64_t bytes = 0;
+  const int64_t max_rows = 64;  // rows of x per pass (their groups' buffers stay in L2)
+  for (int64_t r0 = 0; r0 < num_rows; r0 += max_rows) {
+    const int64_t rows = num_rows - r0 < max_rows ? num_rows - r0 : max_rows;
+    num_groups = 0;
+    bytes = 0;
+    for (int64_t r = 0; r < rows;) {
+      const int G = rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+      groups[num_groups++] = Group{G, r0 + r, nullptr, nullptr, nullptr, nullptr};
+      bytes += group_bytes<T>(G, chunks);
+      r += G;
+    }
+    uint8_t* base = static_cast<uint8_t*>(thread_buffer(6, bytes + kc + 4 * (kc / 32) + 64));
+    int8_t* qrow = reinterpret_cast<int8_t*>(base + bytes);
+    float* drow = reinterpret_cast<float*>(base + bytes + kc);
+    uint8_t* at = base;
+    for (int gi = 0; gi < num_groups; ++gi) {
+      Group& g = groups[gi];
+      g.q = reinterpret_cast<int8_t*>(at);
+      at += chunks * kChunk * g.G;
+      g.dx = reinterpret_cast<float*>(at);
+      at += chunks * (family<T> == kLegacy ? 8 * 8 * 4 : 8 * 4);
+      if constexpr (family<T> == kLegacy) {
+        g.offs = reinterpret_cast<int32_t*>(at);
+        at += chunks * 8 * 8 * 4;
+      } else {
+        g.sums = reinterpret_cast<int16_t*>(at);
+        at += chunks * sums_bytes<T>(g.G);
+      }
+      fill_group<T>(g, x, in_features, chunks, qrow, drow);
+    }
+    if (num_groups == 1 && groups[0].G == 1) {  // one row of x: each row of W decoded in registers
+      const Group g = groups[0];
+#pragma omp parallel num_threads(num_threads)
+      for_rows_streamed(out_features, [&](int64_t n) {
+        alignas(32) float facc[8] = {};
+        for (int64_t c = 0; c < chunks; ++c) {
+          const Decoder<T> dec(packed + n * row_bytes, num_blocks, c);
+          chunk_product<T, 1, 1, Decoder<T>>(facc, &dec, g, c);
+        }
+        const __m256 f = _mm256_load_ps(facc);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[g.row0 * out_features + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+      });
+      continue;
+    }
+    const int64_t tiles = (out_features + kTileRows - 1) / kTileRows;
+    const Group* gs = groups;
+    const int ng = num_groups;
+#pragma omp parallel num_threads(num_threads)
+    {
+      WChunk* w = static_cast<WChunk*>(thread_buffer(0, sizeof(WChunk) * kTileRows));
+      float* facc = static_cast<float*>(thread_buffer(1, sizeof(float) * 8 * kTileRows * ng));
+      const int teams = omp_get_num_threads(), me = omp_get_thread_num();
+      for (int64_t tile = tiles * me / teams; tile < tiles * (me + 1) / teams; ++tile) {
+        const int64_t n0 = tile * kTileRows;
+        switch (out_features - n0 < kTileRows ? out_features - n0 : kTileRows) {
+          case 1: tile_product<T, 1>(y, packed, row_bytes, num_blocks, chunks, n0, out_features, gs, ng, w, facc); break;
+          case 2: tile_product<T, 2>(y, packed, row_bytes, num_blocks, chunks, n0, out_features, gs, ng, w, facc); break;
+          case 3: tile_product<T, 3>(y, packed, row_bytes, num_blocks, chunks, n0, out_features, gs, ng, w, facc); break;
+          default: tile_product<T, 4>(y, packed, row_bytes, num_blocks, chunks, n0, out_features, gs, ng, w, facc); break;
+        }
+      }
+    }
+  }
+}
+
+// y [num_rows, out_features] = x [num_rows, in_features] W^T, x quantized as described above.
+inline void matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
+                   int64_t in_features, int num_threads) {
+  switch (qtype) {
+    case kQ4_0: return matmul_type<kQ4_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ4_1: return matmul_type<kQ4_1>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ5_0: return matmul_type<kQ5_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ5_1: return matmul_type<kQ5_1>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ8_0: return matmul_type<kQ8_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ4_K: return matmul_type<kQ4_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ5_K: return matmul_type<kQ5_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ6_K: return matmul_type<kQ6_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    default: return;
+  }
+}
+
+}  // namespace int8_avx2
+}  // namespace gguf
+#endif
