@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.bench.hardware import best_time
-from pagedllm.bench.report import format_table, write_json
+from pagedllm.bench.report import format_table, machine_line, write_json
 
+# The instruction of each path's int8 peak loop (kernels/gguf.py int8_peak).
+PEAK_INSTRUCTION = {"avx2": "VPMADDUBSW", "avx512": "VPDPBUSD", "amx": "VPDPBUSD"}
 # (out_features, in_features) of one Llama-3.2-1B layer's projections
 LLAMA_1B_SHAPES = ((2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192))
 
@@ -100,9 +102,12 @@ def run(args: argparse.Namespace) -> int:
     shapes = LLAMA_1B_SHAPES
     num_weights = sum(o * i for o, i in shapes)
     bandwidth = read_bandwidth(args.bandwidth_mb, timer)
+    peak = max(gguf.int8_peak() for _ in range(3))  # the best of three: a busy core only lowers it
+    print(machine_line())  # the CPU and its flags, before the figures they explain
     print(f"{len(shapes)} projections of a Llama-3.2-1B layer, {num_weights / 1e6:.1f}M weights; "
-          f"ISA path {gguf.isa()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; "
-          f"{args.clock} clock")
+          f"ISA path {gguf.isa()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"int8 peak {peak / 1e9:.1f} G multiply-adds/s ({PEAK_INSTRUCTION.get(gguf.isa(), 'none')}); "
+          f"{torch.get_num_threads()} threads; {args.clock} clock")
     gen = torch.Generator().manual_seed(0)
     baselines = _float_baselines(shapes, gen)
     rows_out = []
@@ -135,16 +140,21 @@ def run(args: argparse.Namespace) -> int:
                 # the physical bound of reading the weights once, over the time taken
                 row["gguf_bound_pct"] = 100 * (weight_bytes / bandwidth) / (row["gguf_ms"] / 1e3)
                 row["int8_bound_pct"] = 100 * (weight_bytes / bandwidth) / (row["gguf_int8_ms"] / 1e3)
+                # the int8 products' multiply-adds per second, and their share of the peak loop's
+                row["int8_GMACs"] = n * num_weights / (row["gguf_int8_ms"] / 1e3) / 1e9
+                if peak:
+                    row["int8_peak_pct"] = 100 * row["int8_GMACs"] * 1e9 / peak
                 rows_out.append(row)
                 print(f"{qtype} rows {n:4d}: " + ", ".join(f"{k[:-3]} {v:.2f} ms" for k, v in row.items() if k.endswith("_ms")),
                       flush=True)
     columns = ["type", "rows", "MB", "gguf_ms", "gguf_int8_ms", "torch_ms", "onednn_ms", "old_ms", "old_int8_ms",
-               "gguf_GBps", "gguf_int8_GBps", "gguf_bound_pct", "int8_bound_pct", "gguf_GFLOPs", "gguf_int8_GFLOPs",
-               "onednn_GFLOPs"]
+               "gguf_GBps", "gguf_int8_GBps", "gguf_bound_pct", "int8_bound_pct", "int8_GMACs", "int8_peak_pct",
+               "gguf_GFLOPs", "onednn_GFLOPs"]
     columns = [c for c in columns if any(c in r for r in rows_out)]
     print(format_table(rows_out, columns))
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    config.update(isa=gguf.isa(), read_bandwidth_GBps=bandwidth / 1e9, shapes=[list(s) for s in shapes],
+    config.update(isa=gguf.isa(), read_bandwidth_GBps=bandwidth / 1e9, int8_peak_GMACs=peak / 1e9,
+                  peak_instruction=PEAK_INSTRUCTION.get(gguf.isa()), shapes=[list(s) for s in shapes],
                   num_weights=num_weights)
     path = write_json(args.output_json, "gguf-kernels", config, rows_out)
     print(f"wrote {path}")

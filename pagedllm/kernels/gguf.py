@@ -169,6 +169,27 @@ def quantize_activations(x: torch.Tensor, qtype: str = "Q8_0") -> tuple[torch.Te
     return q, d
 
 
+def int8_peak(threads: int | None = None, seconds: float = 0.2) -> float:
+    """The machine's int8 multiply-adds per second on this path's widest int8 instruction
+    (VPDPBUSD on AVX-512 VNNI, VPMADDUBSW on AVX2): 8 independent chains on each of `threads`
+    threads (default torch's), timed by the wall clock for about `seconds`; 0 on the portable
+    path. The bound the int8 products are measured against (`pagedllm bench gguf-kernels`)."""
+    import time
+
+    lib = _lib()
+    threads = threads or torch.get_num_threads()
+    iterations = 1 << 16
+    while True:
+        start = time.perf_counter()
+        done = lib.gguf_int8_peak(iterations, threads)
+        elapsed = time.perf_counter() - start
+        if done == 0:
+            return 0.0
+        if elapsed >= seconds:
+            return done / elapsed
+        iterations *= 2 if elapsed > seconds / 8 else 8
+
+
 def isa() -> str:
     """The path this process runs: 'amx' (AVX-512 VNNI, prompts on AMX tiles), 'avx512' (AVX-512
     with VNNI), 'avx2' or 'portable'."""

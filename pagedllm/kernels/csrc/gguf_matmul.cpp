@@ -829,6 +829,24 @@ void gguf_quantize_activations(int qtype_id, int8_t* qx, float* dx, const float*
   std::free(d16);
 }
 
+// The int8 multiply-adds done by `iterations` of the current path's peak loop (8 independent
+// chains of its widest int8 instruction: VPDPBUSD on AVX-512 VNNI, VPMADDUBSW on AVX2) on each of
+// num_threads threads, summed: a benchmark times it for the machine's int8 peak. 0 on the portable path.
+int64_t gguf_int8_peak(int64_t iterations, int num_threads) {
+  if (g_isa < 0) g_isa = best_isa();
+  int64_t total = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+  {
+#ifdef GGUF_AVX512
+    if (g_isa >= kAvx512) total += vnni_peak_loop(iterations);
+#endif
+#ifdef GGUF_INT8_AVX2
+    if (g_isa == kAvx2) total += int8_avx2::peak_loop(iterations);
+#endif
+  }
+  return total;
+}
+
 // The ISA path gguf_matmul runs: 0 portable C++, 1 AVX2, 2 AVX-512 (VNNI), 3 AVX-512 and AMX.
 int gguf_isa() { return g_isa < 0 ? best_isa() : g_isa; }
 int gguf_best_isa() { return best_isa(); }

@@ -154,6 +154,28 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
   }
 }
 
+// The machine's int8 peak on VNNI: 8 independent chains of VPDPBUSD (64 multiply-adds each).
+// Returns the multiply-adds done.
+__attribute__((noinline)) inline int64_t vnni_peak_loop(int64_t iterations) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  __m512i u0 = _mm512_set1_epi8(1), u1 = _mm512_set1_epi8(2), x0 = _mm512_set1_epi8(3), x1 = _mm512_set1_epi8(-4);
+  for (int64_t i = 0; i < iterations; ++i) {
+    __asm__ volatile("" : "+v"(u0), "+v"(u1), "+v"(x0), "+v"(x1));
+    a0 = _mm512_dpbusd_epi32(a0, u0, x0);
+    a1 = _mm512_dpbusd_epi32(a1, u0, x1);
+    a2 = _mm512_dpbusd_epi32(a2, u1, x0);
+    a3 = _mm512_dpbusd_epi32(a3, u1, x1);
+    a4 = _mm512_dpbusd_epi32(a4, x0, u0);
+    a5 = _mm512_dpbusd_epi32(a5, x1, u0);
+    a6 = _mm512_dpbusd_epi32(a6, x0, u1);
+    a7 = _mm512_dpbusd_epi32(a7, x1, u1);
+  }
+  const __m512i all = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
+                                       _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));
+  __asm__ volatile("" : : "v"(all));
+  return iterations * 8 * 64;
+}
+
 // y[r * y_stride] for R rows of x from r0 and one row of W; dxl: each row's scale per 4 weights.
 template <int T, int R>
 inline void int8_fused_rows(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const Int8Rows& a,
