@@ -18,12 +18,17 @@ def test_bench_gguf_kernels_writes_one_record_per_type_and_row_count(tmp_path, c
     payload = json.loads(out.read_text())
     assert payload["benchmark"] == "gguf-kernels"
     assert payload["config"]["read_bandwidth_GBps"] > 0
+    # the int8 peak loop, and every int8 product's multiply-adds as a share of it
+    assert payload["config"]["int8_peak_GMACs"] > 0 and payload["config"]["peak_instruction"]
     records = payload["results"]
     assert [(r["type"], r["rows"]) for r in records] == [("Q4_K", 1), ("Q4_K", 2), ("Q8_0", 1), ("Q8_0", 2)]
     for record in records:
         for path in ("gguf", "gguf_int8", "torch"):
             assert record[f"{path}_ms"] > 0 and record[f"{path}_GFLOPs"] > 0
         assert record["gguf_bound_pct"] > 0
+        macs = record["rows"] * payload["config"]["num_weights"]
+        assert record["int8_GMACs"] == pytest.approx(macs / (record["gguf_int8_ms"] / 1e3) / 1e9)
+        assert record["int8_peak_pct"] == pytest.approx(100 * record["int8_GMACs"] / payload["config"]["int8_peak_GMACs"])
     # the older kernels exist for Q8_0 only of these two
     assert "old_ms" in records[2] and "old_ms" not in records[0]
     assert "cpu:" in capsys.readouterr().out

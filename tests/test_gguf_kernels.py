@@ -239,3 +239,23 @@ def test_bad_inputs_name_the_field():
         kernels.matmul(torch.zeros(2, 32), w)
     with pytest.raises(ValueError, match="cached data"):
         kernels.from_data("Q4_0", 44, 96, w.data)
+
+
+def test_the_peak_loop_and_the_read_loop_report_their_work():
+    """The benchmark's bounds: the int8 peak loop counts 8 chains of its instruction's
+    multiply-adds per iteration and thread, and the read loop reads every byte (its checksum moves
+    with any byte of the buffer)."""
+    from pagedllm.kernels.build import load
+
+    lib = load()
+    per_instruction = {"avx2": 32, "avx512": 64, "amx": 64}.get(kernels.isa(), 0)
+    assert lib.gguf_int8_peak(1000, 2) == 2 * 1000 * 8 * per_instruction
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    base = lib.gguf_read_sum(buf.data_ptr(), buf.numel(), 2)
+    for at in (0, 255, 30000, (1 << 16) - 1):
+        buf[at] = 1
+        assert lib.gguf_read_sum(buf.data_ptr(), buf.numel(), 2) != base, at
+        buf[at] = 0
+    assert kernels.read_bandwidth(16, threads=1, repeats=1) > 0
+    if per_instruction:
+        assert kernels.int8_peak(threads=1, seconds=0.01) > 0

@@ -6,8 +6,10 @@ Per type and row count: the time of the whole set, as GB/s of weight bytes read 
 float32 activations and on int8 ones (`int8=True`), against a float32 torch product of the same
 shapes (F.linear and, where it builds, the packed oneDNN product the engine's float32 layers use),
 and for Q4_1/Q8_0 against the older tuned kernels (kernels/quant.py). The machine's memory read
-bandwidth (a sum over a buffer well past the caches) is measured in the same run, so the
-1-row products show their share of the physical bound: weight bytes / bandwidth over the time.
+bandwidth (a buffer well past the caches read as the products read a weight, `gguf.read_bandwidth`)
+and its int8 peak (a loop of its widest int8 instruction, `gguf.int8_peak`) are measured in the same
+run, so the 1-row products show their share of the physical bound (weight bytes / bandwidth over
+the time) and the int8 products their multiply-adds per second and share of the peak.
 
 `--clock cpu` (with `--threads 1`) times each call by the thread's CPU time instead of the wall
 clock: on a machine shared with other work, the time the thread was descheduled is left out.
@@ -57,12 +59,6 @@ def cpu_time(fn, repeats: int) -> float:
     return best
 
 
-def read_bandwidth(megabytes: int, timer, repeats: int = 5) -> float:
-    """Bytes per second read by a sum over `megabytes` of float32 (reads only, one pass)."""
-    buf = torch.ones(megabytes << 18, dtype=torch.float32)
-    return buf.numel() * 4 / timer(lambda: buf.sum(), repeats)
-
-
 def _float_baselines(shapes, gen) -> dict:
     from pagedllm.kernels import onednn
 
@@ -101,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         gguf.set_isa(args.isa)
     shapes = LLAMA_1B_SHAPES
     num_weights = sum(o * i for o, i in shapes)
-    bandwidth = read_bandwidth(args.bandwidth_mb, timer)
+    bandwidth = gguf.read_bandwidth(args.bandwidth_mb)
     peak = max(gguf.int8_peak() for _ in range(3))  # the best of three: a busy core only lowers it
     print(machine_line())  # the CPU and its flags, before the figures they explain
     print(f"{len(shapes)} projections of a Llama-3.2-1B layer, {num_weights / 1e6:.1f}M weights; "

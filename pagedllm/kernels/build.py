@@ -125,6 +125,8 @@ def load() -> ctypes.CDLL:
     lib.gguf_quantize_activations.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
     for name in ("gguf_matmul", "gguf_dequantize_rows", "gguf_quantize_activations"):
         getattr(lib, name).restype = None
+    lib.gguf_read_sum.argtypes = [_P, ctypes.c_int64, ctypes.c_int]
+    lib.gguf_read_sum.restype = ctypes.c_uint64
     lib.gguf_int8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     lib.gguf_int8_peak.restype = ctypes.c_int64
     lib.gguf_set_isa.argtypes = [ctypes.c_int]

@@ -169,6 +169,23 @@ def quantize_activations(x: torch.Tensor, qtype: str = "Q8_0") -> tuple[torch.Te
     return q, d
 
 
+def read_bandwidth(megabytes: int = 1024, threads: int | None = None, repeats: int = 5) -> float:
+    """Bytes per second read from memory the way the products read a weight (each thread its share
+    in four interleaved runs, prefetched; `megabytes` well past the caches): the best of `repeats`
+    passes, by the wall clock. The bound the one-row products are measured against."""
+    import time
+
+    lib = _lib()
+    threads = threads or torch.get_num_threads()
+    buf = torch.ones(megabytes << 20, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats + 1):  # (the first pass faults the pages in)
+        start = time.perf_counter()
+        lib.gguf_read_sum(buf.data_ptr(), buf.numel() // 256 * 256, threads)
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() // 256 * 256 / best
+
+
 def int8_peak(threads: int | None = None, seconds: float = 0.2) -> float:
     """The machine's int8 multiply-adds per second on this path's widest int8 instruction
     (VPDPBUSD on AVX-512 VNNI, VPMADDUBSW on AVX2): 8 independent chains on each of `threads`

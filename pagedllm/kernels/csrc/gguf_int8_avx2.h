@@ -390,6 +390,9 @@ inline void step_products(__m256i (&acc)[NR], const Row* w, int t, __m256i xv) {
                                                           _mm256_set1_epi16(1)));
     else
       acc[n] = _mm256_add_epi16(acc[n], _mm256_maddubs_epi16(wv, xv));
+    // keep the sum a chain: GCC otherwise reassociates it into a tree whose many products are
+    // live at once and spill (measured: a third of the G = 8 kernel's instructions were spills)
+    __asm__("" : "+x"(acc[n]));
   }
 }
 
@@ -410,8 +413,7 @@ template <int T, int G, int NR, class Row>
 inline void chunk_product(float* facc, const Row* w, const Group& g, int64_t c) {
   constexpr int S = 32 / G;  // bytes of a row of x (and of W) per step
   const int8_t* xq = g.q + c * kChunk * G;
-  __m256 f[NR];
-  for (int n = 0; n < NR; ++n) f[n] = _mm256_load_ps(facc + 8 * n);
+  // (the float accumulators stay in facc until the integer sums are done: registers are few)
   if constexpr (family<T> == kLegacy) {
     constexpr bool has_min = T == kQ4_1 || T == kQ5_1, has_offset = T == kQ4_0 || T == kQ5_0;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -427,9 +429,11 @@ inline void chunk_product(float* facc, const Row* w, const Group& g, int64_t c) 
       }
       const __m256 dx = _mm256_load_ps(g.dx + (c * 8 + j) * 8);
       for (int n = 0; n < NR; ++n) {
-        f[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].block_d(j)), dx), f[n]);
+        __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].block_d(j)), dx),
+                                   _mm256_load_ps(facc + 8 * n));
         if constexpr (has_min)
-          f[n] = _mm256_fmadd_ps(_mm256_set1_ps(w[n].block_m(j)), _mm256_castsi256_ps(load(g.offs + (c * 8 + j) * 8)), f[n]);
+          f = _mm256_fmadd_ps(_mm256_set1_ps(w[n].block_m(j)), _mm256_castsi256_ps(load(g.offs + (c * 8 + j) * 8)), f);
+        _mm256_store_ps(facc + 8 * n, f);
       }
     }
   } else {
@@ -483,15 +487,16 @@ inline void chunk_product(float* facc, const Row* w, const Group& g, int64_t c) 
     }
     const __m256 dx = _mm256_load_ps(g.dx + c * 8);
     for (int n = 0; n < NR; ++n) {
+      __m256 f = _mm256_load_ps(facc + 8 * n);
       if constexpr (family<T> == kK6) {
-        f[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[n], m[n])), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_d()), dx), f[n]);
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[n], m[n])), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_d()), dx), f);
       } else {
-        f[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_d()), dx), f[n]);
-        f[n] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_dmin()), dx), f[n]);
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_d()), dx), f);
+        f = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_dmin()), dx), f);
       }
+      _mm256_store_ps(facc + 8 * n, f);
     }
   }
-  for (int n = 0; n < NR; ++n) _mm256_store_ps(facc + 8 * n, f[n]);
 }
 
 template <int T, int NR>

@@ -829,6 +829,40 @@ void gguf_quantize_activations(int qtype_id, int8_t* qx, float* dx, const float*
   std::free(d16);
 }
 
+// Reads `bytes` at p (a multiple of 256) as the products read a weight: each of num_threads
+// threads its share in kStreams interleaved runs with software prefetch, 256 bytes a step (on AVX2:
+// 32-byte loads summed as bytes). Returns a checksum, so that nothing is left out; a benchmark times
+// it for the machine's read bandwidth.
+uint64_t gguf_read_sum(const uint8_t* p, int64_t bytes, int num_threads) {
+  const int64_t steps = bytes / 256;
+  uint64_t total = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+  {
+#ifdef GGUF_AVX2
+    __m256i acc = _mm256_setzero_si256();
+    for_rows_streamed(steps, [&](int64_t i) {
+      const uint8_t* q = p + 256 * i;
+      prefetch_ahead(q, 256);
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      for (int k = 32; k < 256; k += 32) v = _mm256_xor_si256(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k)));
+      acc = _mm256_add_epi64(acc, _mm256_sad_epu8(v, _mm256_setzero_si256()));
+    });
+    alignas(32) uint64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+    total += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#else
+    for_rows_streamed(steps, [&](int64_t i) {
+      for (int k = 0; k < 256; k += 8) {
+        uint64_t v;
+        std::memcpy(&v, p + 256 * i + k, 8);
+        total += v;
+      }
+    });
+#endif
+  }
+  return total;
+}
+
 // The int8 multiply-adds done by `iterations` of the current path's peak loop (8 independent
 // chains of its widest int8 instruction: VPDPBUSD on AVX-512 VNNI, VPMADDUBSW on AVX2) on each of
 // num_threads threads, summed: a benchmark times it for the machine's int8 peak. 0 on the portable path.
