@@ -163,7 +163,10 @@ LLAMA_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "f
 
 # The types with a minimum (bytes 2-3 of a block, after the scale d): the minimum as a multiple
 # of d that centres random values q (0..15, 0..31) about 0 (K-quants subtract it, Q4_1/Q5_1 add it).
-_CENTRED_MINIMUM = {"Q4_K": 7.5, "Q5_K": 15.5, "Q4_1": -7.5, "Q5_1": -15.5}
+_CENTRED_MINIMUM = {"Q4_K": 7.5, "Q5_K": 15.5, "Q4_1": -7.5, "Q5_1": -15.5, "Q2_K": 1.5}
+# Byte offsets of d and of the minimum where they are not a block's first two float16 (Q2_K: after
+# its scales and values). Q2_K's minimums and scales are both 0..15, its values 0..3: 1.5 centres.
+_SCALE_AND_MINIMUM = {"Q2_K": (80, 82)}
 
 
 def _random_tensor(name: str, rows: int, cols: int, qtype: str, generator) -> tuple[np.ndarray, object]:
@@ -178,8 +181,9 @@ def _random_tensor(name: str, rows: int, cols: int, qtype: str, generator) -> tu
         blocks = gguf_kernels.random_weight(qtype, rows, cols, generator).data.numpy().copy()
         if qtype in _CENTRED_MINIMUM:  # a row then averages about 0
             block = blocks.reshape(-1, gguf_kernels.GGUF_TYPES[qtype][1])
-            d = block[:, 0:2].copy().view(np.float16).astype(np.float32)
-            block[:, 2:4] = (d * _CENTRED_MINIMUM[qtype]).astype(np.float16).view(np.uint8)
+            d_at, min_at = _SCALE_AND_MINIMUM.get(qtype, (0, 2))
+            d = block[:, d_at:d_at + 2].copy().view(np.float16).astype(np.float32)
+            block[:, min_at:min_at + 2] = (d * _CENTRED_MINIMUM[qtype]).astype(np.float16).view(np.uint8)
         return blocks, gguf.GGMLQuantizationType[qtype]
     values = (torch.randn(rows, cols, generator=generator) * 0.05).numpy()
     if qtype == "F16":

@@ -24,7 +24,7 @@ from tests.helpers import hf_greedy
 from tests.test_model import PagedSequences, _hf_logits
 
 CPU = torch.device("cpu")
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16"]
 # llama.cpp's Q4_K_M mixes types within a layer (v and down in Q6_K); here k in Q8_0 too, so the
 # fused q/k/v projection has three parts of three types, and the head is its own Q6_K tensor.
 MIXED = {"default": "Q4_K", "attn_k": "Q8_0", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K",
@@ -97,8 +97,9 @@ def mixed_file(tmp_path_factory) -> Path:
 def test_a_q4_k_m_like_mix_serves_like_transformers_through_the_fused_decoder(mixed_file):
     """Mixed types in one fused projection (q in Q4_K, k in Q8_0, v in Q6_K: three packed parts)
     and an untied Q6_K head, through the engine: the fused C++ decoder runs the decode steps
-    (every type through `gguf_matmul`) and its tokens are transformers' greedy ones."""
-    llm = LLM(str(mixed_file), max_model_len=128, num_gpu_blocks=64)
+    (every type through `gguf_matmul`) and its tokens are transformers' greedy ones (on float32
+    activations, as every comparison with transformers runs)."""
+    llm = LLM(str(mixed_file), max_model_len=128, num_gpu_blocks=64, int8_activations="off")
     model = llm.llm_engine.executor.worker.model
     assert [p.qtype for p in model.model.layers[0].self_attn.qkv_proj.quant_method.parts] == ["Q4_K", "Q8_0", "Q6_K"]
     assert model.lm_head.quant_method.qtypes == ["Q6_K"] and model.fused_layers is not None

@@ -1,7 +1,8 @@
 """Matrix products computed directly from GGUF's block types: the legacy Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0 (blocks of 32 weights) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256), the types
-llama.cpp's files hold (its Q4_K_M is Q4_K and Q6_K, with Q5_0/Q8_0 where a row is not a
-multiple of 256).
+Q8_0 (blocks of 32 weights), the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256) and
+the non-linear IQ4_NL (blocks of 32) and IQ4_XS (256), the types llama.cpp's files hold (its
+Q4_K_M is Q4_K and Q6_K, with Q5_0/Q8_0 where a row is not a multiple of 256; Q3_K_M and Q2_K add
+Q3_K and Q2_K; the imatrix quants IQ4_XS/IQ4_NL).
 
 A weight is kept as a `PackedWeight`: the file's rows of blocks, as they are (`pack`), and
 nothing else: no float copy, scales included, `.data` about the file's size, saved as-is by the
@@ -37,9 +38,14 @@ GGUF_TYPES: dict[str, tuple[int, int]] = {
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
 }
 # The C ABI's qtype id of each: ggml's GGMLQuantizationType values.
-TYPE_IDS: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TYPE_IDS: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+                            "Q2_K": 10, "Q3_K": 11, "IQ4_NL": 20, "IQ4_XS": 23}
 # The layout of PackedWeight.data: "rows-1" is the file's rows of blocks, unchanged. A weight
 # cache keys its entries on it, so a later layout (interleaved rows) never reads an old one.
 LAYOUT = "rows-1"
@@ -235,6 +241,10 @@ _SCALE_FIELDS = {
     "Q4_K": [(0, 0.0002, 0.002), (2, 0.0002, 0.002)],
     "Q5_K": [(0, 0.0001, 0.001), (2, 0.0001, 0.001)],
     "Q6_K": [(208, 0.00005, 0.0005)],
+    "Q2_K": [(80, 0.0002, 0.002), (82, 0.0002, 0.002)],
+    "Q3_K": [(108, 0.00005, 0.0005)],
+    "IQ4_NL": [(0, 0.0002, 0.002)],
+    "IQ4_XS": [(0, 0.00001, 0.0001)],
 }
 
 

@@ -12,7 +12,7 @@
 #if defined(GGUF_AMX) && defined(PAGEDLLM_AMX_EXACT)
 #define GGUF_AMX_EXACT 1
 constexpr int kExactMinRows = 8;
-inline bool exact_type(int qtype) { return qtype != kQ6_K; }
+inline bool exact_type(int qtype) { return vnni_type(qtype) && qtype != kQ6_K; }
 
 template <int T>
 void amx_exact_matmul_type(float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,

@@ -40,25 +40,44 @@ namespace int8_avx2 {
 constexpr int kChunk = 256;    // weights of a row of W decoded at a time
 constexpr int kTileRows = 4;   // rows of W sharing each load of x
 
-enum Family { kK4, kK6, kLegacy };
+// How a type's chunk is laid out and scaled:
+// - kK4 (Q4_K, Q5_K): sub-blocks of 32 with 6-bit scales and minimums, decoded in pairs of sub-blocks;
+// - kK16 (Q6_K, Q3_K, Q2_K): groups of 16 with their own scales, natural order;
+// - kKSigned (IQ4_XS): sub-blocks of 32 with signed scales, signed values (the table's), natural order;
+// - kLegacy (Q4_0 ... Q8_0, IQ4_NL): blocks of 32 with a float16 scale each.
+enum Family { kK4, kK16, kKSigned, kLegacy };
 template <int T>
-constexpr Family family = T == kQ4_K || T == kQ5_K ? kK4 : T == kQ6_K ? kK6 : kLegacy;
-// Steps of VPMADDUBSW summed in int16 before a VPMADDWD: 2 umax 127 per step within 32767.
+constexpr Family family = T == kQ4_K || T == kQ5_K                ? kK4
+                          : T == kQ6_K || T == kQ3_K || T == kQ2_K ? kK16
+                          : T == kIQ4_XS                           ? kKSigned
+                                                                   : kLegacy;
+// Signed values (Q8_0's, the IQ4 table's): multiplied as |w| times x with w's sign (VPSIGNB).
 template <int T>
-constexpr int kDepth = T == kQ4_0 || T == kQ4_1 || T == kQ4_K ? 8 : T == kQ5_0 || T == kQ5_1 || T == kQ5_K ? 4 : T == kQ6_K ? 2 : 1;
-// Activations quantized per this many: llama.cpp's Q8_K for the K-quants, Q8_0 for the rest.
+constexpr bool kSignedValues = T == kQ8_0 || T == kIQ4_NL || T == kIQ4_XS;
+// The largest value of the unsigned types.
+template <int T>
+constexpr int kMaxValue = T == kQ2_K ? 3 : T == kQ3_K ? 7 : T == kQ4_0 || T == kQ4_1 || T == kQ4_K ? 15 : T == kQ6_K ? 63 : 31;
+// Steps of VPMADDUBSW summed in int16 before a VPMADDWD: 2 umax 127 a step, within 32767 (signed
+// values: one, |w| up to 128).
+template <int T>
+constexpr int kDepth = kSignedValues<T> ? 1 : 32767 / (2 * 127 * kMaxValue<T>);
+// Activations quantized per this many: llama.cpp's Q8_K for the super-block types, Q8_0 for the rest.
 template <int T>
 constexpr int kXBlock = family<T> == kLegacy ? 32 : 256;
-// Weights per sum of x kept for the constants: a sub-block (32), Q6_K's scale group (16).
+// Weights per sum of x kept for the constants: a sub-block (32), a group of 16 (kK16).
 template <int T>
-constexpr int kSumUnit = T == kQ6_K ? 16 : 32;
+constexpr int kSumUnit = family<T> == kK16 ? 16 : 32;
+// The constants' term: minimums times dmin (Q4_K, Q5_K, Q2_K), or an offset in the values (Q6_K's
+// 32, Q3_K's 4: w = d sc (u - offset)) that comes off the integer sums; none for IQ4_XS.
+template <int T>
+constexpr bool kMinsByDmin = T == kQ4_K || T == kQ5_K || T == kQ2_K;
 
 // One row of W's chunk as the kernel reads it.
 struct alignas(64) WChunk {
-  uint8_t u[kChunk];   // values: unsigned (Q8_0: signed); Q4_K/Q5_K in pairs of sub-blocks (see the top)
+  uint8_t u[kChunk];   // values: unsigned (kSignedValues: signed); Q4_K/Q5_K in pairs of sub-blocks (see the top)
   int16_t sv[8][16];   // G = 1: per step (Q4_K/Q5_K: per pair of steps), the scales of its two halves
-  int16_t mins[16];    // Q4_K/Q5_K: the 8 minimums, then zeros; Q6_K: 32 times its 16 scales
-  int16_t sc[16];      // the scale of each sub-block (Q4_K/Q5_K: 8; Q6_K: 16 groups of 16)
+  int16_t mins[16];    // Q4_K/Q5_K: the 8 minimums, then zeros; Q2_K: its 16; Q6_K, Q3_K: the offset times the 16 scales
+  int16_t sc[16];      // the scale of each sub-block (Q4_K/Q5_K, IQ4_XS: 8) or group of 16 (kK16: 16)
   float d, dmin;       // K-quants
   float db[8], mb[8];  // legacy types: each block's scale and minimum (zero past the row)
 };
@@ -85,6 +104,10 @@ inline __m256i bytes_from_bits(uint32_t bits) {  // 32 bytes, 0xFF where bit j i
   __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
   bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE));
   return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+inline __m256i iq4_values(__m256i indices) {  // each 4-bit index's value in kIq4Values (signed bytes)
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values))), indices);
 }
 
 inline void store(void* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
@@ -117,27 +140,13 @@ struct Decoder {
   const uint8_t* p;        // the super-block, or the chunk's first legacy block
   int blocks = 8;          // legacy: the chunk's blocks in the row (values past them are zero)
   float d = 0.0f, dmin = 0.0f;
-  __m256i scales;          // Q4_K/Q5_K: the 8 scales as int16, in both halves; Q6_K: its 16
+  __m256i scales;          // Q4_K/Q5_K, IQ4_XS: the 8 scales as int16, in both halves; kK16: its 16
   __m256i mins;            // as WChunk::mins
   alignas(32) float db[8], mb[8];
 
   Decoder(const uint8_t* row, int64_t num_blocks, int64_t c) {
     const TypeSize t = type_size(T);
-    if constexpr (family<T> == kK4) {
-      p = row + c * t.bytes;
-      prefetch_ahead(p, t.bytes);
-      d = half_to_float(p);
-      dmin = half_to_float(p + 2);
-      const __m128i both = k4_scales_and_mins(p + 4);
-      scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both));
-      mins = _mm256_cvtepu8_epi16(_mm_srli_si128(both, 8));  // then zeros
-    } else if constexpr (T == kQ6_K) {
-      p = row + c * t.bytes;
-      prefetch_ahead(p, t.bytes);
-      d = half_to_float(p + 208);
-      scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
-      mins = _mm256_slli_epi16(scales, 5);
-    } else {
+    if constexpr (family<T> == kLegacy) {
       constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
       p = row + c * 8 * t.bytes;
       prefetch_ahead(p, 8 * t.bytes);
@@ -149,9 +158,49 @@ struct Decoder {
       }
       _mm256_store_ps(db, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh))));
       _mm256_store_ps(mb, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh))));
+      return;
+    }
+    p = row + c * t.bytes;
+    prefetch_ahead(p, t.bytes);
+    if constexpr (family<T> == kK4) {
+      d = half_to_float(p);
+      dmin = half_to_float(p + 2);
+      const __m128i both = k4_scales_and_mins(p + 4);
+      scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both));
+      mins = _mm256_cvtepu8_epi16(_mm_srli_si128(both, 8));  // then zeros
+    } else if constexpr (T == kQ6_K) {
+      d = half_to_float(p + 208);
+      scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+      mins = _mm256_slli_epi16(scales, 5);  // 32 sc
+    } else if constexpr (T == kQ3_K) {
+      d = half_to_float(p + 108);
+      // sc_g - 32: low 4 bits from bytes 96-103 (g < 8: low nibbles, else high), high 2 from
+      // bytes 104-107 (byte g % 4, bits 2 (g / 4))
+      const __m128i lo8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 96));
+      const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(lo8, _mm_set1_epi8(0x0F)),
+                                             _mm_and_si128(_mm_srli_epi16(lo8, 4), _mm_set1_epi8(0x0F)));
+      int32_t h;
+      std::memcpy(&h, p + 104, 4);
+      const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+      const __m128i sc = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+      scales = _mm256_cvtepi8_epi16(sc);
+      mins = _mm256_slli_epi16(scales, 2);  // 4 sc
+    } else if constexpr (T == kQ2_K) {
+      d = half_to_float(p + 80);
+      dmin = half_to_float(p + 82);
+      const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      scales = _mm256_cvtepu8_epi16(_mm_and_si128(sm, _mm_set1_epi8(0x0F)));
+      mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), _mm_set1_epi8(0x0F)));
+    } else {  // IQ4_XS
+      d = half_to_float(p);
+      alignas(16) int16_t ls[8];
+      for (int i = 0; i < 8; ++i) ls[i] = static_cast<int16_t>(iq4xs_scale(p, i) - 32);
+      scales = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(ls)));
+      mins = _mm256_setzero_si256();
     }
   }
 
+  // The 32 values of step s of a one-row group (G = 1), in WChunk::u's order.
   __m256i step(int s) const {
     if constexpr (family<T> == kK4) {  // pair s / 2 of sub-blocks, its weights 0-15 (s even) or 16-31
       const int q = s / 2, half = 16 * (s % 2);
@@ -166,6 +215,15 @@ struct Decoder {
       const __m256i nib = r < 2 ? _mm256_and_si256(ql, low4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), low4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * r), _mm256_set1_epi8(3));
       return _mm256_or_si256(nib, _mm256_slli_epi16(hi, 4));
+    } else if constexpr (T == kQ3_K || T == kQ2_K) {  // weights 128 n + 32 j + l: 2 bits at 2j of qs[32n + l]
+      const int n = s / 4, j = s % 4;
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (T == kQ2_K ? 16 : 32) + 32 * n));
+      const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), _mm256_set1_epi8(3));
+      if constexpr (T == kQ2_K) return low;
+      const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));  // Q3_K's third bit: bit 4n + j
+      return _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * n + j), _mm256_set1_epi8(1)), 2));
+    } else if constexpr (T == kIQ4_XS) {  // sub-block s: the table's values of its 16 bytes of nibbles
+      return iq4_values(nibbles_of_16(p + 8 + 16 * s));
     } else {  // block s
       constexpr bool has_min = T == kQ4_1 || T == kQ5_1, five = T == kQ5_0 || T == kQ5_1;
       constexpr int qs_at = T == kQ8_0 ? 2 : (has_min ? 4 : 2) + (five ? 4 : 0), qh_at = has_min ? 4 : 2;
@@ -173,6 +231,7 @@ struct Decoder {
       const uint8_t* b = p + s * type_size(T).bytes;
       if constexpr (T == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + qs_at));
       __m256i v = nibbles_of_16(b + qs_at);
+      if constexpr (T == kIQ4_NL) return iq4_values(v);
       if constexpr (five) {
         uint32_t qh;
         std::memcpy(&qh, b + qh_at, 4);
@@ -183,12 +242,18 @@ struct Decoder {
   }
 
   // The two scales of step pair q (Q4_K/Q5_K; both halves of steps 2q and 2q + 1) or of step q
-  // (Q6_K), each over its half: [scale x 8 | scale x 8].
+  // (kK16), each over its half: [scale x 8 | scale x 8].
   __m256i pair_scales(int q) const {
     if constexpr (family<T> == kK4) return _mm256_shuffle_epi8(scales, pair_of_scales(q));
     const __m256i half = q < 4 ? _mm256_broadcastsi128_si256(_mm256_castsi256_si128(scales))
                                : _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scales, 1));
     return _mm256_shuffle_epi8(half, pair_of_scales(q % 4));
+  }
+  // IQ4_XS: the scale of sub-block i over all lanes.
+  __m256i scale(int i) const {
+    const char lo = static_cast<char>(2 * i), hi = static_cast<char>(2 * i + 1);
+    return _mm256_shuffle_epi8(scales, _mm256_setr_epi8(lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi,
+                                                        lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi));
   }
 
   // As the kernel reads a one-row group (G = 1).
@@ -224,9 +289,11 @@ inline void decode_chunk(const uint8_t* row, int64_t num_blocks, int64_t c, WChu
     if constexpr (family<T> == kK4) {
       _mm_store_si128(reinterpret_cast<__m128i*>(w.sc), _mm256_castsi256_si128(dec.scales));
       for (int q = 0; q < 4; ++q) store(w.sv[q], dec.pair_scales(q));
-    } else {
+    } else if constexpr (family<T> == kK16) {
       store(w.sc, dec.scales);
       for (int s = 0; s < 8; ++s) store(w.sv[s], dec.pair_scales(s));
+    } else {  // (IQ4_XS reads its 8 scales by scale(i) at any G)
+      _mm_store_si128(reinterpret_cast<__m128i*>(w.sc), _mm256_castsi256_si128(dec.scales));
     }
   }
 }
@@ -385,9 +452,8 @@ inline void step_products(__m256i (&acc)[NR], const Row* w, int t, __m256i xv) {
 #pragma GCC unroll 4
   for (int n = 0; n < NR; ++n) {
     const __m256i wv = w[n].template values<G>(t);
-    if constexpr (T == kQ8_0)
-      acc[n] = _mm256_add_epi32(acc[n], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)),
-                                                          _mm256_set1_epi16(1)));
+    if constexpr (kSignedValues<T>)  // |w| times x with w's sign
+      acc[n] = _mm256_add_epi16(acc[n], _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)));
     else
       acc[n] = _mm256_add_epi16(acc[n], _mm256_maddubs_epi16(wv, xv));
     // keep the sum a chain: GCC otherwise reassociates it into a tree whose many products are
@@ -422,11 +488,7 @@ inline void chunk_product(float* facc, const Row* w, const Group& g, int64_t c) 
       __m256i isum[NR];
       const __m256i off = has_offset ? load(g.offs + (c * 8 + j) * 8) : _mm256_setzero_si256();
       for (int n = 0; n < NR; ++n) isum[n] = off;
-      if constexpr (T == kQ8_0) {
-        for (int s = 0; s < G; ++s) step_products<T, G, NR, Row>(isum, w, G * j + s, load(xq + (G * j + s) * 32));
-      } else {
-        unit_products<T, G, NR, Row>(isum, w, xq, G * j, G, [&](int) { return ones; });
-      }
+      unit_products<T, G, NR, Row>(isum, w, xq, G * j, G, [&](int) { return ones; });
       const __m256 dx = _mm256_load_ps(g.dx + (c * 8 + j) * 8);
       for (int n = 0; n < NR; ++n) {
         __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].block_d(j)), dx),
@@ -464,7 +526,11 @@ inline void chunk_product(float* facc, const Row* w, const Group& g, int64_t c) 
           }
         }
       }
-    } else {  // Q6_K: groups of 16 weights, natural order
+    } else if constexpr (family<T> == kKSigned) {  // IQ4_XS: sub-blocks of 32, natural order
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+        unit_products<T, G, NR, Row>(isum, w, xq, 32 * i / S, 32 / S, [&](int n) { return w[n].scale(i); });
+    } else {  // kK16: groups of 16 weights, natural order
       if constexpr (G == 1) {
 #pragma GCC unroll 8
         for (int s = 0; s < 8; ++s) unit_products<T, G, NR, Row>(isum, w, xq, s, 1, [&](int n) { return w[n].pair_scales(s); });
@@ -475,9 +541,9 @@ inline void chunk_product(float* facc, const Row* w, const Group& g, int64_t c) 
           unit_products<T, G, NR, Row>(isum, w, xq, grp * half, half, [&](int n) { return w[n].scale(grp); });
       }
     }
-    // the constants: sums of x per unit times W's minimums (Q4_K/Q5_K, by dmin) or 32 sc (Q6_K, by d)
+    // the constants: sums of x per unit times W's minimums (by dmin) or its offset times its scales (by d)
     const uint8_t* sums = reinterpret_cast<const uint8_t*>(g.sums) + c * sums_bytes<T>(G);
-    constexpr int steps = sums_bytes<T>(G) / 32;
+    constexpr int steps = family<T> == kKSigned ? 0 : sums_bytes<T>(G) / 32;
     __m256i m[NR];
     for (int n = 0; n < NR; ++n) m[n] = _mm256_setzero_si256();
     for (int s = 0; s < steps; ++s) {
@@ -488,7 +554,7 @@ inline void chunk_product(float* facc, const Row* w, const Group& g, int64_t c) 
     const __m256 dx = _mm256_load_ps(g.dx + c * 8);
     for (int n = 0; n < NR; ++n) {
       __m256 f = _mm256_load_ps(facc + 8 * n);
-      if constexpr (family<T> == kK6) {
+      if constexpr (!kMinsByDmin<T>) {
         f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[n], m[n])), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_d()), dx), f);
       } else {
         f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), _mm256_mul_ps(_mm256_set1_ps(w[n].scale_d()), dx), f);
@@ -648,6 +714,10 @@ inline void matmul(int qtype, float* y, const float* x, const uint8_t* packed, i
     case kQ4_K: return matmul_type<kQ4_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
     case kQ5_K: return matmul_type<kQ5_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
     case kQ6_K: return matmul_type<kQ6_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ2_K: return matmul_type<kQ2_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ3_K: return matmul_type<kQ3_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kIQ4_NL: return matmul_type<kIQ4_NL>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kIQ4_XS: return matmul_type<kIQ4_XS>(y, x, packed, num_rows, out_features, in_features, num_threads);
     default: return;
   }
 }

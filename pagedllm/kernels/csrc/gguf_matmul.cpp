@@ -214,6 +214,42 @@ inline void expand_block(const uint8_t* b, Sink&& sink, const float* d_in = null
         sink(32 * i + c, V::fma(V::cvt(v), vd, vm));
       }
     }
+  } else if constexpr (T == kQ2_K || T == kQ3_K) {
+    // weights 128 n + 32 j + c ...: 2-bit values (qs[32n + c] >> 2j) & 3, and Q3_K's third bit
+    const uint8_t* qs = b + (T == kQ2_K ? 16 : 32);
+    const float d = half_to_float(b + (T == kQ2_K ? 80 : 108)), dmin = T == kQ2_K ? half_to_float(b + 82) : 0.0f;
+    for (int n = 0; n < 2; ++n)
+      for (int j = 0; j < 4; ++j)
+        _Pragma("GCC unroll 16") for (int c = 0; c < 32; c += W) {
+          const int k = 128 * n + 32 * j + c, g = k / 16;
+          I v = V::mask(V::shr(V::u8(qs + 32 * n + c), 2 * j), 3);
+          float dl, ml;  // w = dl v + ml
+          if constexpr (T == kQ2_K) {
+            dl = d * static_cast<float>(b[g] & 0xF);
+            ml = -dmin * static_cast<float>(b[g] >> 4);
+          } else {
+            v = V::or_(v, V::shl(V::mask(V::shr(V::u8(b + c), 4 * n + j), 1), 2));
+            dl = d * static_cast<float>(q3k_scale(b, g) - 32);
+            ml = -4.0f * dl;
+          }
+          sink(k, V::fma(V::cvt(v), V::set1(dl), V::set1(ml)));
+        }
+  } else if constexpr (T == kIQ4_NL || T == kIQ4_XS) {
+    // each 32 weights: the table's values of 16 bytes of nibbles (low: weights 0-15, high: 16-31)
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values));
+    const float d = half_to_float(b);
+    constexpr int parts = T == kIQ4_NL ? 1 : 8;
+    for (int i = 0; i < parts; ++i) {
+      const uint8_t* qs = T == kIQ4_NL ? b + 2 : b + 8 + 16 * i;
+      const F vd = V::set1(T == kIQ4_NL ? d : d * static_cast<float>(iq4xs_scale(b, i) - 32));
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+      alignas(16) int8_t values[32];
+      _mm_store_si128(reinterpret_cast<__m128i*>(values), _mm_shuffle_epi8(table, _mm_and_si128(raw, _mm_set1_epi8(0x0F))));
+      _mm_store_si128(reinterpret_cast<__m128i*>(values + 16),
+                      _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F))));
+      _Pragma("GCC unroll 16") for (int c = 0; c < 32; c += W)
+        sink(32 * i + c, V::mul(V::cvt(V::s8(reinterpret_cast<const uint8_t*>(values) + c)), vd));
+    }
   } else if constexpr (T == kQ6_K) {
     const float d = half_to_float(b + 208);
     for (int h = 0; h < 2; ++h)
@@ -264,7 +300,7 @@ inline void expand_row_blocks(const uint8_t* row, int64_t num_blocks, Sink&& sin
     }
   }
   for (; b < num_blocks; ++b) {
-    if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K) prefetch_ahead(row + b * t.bytes, t.bytes);
+    if (t.weights == 256 || b % 4 == 0) prefetch_ahead(row + b * t.bytes, t.weights == 256 ? t.bytes : 4 * t.bytes);
     expand_block<V, T>(row + b * t.bytes, [&](int k, typename V::F v) { sink(b, k, v); });
   }
 }
@@ -286,6 +322,10 @@ inline void expand_row(int qtype, const uint8_t* row, int64_t num_blocks, float*
     case kQ4_K: return expand_blocks<V, kQ4_K>(row, num_blocks, w);
     case kQ5_K: return expand_blocks<V, kQ5_K>(row, num_blocks, w);
     case kQ6_K: return expand_blocks<V, kQ6_K>(row, num_blocks, w);
+    case kQ2_K: return expand_blocks<V, kQ2_K>(row, num_blocks, w);
+    case kQ3_K: return expand_blocks<V, kQ3_K>(row, num_blocks, w);
+    case kIQ4_NL: return expand_blocks<V, kIQ4_NL>(row, num_blocks, w);
+    case kIQ4_XS: return expand_blocks<V, kIQ4_XS>(row, num_blocks, w);
     default: return;
   }
 }
@@ -368,6 +408,10 @@ void fused_matmul(int qtype, float* y, const float* x, const uint8_t* packed, in
     case kQ4_K: return fused_matmul<V, kQ4_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
     case kQ5_K: return fused_matmul<V, kQ5_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
     case kQ6_K: return fused_matmul<V, kQ6_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ2_K: return fused_matmul<V, kQ2_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ3_K: return fused_matmul<V, kQ3_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kIQ4_NL: return fused_matmul<V, kIQ4_NL>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kIQ4_XS: return fused_matmul<V, kIQ4_XS>(y, x, packed, num_rows, out_features, in_features, num_threads);
     default: return;
   }
 }
@@ -591,6 +635,15 @@ void quantize_activations(const float* x, int64_t num_rows, int64_t in_features,
   }
 }
 
+// The types the VNNI and AMX ways (gguf_vnni_int8.h, gguf_amx*.h) decode; the others (Q2_K, Q3_K,
+// IQ4_NL, IQ4_XS) take the AVX2 ways on AVX-512 machines too.
+inline bool vnni_type(int qtype) {
+  switch (qtype) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    default: return false;
+  }
+}
+
 // The block x is quantized in for a product with W of type qtype: 256 for the K-quants (as
 // llama.cpp's Q8_K), 32 for the legacy types (Q8_0's, Q8_1's).
 inline int activation_block(int qtype) { return type_size(qtype).weights == 256 ? 256 : 32; }
@@ -689,7 +742,9 @@ template <int ISA, bool kSigned>
 void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
                  int64_t in_features, int num_threads) {
 #ifdef GGUF_INT8_AVX2
-  if constexpr (ISA == kAvx2) return int8_avx2::matmul(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
+  // (the types the VNNI and AMX ways have no decoder for take the AVX2 way on every SIMD path)
+  if (ISA == kAvx2 || !vnni_type(qtype))
+    return int8_avx2::matmul(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
 #endif
   const TypeSize t = type_size(qtype);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
@@ -743,7 +798,7 @@ template <int ISA>
 void run(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
          int64_t in_features, int num_threads, bool use_int8) {
   if (use_int8) {
-    if (qtype == kQ8_0)
+    if (signed_values(qtype))
       int8_matmul<ISA, true>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
     else
       int8_matmul<ISA, false>(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
