@@ -1,5 +1,5 @@
-// The prompt-sized GGUF product on AMX (Intel's tile unit, AMX-BF16), for csrc/gguf_matmul.cpp:
-// included inside its namespace, after the block expansion it uses (expand_row).
+// The prompt-sized GGUF product on AMX (Intel's tile unit, AMX-BF16), W expanded as the float way
+// expands it (gguf_float.h's expand_row). Self-contained; in namespace gguf.
 //
 // Float32 operands carried in two bfloat16 halves each (v = hi + lo to within 2^-18 |v|: hi its
 // nearest bfloat16, lo that of the remainder), and three tile products (hi hi, hi lo, lo hi) per
@@ -12,8 +12,23 @@
 // tile of 16 pairs of k by 16 rows of x). Each C tile holds 16 rows of W by 16 rows of x and is
 // written to y transposed. Rows of W are split across threads; each thread configures its tiles.
 
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+#include "amx_tiles.h"
+#include "gguf_blocks.h"
+#include "gguf_common.h"
+#include "gguf_float.h"
+
+namespace gguf {
+
 #if defined(GGUF_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define GGUF_AMX 1
+constexpr int kAmxMinRows = 32;  // from this many rows of x on, AMX's way (float32)
 using pagedllm_amx::amx_permitted;  // amx_tiles.h, which gguf_matmul.cpp includes (through amx_exact.h)
 using pagedllm_amx::TileConfig;
 using pagedllm_amx::TileScope;
@@ -151,3 +166,5 @@ void amx_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int6
   }
 }
 #endif
+
+}  // namespace gguf

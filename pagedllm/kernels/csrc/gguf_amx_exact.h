@@ -1,7 +1,7 @@
-// The float products of 8 to 31 rows, for the types with one scale per 32 weights (all but Q6_K),
-// on AMX tiles with exact operands (amx_exact.h), for csrc/gguf_matmul.cpp: included inside its
-// namespace, after gguf_amx.h (kAmxMinRows) and the int8 way's block decoding
-// (int8_chunks_avx512), which it reuses. Each row of W is decoded as the int8 way decodes it (unsigned values
+// The float products of 8 to 31 rows, for the types with one scale per 32 weights (all but Q6_K
+// and the types only the AVX2 way decodes), on AMX tiles with exact operands (amx_exact.h), up to
+// gguf_amx.h's kAmxMinRows, with the int8 way's block decoding (gguf_vnni_int8.h's
+// int8_chunks_avx512). Self-contained; in namespace gguf. Each row of W is decoded as the int8 way decodes it (unsigned values
 // u, 0..255, which bfloat16 holds exactly, and per 32 weights s and c, w = s u - c), so q = u,
 // d = s, m = -c. Its error is of the FMA ways' size, where gguf_amx.h's two halves of each value
 // lose 2^-18 of it. It serves kExactMinRows to kAmxMinRows - 1 rows (decode batches, verified
@@ -9,6 +9,18 @@
 // seven Q4_K projections, 2 threads, ms, this way / the FMA way: 6 rows 6.9 / 5.5, 8 rows 6.6 /
 // 7.8, 9 rows 6.6 / 10.3, 10 rows 7.4 / 11.5, 16 rows 7.2 / 12.6, 32 rows 11.9 / 18.2 (the two halves' way 11.7), 128 rows 45.8 (theirs 27.8: they
 // split x once per 256 rows and expand W once per 256, this way once per 64).
+#pragma once
+
+#include <cstdint>
+
+#include "amx_exact.h"
+#include "gguf_amx.h"
+#include "gguf_blocks.h"
+#include "gguf_int8.h"
+#include "gguf_vnni_int8.h"
+
+namespace gguf {
+
 #if defined(GGUF_AMX) && defined(PAGEDLLM_AMX_EXACT)
 #define GGUF_AMX_EXACT 1
 constexpr int kExactMinRows = 8;
@@ -61,3 +73,5 @@ void amx_exact_matmul(int qtype, float* y, const float* x, const uint8_t* packed
   }
 }
 #endif
+
+}  // namespace gguf

@@ -1,7 +1,6 @@
 // The int8 way's products of many rows of x on AMX (AMX-INT8: TDPBUSD, unsigned by signed bytes
-// into int32 tiles), for csrc/gguf_matmul.cpp: included inside its namespace, after gguf_amx.h
-// (the tile configuration, the permission) and the int8 way's block decoding
-// (int8_chunks_avx512).
+// into int32 tiles), with gguf_amx.h's tile configuration and permission and the VNNI way's block
+// decoding (gguf_vnni_int8.h's int8_chunks_avx512). Self-contained; in namespace gguf.
 //
 // The same numbers as the AVX-512 VNNI int8 way: a weight is s u - c over each group of G
 // weights (u its unsigned value; s, c per group: G = 16 for Q6_K, whose scales change every 16,
@@ -18,6 +17,21 @@
 // 4 bytes of k each, k / 4 rows). Rows of W are split across threads; each thread configures its
 // tiles and gives back another library's. Q4_K and Q5_K take gguf_amx_q8k.h's way instead (x per
 // 256, a super-block's sums kept in the tiles); this one serves the legacy types and Q6_K.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+#include "gguf_amx.h"
+#include "gguf_blocks.h"
+#include "gguf_common.h"
+#include "gguf_int8.h"
+#include "gguf_vnni_int8.h"
+
+namespace gguf {
 
 #if defined(GGUF_AMX) && defined(__AMX_INT8__)
 #define GGUF_AMX_INT8 1
@@ -210,3 +224,5 @@ void amx_int8_matmul(int qtype, float* y, const uint8_t* packed, int64_t num_row
   }
 }
 #endif
+
+}  // namespace gguf

@@ -1,8 +1,8 @@
 // Q4_K and Q5_K int8 products of many rows of x on AMX-INT8, llama.cpp's Q8_K way: x quantized
 // per super-block of 256 (quantize_activations with activation_block), so each sub-block's 6-bit
-// scale applies to an integer sum and a super-block's 256 products stay in the tiles. For
-// csrc/gguf_matmul.cpp: included inside its namespace, after gguf_amx_int8.h (its tile
-// permission and B layout) and the K-quants' decoding (k4_scales_mins, k4_chunk).
+// scale applies to an integer sum and a super-block's 256 products stay in the tiles. With
+// gguf_amx_int8.h's tile permission and B layout and the K-quants' decoding (gguf_vnni_int8.h's
+// k4_scales_mins, k4_chunk). Self-contained; in namespace gguf.
 //
 // A weight of sub-block j is d sc_j u - dmin m_j (u its unsigned value, sc_j and m_j 6 bits),
 // x = dx qx over the super-block, so
@@ -19,6 +19,21 @@
 // its conversion and one FMA, and the minimums' eight FMAs, about a third.
 // Rows of W are split across threads; each thread configures its tiles and gives back another
 // library's.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+#include "gguf_amx_int8.h"
+#include "gguf_blocks.h"
+#include "gguf_common.h"
+#include "gguf_int8.h"
+#include "gguf_vnni_int8.h"
+
+namespace gguf {
 
 #if defined(GGUF_AMX_INT8)
 #define GGUF_AMX_Q8K 1
@@ -188,3 +203,5 @@ void amx_q8k_matmul(int qtype, float* y, const uint8_t* packed, int64_t num_rows
   return amx_q8k_matmul_type<kQ5_K>(y, packed, num_rows, out_features, in_features, a, num_threads);
 }
 #endif
+
+}  // namespace gguf

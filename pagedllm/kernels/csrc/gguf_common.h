@@ -11,6 +11,15 @@
 #include <immintrin.h>
 #endif
 
+// The SIMD paths this build has (-march=native): GGUF_AVX2 (with FMA), GGUF_AVX512 (F, BW, VL and
+// VNNI); the AMX ways add theirs (gguf_amx.h, gguf_amx_int8.h).
+#if defined(__AVX2__) && defined(__FMA__)
+#define GGUF_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define GGUF_AVX512 1
+#endif
+#endif
+
 namespace gguf {
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }

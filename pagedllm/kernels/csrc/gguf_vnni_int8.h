@@ -1,9 +1,22 @@
-// The int8 way on AVX-512 VNNI (path 'avx512', and 'amx' below its tiles' sizes), for
-// csrc/gguf_matmul.cpp: included inside its namespace, after the activations' quantization
-// (Int8Rows) and the shared helpers (prefetch_ahead, for_rows_streamed, thread_buffer). The legacy
+// The int8 way on AVX-512 VNNI (path 'avx512', and 'amx' below its tiles' sizes), over the
+// activations gguf_int8.h quantizes (Int8Rows). Self-contained; in namespace gguf. The legacy
 // types scale each 64 products by floats (int8_fused_rows); the K-quants, with x quantized per
 // 256, apply their sub-block scales to integer sums (q8k_fused_rows, llama.cpp's Q8_K way). The
 // block decoders here (k4_chunk, k6_chunk, int8_chunks_avx512) are also the AMX ways'.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+#include "gguf_blocks.h"
+#include "gguf_common.h"
+#include "gguf_float.h"
+#include "gguf_int8.h"
+
+namespace gguf {
 
 #ifdef GGUF_AVX512
 // Q4_K's and Q5_K's eight 6-bit sub-block scales and minimums of the super-block at p, as bytes
@@ -327,3 +340,5 @@ void int8_matmul_avx512(int qtype, float* y, const uint8_t* packed, int64_t num_
   }
 }
 #endif
+
+}  // namespace gguf
