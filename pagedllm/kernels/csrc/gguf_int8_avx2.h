@@ -79,7 +79,8 @@ struct alignas(64) WChunk {
   int16_t mins[16];    // Q4_K/Q5_K: the 8 minimums, then zeros; Q2_K: its 16; Q6_K, Q3_K: the offset times the 16 scales
   int16_t sc[16];      // the scale of each sub-block (Q4_K/Q5_K, IQ4_XS: 8) or group of 16 (kK16: 16)
   float d, dmin;       // K-quants
-  float db[8], mb[8];  // legacy types: each block's scale and minimum (zero past the row)
+  alignas(32) float db[8];  // legacy types: each block's scale (zero past the row)
+  alignas(32) float mb[8];  // and minimum
 };
 
 // Weight byte p (0..63) of a pair of Q4_K/Q5_K sub-blocks in WChunk::u -> the weight it holds.
@@ -104,6 +105,12 @@ inline __m256i bytes_from_bits(uint32_t bits) {  // 32 bytes, 0xFF where bit j i
   __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
   bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE));
   return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
 }
 
 inline __m256i iq4_values(__m256i indices) {  // each 4-bit index's value in kIq4Values (signed bytes)
@@ -151,13 +158,25 @@ struct Decoder {
       p = row + c * 8 * t.bytes;
       prefetch_ahead(p, 8 * t.bytes);
       blocks = num_blocks - 8 * c < 8 ? static_cast<int>(num_blocks - 8 * c) : 8;
-      alignas(16) uint16_t dh[8] = {}, mh[8] = {};  // the float16 scales and minimums, one conversion each
-      for (int j = 0; j < blocks; ++j) {
-        std::memcpy(dh + j, p + j * t.bytes, 2);
-        if (has_min) std::memcpy(mh + j, p + j * t.bytes + 2, 2);
+      // the float16 scales (and minimums) of the 8 blocks, one conversion each
+      __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+      if (blocks == 8) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          dh = _mm_insert_epi16(dh, load_u16(p + j * t.bytes), j);
+          if (has_min) mh = _mm_insert_epi16(mh, load_u16(p + j * t.bytes + 2), j);
+        }
+      } else {  // the row's last, partial chunk
+        alignas(16) uint16_t d16[8] = {}, m16[8] = {};
+        for (int j = 0; j < blocks; ++j) {
+          d16[j] = load_u16(p + j * t.bytes);
+          if (has_min) m16[j] = load_u16(p + j * t.bytes + 2);
+        }
+        dh = _mm_load_si128(reinterpret_cast<const __m128i*>(d16));
+        mh = _mm_load_si128(reinterpret_cast<const __m128i*>(m16));
       }
-      _mm256_store_ps(db, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh))));
-      _mm256_store_ps(mb, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh))));
+      _mm256_store_ps(db, _mm256_cvtph_ps(dh));
+      _mm256_store_ps(mb, _mm256_cvtph_ps(mh));
       return;
     }
     p = row + c * t.bytes;
@@ -271,6 +290,8 @@ struct Decoder {
   float scale_dmin() const { return dmin; }
   float block_d(int j) const { return db[j]; }
   float block_m(int j) const { return mb[j]; }
+  const float* block_ds() const { return db; }
+  const float* block_ms() const { return mb; }
 };
 
 // Chunk c of a row of W into w (the L1 buffer every group of x reads).
@@ -311,6 +332,8 @@ struct Group {
   float* dx;
   int16_t* sums;
   int32_t* offs;
+  float* xs;   // legacy, for one row (G = 1): per block dx times the sum of its values, 8 a chunk
+  float* dxb;  // legacy, for one row: per block dx, 8 a chunk
 };
 
 template <int T>
@@ -321,7 +344,7 @@ constexpr int64_t sums_bytes(int G) {  // per chunk
 
 template <int T>
 constexpr int64_t group_bytes(int G, int64_t chunks) {
-  const int64_t side = family<T> == kLegacy ? 2 * 8 * 8 * 4 : 8 * 4 + sums_bytes<T>(G);
+  const int64_t side = family<T> == kLegacy ? 2 * 8 * 8 * 4 + 2 * 8 * 4 : 8 * 4 + sums_bytes<T>(G);
   return chunks * (kChunk * G + side);
 }
 
@@ -398,6 +421,8 @@ void fill_group(const Group& g, const float* x, int64_t in_features, int64_t chu
         constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
         constexpr int offset = T == kQ5_0 ? 16 : T == kQ4_0 ? 8 : 0;
         for (int j = 0; j < 8; ++j) {
+          g.xs[c * 8 + j] = drow[c * 8 + j] * static_cast<float>(sums[j]);
+          g.dxb[c * 8 + j] = drow[c * 8 + j];
           int32_t* o = g.offs + (c * 8 + j) * 8;
           if (i == 0) std::memset(o, 0, 32);
           if constexpr (has_min) {
@@ -444,6 +469,8 @@ struct Buffered {
   float scale_dmin() const { return w->dmin; }
   float block_d(int j) const { return w->db[j]; }
   float block_m(int j) const { return w->mb[j]; }
+  const float* block_ds() const { return w->db; }
+  const float* block_ms() const { return w->mb; }
 };
 
 // acc[n] += the products of step t (its x vector xv) with row n of W.
@@ -480,7 +507,33 @@ inline void chunk_product(float* facc, const Row* w, const Group& g, int64_t c) 
   constexpr int S = 32 / G;  // bytes of a row of x (and of W) per step
   const int8_t* xq = g.q + c * kChunk * G;
   // (the float accumulators stay in facc until the integer sums are done: registers are few)
-  if constexpr (family<T> == kLegacy) {
+  if constexpr (family<T> == kLegacy && G == 1) {
+    // one row: the 8 blocks' integer sums gathered into one vector (lane j: block j) by a tree of
+    // VPHADDD, then one conversion and one FMA by the 8 blocks' d dx; the constants (Q4_0's -8 d,
+    // Q5_0's -16 d, Q4_1/Q5_1's minimum) by one FMA against dx times each block's sum of x
+    constexpr float offset = T == kQ4_0 ? -8.0f : T == kQ5_0 ? -16.0f : 0.0f;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 dx8 = _mm256_load_ps(g.dxb + c * 8), xs8 = _mm256_load_ps(g.xs + c * 8);
+    for (int n = 0; n < NR; ++n) {
+      __m256i b[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        __m256i isum[1] = {_mm256_setzero_si256()};
+        unit_products<T, G, 1, Row>(isum, w + n, xq, j, 1, [&](int) { return ones; });
+        b[j] = isum[0];
+      }
+      const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(b[0], b[1]), _mm256_hadd_epi32(b[2], b[3]));
+      const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(b[4], b[5]), _mm256_hadd_epi32(b[6], b[7]));
+      const __m256i sums8 = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+      const __m256 d8 = _mm256_load_ps(w[n].block_ds());
+      __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8), _mm256_mul_ps(d8, dx8), _mm256_load_ps(facc + 8 * n));
+      if constexpr (T == kQ4_1 || T == kQ5_1)
+        f = _mm256_fmadd_ps(_mm256_load_ps(w[n].block_ms()), xs8, f);
+      else if constexpr (offset != 0.0f)
+        f = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(offset)), xs8, f);
+      _mm256_store_ps(facc + 8 * n, f);
+    }
+  } else if constexpr (family<T> == kLegacy) {
     constexpr bool has_min = T == kQ4_1 || T == kQ5_1, has_offset = T == kQ4_0 || T == kQ5_0;
     const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 8
@@ -636,6 +689,10 @@ void matmul_type(float* y, const float* x, const uint8_t* packed, int64_t num_ro
       if constexpr (family<T> == kLegacy) {
         g.offs = reinterpret_cast<int32_t*>(at);
         at += chunks * 8 * 8 * 4;
+        g.xs = reinterpret_cast<float*>(at);
+        at += chunks * 8 * 4;
+        g.dxb = reinterpret_cast<float*>(at);
+        at += chunks * 8 * 4;
       } else {
         g.sums = reinterpret_cast<int16_t*>(at);
         at += chunks * sums_bytes<T>(g.G);
