@@ -259,3 +259,34 @@ def test_the_peak_loop_and_the_read_loop_report_their_work():
     assert kernels.read_bandwidth(16, threads=1, repeats=1) > 0
     if per_instruction:
         assert kernels.int8_peak(threads=1, seconds=0.01) > 0
+
+
+def test_the_int8_way_of_a_row_count_is_chosen_per_type():
+    """Where a path has two int8 ways (AVX-512, AMX: its own and the AVX2 one), set_int8_way
+    sends a type's products of a bucket of row counts to the one chosen, whose outputs are then
+    the AVX2 path's bit for bit; other buckets and types keep the path's own. A way the path does
+    not have is refused."""
+    gen = torch.Generator().manual_seed(13)
+    w = kernels.random_weight("Q4_K", 40, 512, gen)
+    x = torch.randn(9, 512, generator=gen)
+    with pytest.raises(ValueError, match="int8 way"):
+        kernels.set_int8_way("Q4_K", 8, "sse")
+    for path in ISAS:
+        kernels.set_isa(path)
+        ways = kernels.int8_ways()
+        assert ways[0] == path if path in ("portable", "avx2") else ways == [{"avx512": "vnni", "amx": "amx"}[path], "avx2"]
+        if len(ways) == 1:
+            kernels.set_int8_way("Q4_K", 8, ways[0])
+            assert kernels.int8_way("Q4_K", 8) == ways[0]
+            continue
+        try:
+            kernels.set_int8_way("Q4_K", 8, "avx2")  # 8-15 rows
+            assert [kernels.int8_way("Q4_K", r) for r in (7, 8, 15, 16)] == [ways[0], "avx2", "avx2", ways[0]]
+            assert kernels.int8_way("Q6_K", 8) == ways[0] and kernels.int8_way("Q3_K", 1) == "avx2"
+            chosen = kernels.matmul(x, w, int8=True)
+            kernels.set_isa("avx2")
+            assert torch.equal(chosen, kernels.matmul(x, w, int8=True))
+        finally:
+            kernels.set_isa(path)
+            kernels.set_int8_way("Q4_K", 8, ways[0])
+    kernels.set_isa(None)

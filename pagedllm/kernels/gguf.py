@@ -213,6 +213,42 @@ def int8_peak(threads: int | None = None, seconds: float = 0.2) -> float:
         iterations *= 2 if elapsed > seconds / 8 else 8
 
 
+# The int8 ways a path can run: its own first, then the AVX2 way (kernels/csrc/gguf_int8_avx2.h),
+# which AVX-512 and AMX CPUs run too.
+INT8_WAYS = {"portable": ["portable"], "avx2": ["avx2"], "avx512": ["vnni", "avx2"], "amx": ["amx", "avx2"]}
+# The row counts whose int8 way is chosen together (the C side's buckets): 1, 2-3, 4-7, ..., 64+.
+INT8_WAY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def int8_ways() -> list[str]:
+    """The int8 ways this path can run, its own first (`set_int8_way` chooses among them)."""
+    return INT8_WAYS[isa()]
+
+
+def set_int8_way(qtype: str, rows: int, way: str) -> None:
+    """Run int8 products of `qtype` with `rows` rows (and every row count in its bucket of
+    INT8_WAY_BUCKETS) by `way`, one of `int8_ways()`: a measurement's choice (the start-up trial,
+    model/quantization.py), never a fixed table. The types the VNNI and AMX ways do not decode
+    (Q2_K, Q3_K, IQ4_NL, IQ4_XS) take the AVX2 way whatever this says."""
+    ways = int8_ways()
+    if way not in ways:
+        raise ValueError(f"int8 way {way!r} is not one of this path's ({', '.join(ways)})")
+    if TYPE_IDS.get(qtype) is None or rows < 1:
+        raise ValueError(f"set_int8_way needs a GGUF type and rows >= 1, got {qtype!r}, {rows}")
+    if len(ways) > 1:
+        _lib().gguf_set_int8_way(TYPE_IDS[qtype], rows, ways.index(way))
+
+
+def int8_way(qtype: str, rows: int) -> str:
+    """The int8 way products of `qtype` with `rows` rows run by now."""
+    ways = int8_ways()
+    if len(ways) == 1:
+        return ways[0]
+    if qtype in ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"):
+        return "avx2"
+    return ways[_lib().gguf_int8_way(TYPE_IDS[qtype], rows)]
+
+
 def isa() -> str:
     """The path this process runs: 'amx' (AVX-512 VNNI, prompts on AMX tiles), 'avx512' (AVX-512
     with VNNI), 'avx2' or 'portable'."""

@@ -54,6 +54,23 @@ constexpr int kBestIsa = kPortable;
 
 int g_isa = -1;  // best_isa() at first use
 
+// The int8 way per type and row count where the path has more than one (AVX-512 and AMX: its own,
+// or the AVX2 way): chosen by a measurement (kernels/gguf.py's set_int8_way), never by a table of
+// thresholds. Row counts in buckets by powers of two: 1, 2-3, 4-7, ..., 64 and more.
+enum Int8Way : int { kWayPath = 0, kWayAvx2 = 1 };
+constexpr int kWayBuckets = 8;
+constexpr int kWayTypes = 32;  // (ggml's type ids are below this)
+int g_int8_way[kWayTypes][kWayBuckets] = {};
+
+inline int way_bucket(int64_t rows) {
+  int b = 0;
+  while (b + 1 < kWayBuckets && (int64_t{1} << (b + 1)) <= rows) ++b;
+  return b;
+}
+inline int int8_way(int qtype, int64_t rows) {
+  return qtype >= 0 && qtype < kWayTypes ? g_int8_way[qtype][way_bucket(rows)] : kWayPath;
+}
+
 // The few-rows float way: each row of W expanded once, every row of x takes it.
 template <int ISA>
 void rows_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
@@ -101,8 +118,9 @@ template <int ISA, bool kSigned>
 void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
                  int64_t in_features, int num_threads) {
 #ifdef GGUF_INT8_AVX2
-  // (the types the VNNI and AMX ways have no decoder for take the AVX2 way on every SIMD path)
-  if (ISA == kAvx2 || !vnni_type(qtype))
+  // (the types the VNNI and AMX ways have no decoder for take the AVX2 way on every SIMD path, as
+  // do the row counts where a measurement chose it: gguf_set_int8_way)
+  if (ISA != kPortable && (ISA == kAvx2 || !vnni_type(qtype) || int8_way(qtype, num_rows) == kWayAvx2))
     return int8_avx2::matmul(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
 #endif
   const TypeSize t = type_size(qtype);
@@ -304,5 +322,20 @@ int gguf_set_isa(int isa) {
   g_isa = isa;
   return 0;
 }
+
+// The int8 way of products of `rows` rows of type qtype_id (with every other row count in its
+// bucket: 1, 2-3, 4-7, ..., 64 and more): 0 the path's own (VNNI, AMX), 1 the AVX2 way. Returns
+// 0, or -1 if this build has no AVX2 way or the arguments are out of range.
+int gguf_set_int8_way(int qtype_id, int64_t rows, int way) {
+#ifdef GGUF_INT8_AVX2
+  if (qtype_id < 0 || qtype_id >= kWayTypes || type_size(qtype_id).weights == 0 || rows < 1 || (way != kWayPath && way != kWayAvx2))
+    return -1;
+  g_int8_way[qtype_id][way_bucket(rows)] = way;
+  return 0;
+#else
+  return -1;
+#endif
+}
+int gguf_int8_way(int qtype_id, int64_t rows) { return int8_way(qtype_id, rows); }
 
 }  // extern "C"
