@@ -32,3 +32,17 @@ def test_bench_gguf_kernels_writes_one_record_per_type_and_row_count(tmp_path, c
     # the older kernels exist for Q8_0 only of these two
     assert "old_ms" in records[2] and "old_ms" not in records[0]
     assert "cpu:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_gguf_kernels_times_an_lm_head(tmp_path):
+    """`--shapes head-152k`: one weight of the vocabulary's rows, its bytes and share of the bound."""
+    out = tmp_path / "head.json"
+    args = ["bench", "gguf-kernels", "--shapes", "head-152k", "--types", "Q6_K", "--rows", "1", "--repeats", "1",
+            "--bandwidth-mb", "64", "--output-json", str(out)]
+    assert main(args) == 0
+    payload = json.loads(out.read_text())
+    assert payload["config"]["shapes"] == [[151936, 1024]]
+    (record,) = payload["results"]
+    assert record["MB"] == pytest.approx(151936 * 1024 // 256 * 210 / 1e6)
+    assert record["int8_bound_pct"] > 0

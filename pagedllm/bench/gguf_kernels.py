@@ -1,6 +1,7 @@
 """`pagedllm bench gguf-kernels`: the native GGUF kernels (kernels/gguf.py) per block type, on a
 1B-Llama-shaped set of projections (by default q/o 2048x2048, k/v 512x2048, gate/up 8192x2048,
-down 2048x8192; random blocks), at decode and prompt row counts.
+down 2048x8192; random blocks) or an LM head (`--shapes head-262k`, `head-152k`), at decode and
+prompt row counts.
 
 Per type and row count: the time of the whole set, as GB/s of weight bytes read and GFLOP/s, on
 float32 activations and on int8 ones (`int8=True`), against a float32 torch product of the same
@@ -30,6 +31,14 @@ from pagedllm.bench.report import format_table, machine_line, write_json
 PEAK_INSTRUCTION = {"avx2": "VPMADDUBSW", "avx512": "VPDPBUSD", "amx": "VPDPBUSD"}
 # (out_features, in_features) of one Llama-3.2-1B layer's projections
 LLAMA_1B_SHAPES = ((2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192))
+# The weight sets `--shapes` names: a 1B layer's projections, and the LM heads (token tables read
+# whole at every decode step) of the vocabularies users serve: Gemma 3 270M's 262,144 x 640 and
+# Qwen's 151,936 x 1024.
+SHAPE_SETS = {
+    "1b-layer": LLAMA_1B_SHAPES,
+    "head-262k": ((262144, 640),),
+    "head-152k": ((151936, 1024),),
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gguf-kernels", help="native GGUF kernels per type: GB/s and GFLOP/s vs float32 torch")
     p.add_argument("--types", nargs="+", default=list(GGUF_TYPES), choices=list(GGUF_TYPES))
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    p.add_argument("--shapes", choices=list(SHAPE_SETS), default="1b-layer",
+                   help="the weights: a Llama-3.2-1B layer's 7 projections, or an LM head of 262k or 152k tokens")
     p.add_argument("--isa", default=None, help="force an ISA path (portable, avx2, avx512, amx); default: the best")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch and kernel threads (default: torch's)")
@@ -95,12 +106,12 @@ def run(args: argparse.Namespace) -> int:
     timer = cpu_time if args.clock == "cpu" else best_time
     if args.isa:
         gguf.set_isa(args.isa)
-    shapes = LLAMA_1B_SHAPES
+    shapes = SHAPE_SETS[args.shapes]
     num_weights = sum(o * i for o, i in shapes)
     bandwidth = gguf.read_bandwidth(args.bandwidth_mb)
     peak = max(gguf.int8_peak() for _ in range(3))  # the best of three: a busy core only lowers it
     print(machine_line())  # the CPU and its flags, before the figures they explain
-    print(f"{len(shapes)} projections of a Llama-3.2-1B layer, {num_weights / 1e6:.1f}M weights; "
+    print(f"{args.shapes}: {len(shapes)} weights of {', '.join(f'{o}x{i}' for o, i in shapes)}, {num_weights / 1e6:.1f}M weights; "
           f"ISA path {gguf.isa()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"int8 peak {peak / 1e9:.1f} G multiply-adds/s ({PEAK_INSTRUCTION.get(gguf.isa(), 'none')}); "
           f"{torch.get_num_threads()} threads; {args.clock} clock")
