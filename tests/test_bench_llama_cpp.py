@@ -87,7 +87,7 @@ def fake_build(tmp_path):
     server = binaries / "llama-server"
     server.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
     server.chmod(0o755)
-    for name in ("llama-quantize", "llama-bench"):
+    for name in llama_cpp_peer.TARGETS[1:]:  # (llama-quantize, llama-bench, llama-perplexity)
         (binaries / name).write_text("#!/bin/sh\nexit 0\n")
         (binaries / name).chmod(0o755)
     (tmp_path / llama_cpp_peer._STAMP).write_text("fake\n")
@@ -207,7 +207,7 @@ def test_llama_cpp_refuses_a_transformers_folder(tiny_llama):
         llama_cpp_peer.gguf_file(str(tiny_llama))
 
 
-def test_build_configures_natively_then_builds_the_three_tools(tmp_path, monkeypatch):
+def test_build_configures_natively_then_builds_the_four_tools(tmp_path, monkeypatch):
     source = llama_cpp_peer.source_dir(tmp_path)
     source.mkdir(parents=True)
     (source / "CMakeLists.txt").write_text("")
@@ -225,7 +225,8 @@ def test_build_configures_natively_then_builds_the_three_tools(tmp_path, monkeyp
     assert ensure_llama_cpp(tmp_path, jobs=2, log=lambda _: None) == tmp_path / "build" / "bin"
     configure, build = commands
     assert {"-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"} <= set(configure)
-    assert build[build.index("--target") + 1 :] == ["llama-server", "llama-quantize", "llama-bench"] and "-j2" in build
+    assert build[build.index("--target") + 1 :] == ["llama-server", "llama-quantize", "llama-bench", "llama-perplexity"]
+    assert "-j2" in build
     assert ensure_llama_cpp(tmp_path, log=lambda _: None) and len(commands) == 2  # built once
 
 
