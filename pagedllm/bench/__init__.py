@@ -9,7 +9,7 @@ import importlib
 # The benchmarks, each a module of this package with a `register(subparsers)` of its own.
 BENCHMARKS = (
     "throughput", "sharing", "preemption", "kernel", "matmul", "latency", "dtype", "serve", "paper", "structured",
-    "windows", "spec", "gguf_kernels", "llama_cpp",
+    "windows", "spec", "gguf_kernels", "llama_cpp", "numerics",
 )
 
 

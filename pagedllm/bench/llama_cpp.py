@@ -14,7 +14,7 @@ from pagedllm.bench.report import format_table, write_json
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("llama-cpp", help="build the llama.cpp peer; llama-bench on GGUF files")
     actions = p.add_subparsers(dest="llama_cpp_action", required=True)
-    build = actions.add_parser("build", help="build llama-server, llama-quantize and llama-bench once")
+    build = actions.add_parser("build", help="build llama-server, llama-quantize, llama-bench and llama-perplexity once")
     build.add_argument("--dir", help="where to build (default: $PAGEDLLM_LLAMA_CPP_DIR or ~/.cache/pagedllm/llama.cpp/<version>)")
     build.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
     build.set_defaults(func=run_build)
