@@ -44,7 +44,10 @@ INERT_ARGS = {
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 # "auto": triton on a GPU, the fast CPU kernel on a CPU (pagedllm.attention.get_attention_backend).
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
-# Modes of GGUF-quantized projections on int8 activations (pagedllm.kernels.quant).
+# Modes of GGUF-quantized projections on int8 activations (pagedllm.model.layers.use_int8_activations).
+# Not choosing one (None) takes the engine's default: "auto" for a model whose GGUF-quantized
+# blocks the CPU kernels serve, "off" otherwise and in batch-invariant mode
+# (pagedllm.model.layers.resolve_int8_activations, the one place that decides).
 INT8_MODES = ("off", "auto", "on")
 
 
@@ -66,9 +69,11 @@ class ModelConfig:
     # On a CPU, compute with fewer threads while other processes keep cores busy
     # (pagedllm.worker.cpu_threads).
     adapt_cpu_threads: bool = True
-    # GGUF-quantized projections multiply int8-quantized activations: "off", "auto" (where a
-    # start-up trial finds it faster) or "on" (pagedllm.kernels.quant).
-    int8_activations: str = "off"
+    # GGUF-quantized projections multiply int8-quantized activations (llama.cpp's numerics):
+    # "off" (float32 activations: greedy output identical to transformers'), "auto" (at the row
+    # counts where a measured trial finds int8 faster) or "on"; None: not chosen, the default
+    # (INT8_MODES says which).
+    int8_activations: str | None = None
 
 
 @dataclass
@@ -218,7 +223,7 @@ class EngineArgs:
     batch_invariant: bool = False
     enforce_eager: bool = False
     adapt_cpu_threads: bool = True
-    int8_activations: str = "off"
+    int8_activations: str | None = None  # None: the default (INT8_MODES)
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_gpu_blocks: int | None = None
@@ -380,10 +385,13 @@ class EngineArgs:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
-        if self.int8_activations not in INT8_MODES:
-            raise ValueError(f"int8_activations must be one of {INT8_MODES}, got {self.int8_activations!r}.")
-        if self.int8_activations != "off" and self.batch_invariant:
+        if self.int8_activations is not None and self.int8_activations not in INT8_MODES:
             raise ValueError(
-                "int8_activations and batch_invariant do not combine: batch-invariant mode keeps every product in "
-                "float32 at a fixed row tile; turn one of them off."
+                f"int8_activations must be one of {INT8_MODES} (or None for the default), got {self.int8_activations!r}."
+            )
+        if self.int8_activations in ("auto", "on") and self.batch_invariant:
+            raise ValueError(
+                f"int8_activations={self.int8_activations!r} (--int8-activations {self.int8_activations}) and "
+                "batch_invariant do not combine: batch-invariant mode keeps every product in float32 at a fixed row "
+                "tile. Drop int8_activations (batch-invariant mode defaults it to 'off') or batch_invariant."
             )

@@ -74,9 +74,12 @@ def smollm_hf():
 
 @pytest.fixture(scope="session")
 def smollm_llm():
+    """The default model's engine on float32 activations (`int8_activations="off"`, not the
+    default "auto" of a GGUF model): the mode whose greedy output is transformers', which the
+    tests that share this engine compare with or rely on."""
     from pagedllm import LLM
 
-    return LLM(kv_cache_memory=256 << 20, max_model_len=2048)
+    return LLM(kv_cache_memory=256 << 20, max_model_len=2048, int8_activations="off")
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -12,6 +12,8 @@ from tests.helpers import hf_greedy, load_hf, random_prompts
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 16, 17, 25, 31, 32, 33, 40, 55]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# The engines compared with transformers run on float32 activations, whatever the default.
+EXACT = dict(int8_activations="off")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def expected(hf, prompts):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=256, block_size=16)
+    return LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=256, block_size=16, **EXACT)
 
 
 def assert_all_free(llm):
@@ -55,7 +57,7 @@ def test_greedy_stops_at_eos_like_transformers(tiny_models, prompts, expected):
     eos = expected[0][5]
     path = tiny_models("llama", eos_token_id=eos)
     hf_eos = load_hf(path)
-    llm = LLM(str(path), max_model_len=256, num_gpu_blocks=64)
+    llm = LLM(str(path), max_model_len=256, num_gpu_blocks=64, **EXACT)
     assert llm.llm_engine.eos_token_ids == [eos]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_eos, p, 24) for p in prompts]
@@ -74,6 +76,7 @@ def test_greedy_matches_under_preemption(tiny_llama, prompts, expected, block_si
         num_gpu_blocks=max_model_len // block_size + 1,
         swap_space=0,
         max_num_seqs=12,
+        **EXACT,
     )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     stats = llm.llm_engine.get_stats()
@@ -83,14 +86,14 @@ def test_greedy_matches_under_preemption(tiny_llama, prompts, expected, block_si
 
 
 def test_chunked_prefill_matches(tiny_llama, prompts, expected):
-    llm = LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=128, max_num_batched_tokens=8, max_num_seqs=8)
+    llm = LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=128, max_num_batched_tokens=8, max_num_seqs=8, **EXACT)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_reference_and_prefix_cached_runs_agree(tiny_llama, prompts, expected):
     """A second pass over the same prompts hits the prefix cache and still produces the same tokens."""
-    llm = LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=256, enable_prefix_caching=True)
+    llm = LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=256, enable_prefix_caching=True, **EXACT)
     llm.generate(prompts, GREEDY, use_tqdm=False)
     hits_before = llm.llm_engine.get_stats().prefix_cache_hits
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -268,7 +271,7 @@ def test_greedy_past_a_sliding_window_matches_transformers(tiny_models, prompts)
     context is no longer cut at the window, and every layer attends only within it."""
     path = tiny_models("mistral", sliding_window=9)
     hf_window = load_hf(path)
-    llm = LLM(str(path), max_model_len=256, num_gpu_blocks=128, max_num_batched_tokens=16, max_num_seqs=8)
+    llm = LLM(str(path), max_model_len=256, num_gpu_blocks=128, max_num_batched_tokens=16, max_num_seqs=8, **EXACT)
     assert llm.llm_engine.max_model_len == 256
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_window, p, 24, ignore_eos=True) for p in prompts]

@@ -142,7 +142,8 @@ def test_engine_greedy_matches_transformers(tiny_models, engine_prompts, family,
     groups = kv_cache_groups([AttentionSpec(1, 1, arch.layer_sliding_window(i)) for i in range(arch.num_layers)])
     num_blocks = 40 if len(groups) == 1 else max_blocks_of_sequence([g.sliding_window for g in groups], 128, 4, 16)
     llm = LLM(str(path), max_model_len=128, block_size=4, num_gpu_blocks=num_blocks, max_num_batched_tokens=16,
-              max_num_seqs=6, enable_prefix_caching=True, preemption_mode=preemption_mode, swap_space=0.01)
+              max_num_seqs=6, enable_prefix_caching=True, preemption_mode=preemption_mode, swap_space=0.01,
+              int8_activations="off")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outputs = llm.generate(engine_prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -217,7 +218,7 @@ def test_a_gguf_qwen3_serves_like_transformers_and_stops_at_its_end_of_turn(tiny
     monkeypatch.setenv("PAGEDLLM_MODEL_CACHE", "0")
     path = tiny_models("qwen3", eos_token_id=0)
     file = write_gguf(path, "qwen3", tmp_path / "qwen3.gguf", tokenizer=default_tokenizer_fields)
-    llm = LLM(str(file), max_model_len=128, num_gpu_blocks=64)
+    llm = LLM(str(file), max_model_len=128, num_gpu_blocks=64, int8_activations="off")
     assert llm.llm_engine.eos_token_ids == [0, 2]
     hf = load_hf(path)
     outputs = llm.generate(engine_prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)

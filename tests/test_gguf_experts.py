@@ -135,9 +135,10 @@ def test_packed_experts_split_over_two_workers_like_one(tiny_models, tmp_path):
                       tokenizer=tokenizer_fields(resolve_model(None).path), qtype=gguf.GGMLQuantizationType.Q4_0)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [5, 17, 26], seed=52)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in LLM(str(path), max_model_len=128, num_gpu_blocks=64)
-                 .generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(path), max_model_len=128, num_gpu_blocks=64, tensor_parallel_size=2)
+    # on float32 activations (not the GGUF default's int8 ones), as every comparison of outputs runs
+    kwargs = dict(max_model_len=128, num_gpu_blocks=64, int8_activations="off")
+    reference = [o.outputs[0].token_ids for o in LLM(str(path), **kwargs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(path), **kwargs, tensor_parallel_size=2)
     try:
         experts = _experts(llm.llm_engine.executor.worker.model)
         assert all(isinstance(e.experts_method, GGUFExperts) and e.per_rank == 32 for e in experts)

@@ -15,7 +15,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def make_llm(path, policy: str, **kwargs) -> LLM:
-    args = dict(max_model_len=128, num_gpu_blocks=64, block_size=8, kv_policy=policy, enable_prefix_caching=False)
+    # float32 activations (int8_activations="off"): the outputs are compared with transformers'
+    args = dict(max_model_len=128, num_gpu_blocks=64, block_size=8, kv_policy=policy, enable_prefix_caching=False,
+                int8_activations="off")
     args.update(kwargs)
     return LLM(str(path), **args)
 

@@ -11,7 +11,8 @@ from tests.helpers import load_hf, random_prompts
 
 
 def make_llm(path, **kwargs):
-    args = dict(max_model_len=256, num_gpu_blocks=256, block_size=16)
+    # float32 activations (int8_activations="off"): the outputs are compared with transformers'
+    args = dict(max_model_len=256, num_gpu_blocks=256, block_size=16, int8_activations="off")
     args.update(kwargs)
     return LLM(str(path), **args)
 

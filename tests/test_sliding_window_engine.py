@@ -20,7 +20,8 @@ MODELS = {
     "hybrid": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
 }
 # Block edges crossed every 4 tokens; prompts longer than the 16-token budget are chunked.
-ENGINE = dict(max_model_len=512, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
+# float32 activations (int8_activations="off"): the outputs are compared with transformers'.
+ENGINE = dict(max_model_len=512, block_size=4, max_num_batched_tokens=16, max_num_seqs=8, int8_activations="off")
 PROMPT_LENGTHS = [3, 9, 17, 30, 41]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

@@ -1,4 +1,6 @@
-"""The embedded SmolLM2 (Q4_1 GGUF) through pagedllm against transformers loading the same file."""
+"""The embedded SmolLM2 (Q4_1 GGUF) through pagedllm against transformers loading the same file.
+Every engine here runs on float32 activations (`int8_activations="off"`; `smollm_llm` too): the
+mode whose greedy output is transformers', whatever the default."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def test_greedy_matches_transformers_token_for_token(smollm_llm, expected):
 def test_greedy_matches_under_preemption(expected):
     prompts, reference = expected
     # 9 blocks of 16 tokens: one prompt plus its answer fits, all six together do not.
-    llm = LLM(max_model_len=128, num_gpu_blocks=9, swap_space=0)
+    llm = LLM(max_model_len=128, num_gpu_blocks=9, swap_space=0, int8_activations="off")
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions > 0
@@ -75,7 +77,7 @@ def test_beam_search_matches_transformers(smollm_llm, smollm_hf, chat_prompts):
 
 def test_bfloat16_keeps_greedy_answers_sensible(expected):
     prompts, reference = expected
-    llm = LLM(max_model_len=512, kv_cache_memory=64 << 20, dtype="bfloat16")
+    llm = LLM(max_model_len=512, kv_cache_memory=64 << 20, dtype="bfloat16", int8_activations="off")
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert "Paris" in outputs[0].outputs[0].text
     # Rounding may make long continuations drift, but the first tokens agree with float32.

@@ -129,8 +129,9 @@ def test_steps_that_verify_do_not_teach_the_step_time_budget(small_vocab_model, 
 def test_greedy_equals_plain_and_transformers_with_ngram_proposals(small_vocab_model):
     prompts = _prompts(4, [9, 17, 30])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = _tokens(LLM(str(small_vocab_model), max_model_len=256, num_gpu_blocks=512).generate(prompts, params, use_tqdm=False))
-    llm = LLM(str(small_vocab_model), max_model_len=256, num_gpu_blocks=512, speculative_config=NGRAM)
+    kwargs = dict(max_model_len=256, num_gpu_blocks=512, int8_activations="off")  # compared with transformers
+    plain = _tokens(LLM(str(small_vocab_model), **kwargs).generate(prompts, params, use_tqdm=False))
+    llm = LLM(str(small_vocab_model), **kwargs, speculative_config=NGRAM)
     speculative = _tokens(llm.generate(prompts, params, use_tqdm=False))
     assert speculative == plain
     hf = load_hf(small_vocab_model)
@@ -207,8 +208,9 @@ def test_sliding_window_model_is_unchanged(tiny_models):
     model = tiny_models("mistral", vocab_size=SMALL_VOCAB, sliding_window=8)
     prompts = _prompts(3, [11, 26], seed=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = _tokens(LLM(str(model), max_model_len=256, block_size=4, num_gpu_blocks=512).generate(prompts, params, use_tqdm=False))
-    llm = LLM(str(model), max_model_len=256, block_size=4, num_gpu_blocks=512, speculative_config=NGRAM)
+    kwargs = dict(max_model_len=256, block_size=4, num_gpu_blocks=512, int8_activations="off")  # compared with transformers
+    plain = _tokens(LLM(str(model), **kwargs).generate(prompts, params, use_tqdm=False))
+    llm = LLM(str(model), **kwargs, speculative_config=NGRAM)
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
     assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
     hf = load_hf(model)
@@ -391,14 +393,15 @@ def test_a_draft_model_of_another_vocabulary_is_refused(small_vocab_model, tiny_
 @pytest.mark.slow
 def test_default_model_copying_its_prompt_is_unchanged_and_accepts_most(smollm_llm, smollm_hf):
     """On the real model, an input-grounded prompt: greedy with n-gram speculation equals the
-    engine without it and transformers, and most proposed tokens are accepted."""
+    engine without it and transformers, and most proposed tokens are accepted (both engines on
+    float32 activations, `smollm_llm` too)."""
     from pagedllm.bench.spec import grounded_prompts
 
     prompts = [smollm_llm.apply_chat_template([{"role": "user", "content": message}])
                for _, message in grounded_prompts()[:2]]
     params = SamplingParams(temperature=0, max_tokens=64)
     plain = _tokens(smollm_llm.generate(prompts, params, use_tqdm=False))
-    llm = LLM(kv_cache_memory=256 << 20, max_model_len=2048,
+    llm = LLM(kv_cache_memory=256 << 20, max_model_len=2048, int8_activations="off",
               speculative_config={"method": "ngram", "num_speculative_tokens": 8})
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
     with torch.inference_mode():

@@ -163,7 +163,8 @@ def test_tensor_parallel_three_on_the_default_model(smollm_llm):
     tokenizer = smollm_llm.get_tokenizer()
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "Water boils at", "def add(a, b):")]
     reference = smollm_llm.generate(prompts, PARAMS, use_tqdm=False)
-    llm = LLM(kv_cache_memory=64 << 20, max_model_len=512, tensor_parallel_size=3)
+    # float32 activations, as `smollm_llm`'s: the comparison is of the split, not of int8's rounding
+    llm = LLM(kv_cache_memory=64 << 20, max_model_len=512, tensor_parallel_size=3, int8_activations="off")
     try:
         _compare(reference, llm.generate(prompts, PARAMS, use_tqdm=False))
         shapes = llm.llm_engine.executor.collective_rpc("kv_cache_shape")

@@ -32,8 +32,10 @@ _HELP = {
     "preemption: seeded sampling and greedy decoding reproduce under any load (float32 on a CPU)",
     "enforce_eager": "on a GPU, run every step eagerly: no CUDA graphs of decode steps",
     "adapt_cpu_threads": "on a CPU, compute with fewer threads while other processes keep cores busy",
-    "int8_activations": "GGUF-quantized projections multiply int8-quantized activations (VNNI or AVX2 integer dot "
-    "products): off, auto (where a start-up trial finds it faster) or on; close to float32, not equal",
+    "int8_activations": "GGUF-quantized projections multiply int8-quantized activations, as llama.cpp does (VNNI, "
+    "AMX or AVX2 integer dot products): auto (where a trial measured once per machine finds it faster), on, or off "
+    "(float32 activations: greedy output identical to transformers'). Default: auto for a GGUF-quantized model on "
+    "a CPU, off otherwise and with --batch-invariant",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "bytes of KV cache (keys and values, all layers); default: 2 GiB on CPU",
     "gpu_memory_utilization": "on a GPU, the fraction of its memory the engine may use (weights, activations, KV cache)",
@@ -129,7 +131,8 @@ def log_inert_args(ns: argparse.Namespace) -> None:
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     log_inert_args(ns)
     names = {f.name for f in dataclasses.fields(EngineArgs)} - {"extra"}
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+    # `generate --model` left out is None: the default model, as EngineArgs' own default.
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names and not (k == "model" and v is None)})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:

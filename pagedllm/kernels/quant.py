@@ -10,12 +10,13 @@ this kernel holds 120-140; `pagedllm bench matmul`). The blocks are unpacked onc
 kernels read: the values (Q4_1's nibbles as the file packs them; Q8_0's bytes) and float32
 scales and minimums.
 
-With int8 activations (`int8_activations="auto"` or `"on"`, off by default), the products of up
-to `QuantizedMatrix.int8_rows` rows quantize x to int8 per block of 32 and multiply on 8-bit
+With int8 activations (`int8_activations="auto"`, a GGUF model's default on a CPU, or "on"),
+the products of up to `QuantizedMatrix.int8_rows` rows quantize x to int8 per block of 32 and multiply on 8-bit
 integers (csrc/quant_int8.cpp: VNNI's VPDPBUSD where the CPU has it, AVX2's VPMADDUBSW else).
 Their outputs are close to float32's, not equal: `pagedllm bench dtype --dtypes float32
 float32+int8` measures the greedy agreement. "auto" uses them only at the row counts where a
-trial at start-up finds them faster than the float kernel (`int8_rows_that_pay`).
+trial finds them faster than the float kernel (`int8_rows_that_pay`, run once per machine:
+model/int8_trial.py keeps its result in the cache folder).
 """
 
 from __future__ import annotations

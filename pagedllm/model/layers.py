@@ -18,11 +18,11 @@ from pagedllm.distributed import TensorParallelGroup
 from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.kernels import quant
+from pagedllm.model.int8_trial import int8_rows_that_pay
 from pagedllm.model.quantization import (
     EVERY_SIZE,
     FloatLinear,
     gguf_kernels,
-    int8_rows_that_pay,
     kernels_for,
     load_part,
 )
@@ -71,17 +71,44 @@ def prepare_linear_weights(model: nn.Module) -> int:
     return sum(m.quant_method.packed is not None for m in floats)
 
 
-def use_int8_activations(model: nn.Module, mode: str) -> int:
+def _int8_methods(model: nn.Module) -> list:
+    """The methods of `model`'s projections that can run on int8 activations: GGUF blocks that
+    the CPU kernels multiply (none where the weights were dequantized: a GPU, 16-bit dtypes,
+    batch-invariant mode)."""
+    return [m.quant_method for m in _linear_layers(model) if m.quant_method.supports_int8]
+
+
+def resolve_int8_activations(model: nn.Module, mode: str | None, batch_invariant: bool = False) -> str:
+    """The int8-activation mode in force: `mode` where the user chose one, else (None) the
+    default: "auto" where `model` has GGUF-quantized projections that the CPU kernels serve (the
+    int8 activations llama.cpp itself computes with, wherever they measure faster), "off" where it
+    has none and in batch-invariant mode, which keeps every product in float32. (An explicit
+    "auto" or "on" with batch_invariant is refused earlier, by EngineArgs.)"""
+    if mode is not None:
+        if mode not in INT8_MODES:
+            raise ValueError(f"int8_activations must be one of {', '.join(INT8_MODES)}, not {mode!r}")
+        return mode
+    return "auto" if not batch_invariant and _int8_methods(model) else "off"
+
+
+def use_int8_activations(model: nn.Module, mode: str, by_default: bool = False) -> int:
     """Let the GGUF-packed projections of `model` run on int8 activations (a property of their
     method, `GGUFLinear.int8_rows`): "on" up to `quant.MAX_ROWS` rows, "auto" up to the rows where
-    the start-up trial of their types' kernels finds them faster (kernels/quant.py's at most
-    `quant.MAX_ROWS`; gguf.py's at every size where they win at the largest trial), "off" never.
-    Returns how many weights take them."""
+    the trial of their types' kernels finds them faster (model/int8_trial.py: kernels/quant.py's at
+    most `quant.MAX_ROWS`; gguf.py's at every size where they win at the largest trial), "off"
+    never. `by_default`: the mode was not chosen but resolved (`resolve_int8_activations`), which
+    the log says. Returns how many weights take them."""
     if mode not in INT8_MODES:
         raise ValueError(f"int8_activations must be one of {', '.join(INT8_MODES)}, not {mode!r}")
-    methods = [m.quant_method for m in _linear_layers(model) if m.quant_method.supports_int8]
+    methods = _int8_methods(model)
+    chosen = "the default" if by_default else "chosen"
     if mode == "off" or not methods:
-        if mode != "off":
+        for method in methods:
+            method.int8_rows = 0
+        if methods:
+            logger.info("int8 activations: off (%s): the %d quantized weights multiply float32 activations", chosen,
+                        len(methods))
+        elif mode != "off":
             logger.warning("int8_activations=%r changes nothing: the model has no quantized blocks here "
                            "(they serve GGUF weights on a CPU in float32)", mode)
         return 0
@@ -91,8 +118,11 @@ def use_int8_activations(model: nn.Module, mode: str) -> int:
         method.int8_rows = quant.MAX_ROWS if mode == "on" else min(trial, most)
     taking = sum(m.int8_rows > 0 for m in methods)
     most = max(m.int8_rows for m in methods)
-    logger.info("int8 activations (%s; %s) for products of %s, on %d quantized weights", quant.int8_isa(),
-                gguf_kernels.isa(), "every size" if most == EVERY_SIZE else f"up to {most} rows", taking)
+    sizes = ("no product: float32's were as fast at every trial size" if most == 0 else
+             "products of every size" if most == EVERY_SIZE else f"products of up to {most} rows")
+    logger.info("int8 activations: %s (%s%s; %s; %s) for %s, on %d of %d quantized weights", mode, chosen,
+                "; --int8-activations off keeps float32 activations" if by_default else "", quant.int8_isa(),
+                gguf_kernels.isa(), sizes, taking, len(methods))
     return taking
 
 

@@ -33,7 +33,6 @@ batch-invariant mode) leave them alone.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -46,7 +45,6 @@ from torch import nn
 from pagedllm.kernels import gguf as gguf_kernels
 from pagedllm.kernels import onednn, quant
 from pagedllm.model.weights import GGUFBlocks
-from pagedllm.utils import best_wall_time
 
 logger = logging.getLogger("pagedllm")
 
@@ -334,40 +332,9 @@ def method_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if "quant_method" in m.__dict__}
 
 
-_GGUF_TRIAL_SHAPE = (4096, 2048)  # (out, in) of the GGUF kernels' int8 trial
-_GGUF_TRIAL_ROWS = (1, 4, 8, 16, 64, 256)
-# What int8_rows_that_pay returns where int8 wins at every trial size (AMX-INT8 tiles: prompts too).
+# GGUFLinear.int8_rows of a weight on int8 activations at every size (prompts too): what the
+# trial gives where int8 wins at its largest size (model/int8_trial.py; AMX-INT8 tiles).
 EVERY_SIZE = 2**31 - 1
-
-
-@functools.cache
-def int8_rows_that_pay(qtype: str) -> int:
-    """The most rows up to which int8 activations beat float32's for `qtype`'s kernels, on a
-    trial once per process (kernels/quant.py's own trial for its types; for gguf.py's, random
-    blocks of a 1B model's projection, past the core's L2 as the model's are, best of 15 at each
-    of _GGUF_TRIAL_ROWS: on a loaded machine fewer timings let a descheduled thread decide).
-    A weight that fits in L2 misjudges it: measured (2 threads, Q4_K, AVX-512 VNNI), 1536 x 512
-    has int8 losing at 8 rows (0.166 against 0.160 ms) where 4096 x 2048 has it winning (0.72
-    against 0.92 ms); the 1B model's decode step at batch 8 with `auto` took 129.0 ms with the
-    small trial, 101.8 ms with this one. Winning at the largest trial size (on AMX-INT8 tiles,
-    csrc/gguf_amx_int8.h) means every size: EVERY_SIZE."""
-    if kernels_for(qtype) == "quant":
-        return quant.int8_rows_that_pay()
-    gen = torch.Generator().manual_seed(0)
-    out_features, in_features = _GGUF_TRIAL_SHAPE
-    w = gguf_kernels.random_weight(qtype, out_features, in_features, gen)
-    pays = 0
-    for rows in _GGUF_TRIAL_ROWS:
-        x = torch.randn(rows, in_features, generator=gen)
-        if best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), 15) >= best_wall_time(lambda: gguf_kernels.matmul(x, w), 15):
-            break
-        pays = rows
-    if pays == _GGUF_TRIAL_ROWS[-1]:
-        pays = EVERY_SIZE
-    logger.info("int8 activations for %s (%s): %s on a trial", qtype, gguf_kernels.isa(),
-                "used at every size" if pays == EVERY_SIZE else f"used up to {pays} rows" if pays
-                else "not faster than float32, not used")
-    return pays
 
 
 def layer_of(model: nn.Module, weight: torch.Tensor) -> nn.Module:

@@ -16,7 +16,7 @@ from pagedllm.kv_spec import kv_cache_groups, layers_per_group
 from pagedllm.model import load_model, resolve_dtype
 from pagedllm.model.invariance import make_batch_invariant
 from pagedllm.model.fused_layers import enable_fused_layers
-from pagedllm.model.layers import use_int8_activations
+from pagedllm.model.layers import resolve_int8_activations, use_int8_activations
 from pagedllm.model.memory import MemoryBudget, memory_budget
 from pagedllm.sampling import Sampler
 from pagedllm.transformers_utils import resolve_model
@@ -108,7 +108,9 @@ class Worker:
         self.model = load_model(source, max_model_len, self.backend, self.dtype, self.device, tp)
         if invariant:
             make_batch_invariant(self.model)
-        use_int8_activations(self.model, config.model.int8_activations)
+        # The int8-activation mode in force ("off", "auto" or "on"), the default resolved here.
+        self.int8_activations = resolve_int8_activations(self.model, config.model.int8_activations, invariant)
+        use_int8_activations(self.model, self.int8_activations, by_default=config.model.int8_activations is None)
         enable_fused_layers(self.model, self.backend)
         self.kv_cache_spec = self.model.kv_cache_spec()
         if len({(spec.num_kv_heads, spec.head_dim) for spec in self.kv_cache_spec}) != 1:

@@ -16,7 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
-SERVE_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB", "--swap-space", "0.01",
+# Float32 activations (--int8-activations off): servers' outputs are compared with transformers'.
+SERVE_FLAGS = ["--int8-activations", "off",
+               "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB", "--swap-space", "0.01",
                "--served-model-name", MODEL, "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
                "--max-body-bytes", "1MiB"]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}

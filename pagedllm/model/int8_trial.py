@@ -1,0 +1,184 @@
+"""Where int8 activations pay: a trial per GGUF type's kernels, measured once per machine.
+
+`int8_activations="auto"` (the default for GGUF-quantized models on a CPU) multiplies a
+quantized projection on int8-quantized activations only for products of up to
+`int8_rows_that_pay(qtype)` rows. That bound is measured on this machine, never read from a
+table: int8 against float32 activations on random blocks of the type, at decode-sized row
+counts and up to a prompt chunk's, the bound being the largest row count where int8 won along
+with every smaller one (0 if it loses at 1 row). Winning at the largest trial size means every
+size (`EVERY_SIZE`).
+
+The trial times the kernels, so its result holds for one CPU (model name and feature flags), one
+kernel library (its file name carries a hash of the C++ sources and this CPU's flags), the ISA
+paths they run (`gguf.isa()`, kernels/quant.py's int8 and float ways) and the thread count. It
+is kept in the cache folder as `int8-trials/<key>.json`, the key a hash of those conditions:
+
+    {"version": 1, "conditions": {"cpu": ..., "flags": ..., "kernels": ..., "gguf_isa": ...,
+     "quant_int8_isa": ..., "quant_float_isa": ..., "threads": ..., "trial": ...},
+     "rows": {"Q4_K": 16, "Q6_K": 16, "Q4_1": 4}}
+
+so a later start on the same machine reads it instead of timing again (logged). An entry that
+is not valid JSON, was measured under other conditions or holds a row count the trial cannot
+give is ignored and measured again, never fatal. Delete `int8-trials/` under the cache folder
+(`pagedllm.paths.cache_dir()`) to measure again, for instance after a trial on a busy machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from pagedllm.kernels import gguf as gguf_kernels
+from pagedllm.kernels import quant
+from pagedllm.model.quantization import EVERY_SIZE, kernels_for
+from pagedllm.paths import cache_dir
+from pagedllm.transformers_utils.file_cache import entry_key, read_json, write_json_entry
+from pagedllm.utils import best_wall_time
+
+logger = logging.getLogger("pagedllm")
+
+# Raise when what the trial measures changes: older entries are then ignored.
+TRIAL_VERSION = 1
+# (out, in) of the GGUF kernels' trial: a 1B model's projection, past a core's L2 as the model's
+# weights are. A weight that fits in L2 misjudges int8: measured (2 threads, Q4_K, AVX-512 VNNI),
+# 1536 x 512 has int8 losing at 8 rows (0.166 against 0.160 ms) where 4096 x 2048 has it winning
+# (0.72 against 0.92 ms); the 1B model's decode step at batch 8 with `auto` took 129.0 ms with
+# the small trial, 101.8 ms with this one.
+TRIAL_SHAPE = (4096, 2048)
+# Decode batches (1-256 sequences: max_num_seqs' default is 256) and a prompt chunk of the
+# engine's default step budget (max_num_batched_tokens, 2048 tokens): with the default
+# configuration every product that takes int8 lies between two row counts where int8 was seen
+# winning (the bound stood at 256 rows before, and prompt chunks of 257-2048 took int8 unseen).
+# Winning at 2048 is taken to mean every size: only a budget set above the default then takes
+# int8 at sizes not measured, as llama.cpp does for every product.
+TRIAL_ROWS = (1, 4, 8, 16, 64, 256, 2048)
+
+
+def _repeats(rows: int) -> int:
+    """Timings per way at `rows`: best of 15 for decode sizes (on a loaded machine fewer let a
+    descheduled thread decide); a product of hundreds of rows takes milliseconds, which one
+    preemption moves by little, so three do there."""
+    return 15 if rows <= 64 else 3
+
+
+def measure(qtype: str) -> int:
+    """Time the trial of `qtype`'s kernels now: the most rows up to which int8 activations beat
+    float32's (kernels/quant.py's own trial for the types it serves)."""
+    if kernels_for(qtype) == "quant":
+        return quant.int8_rows_that_pay()
+    gen = torch.Generator().manual_seed(0)
+    out_features, in_features = TRIAL_SHAPE
+    w = gguf_kernels.random_weight(qtype, out_features, in_features, gen)
+    pays, timings = 0, []
+    for rows in TRIAL_ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
+        t_int8 = best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), _repeats(rows))
+        t_float = best_wall_time(lambda: gguf_kernels.matmul(x, w), _repeats(rows))
+        timings.append(f"{rows} rows {t_int8 * 1e6:.0f} vs {t_float * 1e6:.0f} us")
+        if t_int8 >= t_float:
+            break
+        pays = rows
+    pays = EVERY_SIZE if pays == TRIAL_ROWS[-1] else pays
+    logger.info("int8 activations for %s (%s): %s on a trial (%s)", qtype, _isa(qtype), describe(pays),
+                "; ".join(timings))
+    return pays
+
+
+def _isa(qtype: str) -> str:
+    """The way `qtype`'s int8 products run here, for the log."""
+    return quant.int8_isa() if kernels_for(qtype) == "quant" else gguf_kernels.isa()
+
+
+def describe(rows: int) -> str:
+    """A trial's result in words, for the log."""
+    return ("used at every size" if rows == EVERY_SIZE else f"used up to {rows} rows" if rows
+            else "not faster than float32, not used")
+
+
+@functools.cache
+def _cpu() -> tuple[str, str]:
+    """This CPU's model name and feature flags, from /proc/cpuinfo (the platform's names where
+    there is none)."""
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                found.setdefault(key.strip(), value.strip())
+                if "model name" in found and "flags" in found:
+                    break
+    except OSError:
+        pass
+    return found.get("model name", platform.processor() or platform.machine()), found.get("flags", "")
+
+
+def conditions() -> dict:
+    """What the trial's result depends on, as stored beside it."""
+    from pagedllm.kernels.build import load
+
+    name, flags = _cpu()
+    return {
+        "cpu": name,
+        "flags": flags,
+        "kernels": Path(load()._name).name,  # the library the trial times, whatever is on disk now
+        "gguf_isa": gguf_kernels.isa(),
+        "quant_int8_isa": quant.int8_isa(),
+        "quant_float_isa": quant.float_isa(),
+        "threads": torch.get_num_threads(),
+        "trial": f"v{TRIAL_VERSION} gguf {TRIAL_SHAPE} {TRIAL_ROWS}; quant {quant._TRIAL_SHAPE} {quant._TRIAL_ROWS}",
+    }
+
+
+def trial_path(conds: dict) -> Path:
+    return cache_dir() / "int8-trials" / f"{entry_key(*sorted(conds.items()))}.json"
+
+
+def _possible(qtype: str) -> set[int]:
+    """Every result the trial of `qtype` can give."""
+    if kernels_for(qtype) == "quant":
+        return {0, *quant._TRIAL_ROWS}
+    return {0, *TRIAL_ROWS[:-1], EVERY_SIZE}
+
+
+def _stored(path: Path, conds: dict, quiet: bool = False) -> dict[str, int]:
+    """The results kept at `path` for these conditions; {} (logged unless `quiet`) for an entry
+    that cannot be used."""
+    entry = read_json(path)
+    rows = entry.get("rows") if entry is not None else None
+    if entry is None or entry.get("version") != TRIAL_VERSION or entry.get("conditions") != conds \
+            or not isinstance(rows, dict):
+        if path.exists() and not quiet:
+            logger.warning("Ignoring the int8 trial cache %s (unreadable, or made under other conditions): "
+                           "measuring again", path)
+        return {}
+    return {q: r for q, r in rows.items() if isinstance(q, str) and type(r) is int and r in _possible(q)}
+
+
+_results: dict[tuple[str, str], int] = {}  # per process: (the conditions' file, qtype) -> rows
+
+
+def int8_rows_that_pay(qtype: str) -> int:
+    """The most rows up to which int8 activations beat float32's for `qtype`'s kernels on this
+    machine: from this process's memory, else the cache folder, else measured (and kept)."""
+    conds = conditions()
+    path = trial_path(conds)
+    if (str(path), qtype) in _results:
+        return _results[str(path), qtype]
+    stored = _stored(path, conds)
+    if qtype in stored:
+        rows = stored[qtype]
+        logger.info("int8 activations for %s (%s): %s, measured on this CPU and kernel library before (%s; "
+                    "delete it to measure again)", qtype, _isa(qtype), describe(rows), path)
+    else:
+        rows = measure(qtype)
+        try:  # merged with what another process may have stored meanwhile
+            write_json_entry(path, {"version": TRIAL_VERSION, "conditions": conds,
+                                    "rows": {**_stored(path, conds, quiet=True), qtype: rows}})
+        except OSError as exc:
+            logger.debug("Could not keep the int8 trial's result (%s)", exc)
+    _results[str(path), qtype] = rows
+    return rows

@@ -1,0 +1,229 @@
+"""Int8 activations by default for GGUF-quantized models on a CPU: how the default resolves
+(auto for quantized blocks, off for float models and in batch-invariant mode), and the trial that
+decides where int8 pays, measured once per machine and kept in the cache folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs, SchedulerConfig
+from pagedllm.kernels import quant
+from pagedllm.model import int8_trial, layers
+from pagedllm.model.quantization import EVERY_SIZE, GGUFLinear, kernels_for
+
+# Q4_K projections through kernels/gguf.py, Q4_1 ones (ffn_down) through kernels/quant.py.
+TYPES = {"default": "Q4_K", "ffn_down": "Q4_1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A 2-layer Llama GGUF of random Q4_K and Q4_1 blocks with the default model's tokenizer."""
+    from pagedllm.transformers_utils import resolve_model
+    from tests.gguf_writer import tokenizer_fields, write_random_llama
+
+    path = tmp_path_factory.mktemp("int8-default") / "tiny-q4_k.gguf"
+    return write_random_llama(path, TYPES, hidden=256, intermediate=512, vocab=49152,
+                              tokenizer=tokenizer_fields(resolve_model(None).path))
+
+
+def _quantized_methods(llm) -> list[GGUFLinear]:
+    return layers._int8_methods(llm.llm_engine.executor.worker.model)
+
+
+def _fixed_trial(qtype: str) -> int:
+    """A trial's result without timing: int8 up to 16 rows on gguf.py's kernels, 4 on quant.py's."""
+    return 16 if kernels_for(qtype) == "gguf" else 4
+
+
+# --- what the default resolves to ----------------------------------------------------------------
+
+
+def test_not_choosing_is_none_in_the_config_and_on_the_command_line():
+    from pagedllm.cli import build_parser
+    from pagedllm.entrypoints.cli_args import engine_args_from
+
+    assert EngineArgs().create_engine_config().model.int8_activations is None
+    parse = lambda *flags: engine_args_from(build_parser().parse_args(["generate", "hi", *flags]))  # noqa: E731
+    assert parse().int8_activations is None
+    assert parse("--int8-activations", "off").int8_activations == "off"
+    with pytest.raises(SystemExit):  # the flag's choices stay off, auto and on
+        parse("--int8-activations", "default")
+
+
+def test_the_default_is_auto_where_quantized_blocks_are_served_else_off(monkeypatch):
+    quantized = [SimpleNamespace(quant_method=GGUFLinear(parts=[SimpleNamespace(qtype="Q4_K")]))]
+    monkeypatch.setattr(layers, "_linear_layers", lambda model: quantized)
+    assert layers.resolve_int8_activations(None, None) == "auto"
+    assert layers.resolve_int8_activations(None, None, batch_invariant=True) == "off"
+    for mode in ("off", "auto", "on"):  # a choice stands
+        assert layers.resolve_int8_activations(None, mode) == mode
+    monkeypatch.setattr(layers, "_linear_layers", lambda model: [])  # float weights only
+    assert layers.resolve_int8_activations(None, None) == "off"
+
+
+def test_a_gguf_model_defaults_to_int8_where_the_trial_says_it_pays(tiny_gguf, monkeypatch, caplog):
+    monkeypatch.setattr(layers, "int8_rows_that_pay", _fixed_trial)
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(str(tiny_gguf), max_model_len=128, num_gpu_blocks=64)
+    try:
+        assert llm.llm_engine.executor.worker.int8_activations == "auto"
+        methods = _quantized_methods(llm)
+        assert {q for m in methods for q in m.qtypes} == {"Q4_K", "Q4_1"}
+        for method in methods:  # the trial's rows, each weight by its kernels
+            assert method.int8_rows == min(_fixed_trial(q) for q in method.qtypes)
+        assert "int8 activations: auto (the default" in caplog.text  # the start-up log says so
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_off_keeps_every_product_on_float32_activations(tiny_gguf, monkeypatch, caplog):
+    monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: pytest.fail("off needs no trial"))
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(str(tiny_gguf), max_model_len=128, num_gpu_blocks=64, int8_activations="off")
+    try:
+        assert llm.llm_engine.executor.worker.int8_activations == "off"
+        assert all(m.int8_rows == 0 for m in _quantized_methods(llm))
+        assert "int8 activations: off (chosen)" in caplog.text
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_a_float_model_defaults_to_off_without_a_warning(tiny_llama, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks=32)
+    try:
+        assert llm.llm_engine.executor.worker.int8_activations == "off"
+        assert not _quantized_methods(llm)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "int8" in r.getMessage()]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_batch_invariant_mode_defaults_to_off_and_refuses_a_chosen_int8(tiny_gguf, monkeypatch):
+    monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: pytest.fail("batch-invariant mode needs no trial"))
+    llm = LLM(str(tiny_gguf), max_model_len=128, num_gpu_blocks=64, batch_invariant=True)
+    try:
+        assert llm.llm_engine.executor.worker.int8_activations == "off"
+        assert not _quantized_methods(llm)  # every product float32, at a fixed tile
+    finally:
+        llm.llm_engine.shutdown()
+    for mode in ("auto", "on"):
+        with pytest.raises(ValueError, match=rf"int8_activations='{mode}' \(--int8-activations {mode}\) and "
+                                             "batch_invariant do not combine"):
+            EngineArgs(int8_activations=mode, batch_invariant=True).create_engine_config()
+    EngineArgs(int8_activations="off", batch_invariant=True).create_engine_config()  # off is what the mode does
+
+
+# --- the trial --------------------------------------------------------------------------------------
+
+
+def test_the_trial_covers_decode_batches_and_a_prompt_chunk_of_the_default_budget():
+    assert int8_trial.TRIAL_ROWS == tuple(sorted(int8_trial.TRIAL_ROWS)) and int8_trial.TRIAL_ROWS[0] == 1
+    assert SchedulerConfig().max_num_seqs in int8_trial.TRIAL_ROWS
+    assert int8_trial.TRIAL_ROWS[-1] >= SchedulerConfig().max_num_batched_tokens
+    assert quant._TRIAL_ROWS[-1] == quant.MAX_ROWS  # quant.py's kernels take int8 no further than measured
+
+
+@pytest.mark.parametrize("wins_up_to, expected", [(0, 0), (16, 16), (256, 256), (10**9, EVERY_SIZE)])
+def test_the_trial_takes_int8_up_to_its_last_win_and_every_size_past_the_largest(monkeypatch, wins_up_to, expected):
+    """Timings faked per (rows, int8): int8 is taken up to the largest row count where it won
+    along with every smaller one, no larger product is timed, and winning at the largest trial
+    size (a prompt chunk) means every size."""
+    timed = []
+    monkeypatch.setattr(int8_trial.gguf_kernels, "matmul", lambda x, w, int8=False: timed.append((x.shape[0], int8)))
+
+    def fake_time(fn, repeats):
+        fn()
+        rows, int8 = timed[-1]
+        return (1.0 if rows <= wins_up_to else 3.0) if int8 else 2.0
+
+    monkeypatch.setattr(int8_trial, "best_wall_time", fake_time)
+    assert int8_trial.measure("Q4_K") == expected
+    first_loss = next((r for r in int8_trial.TRIAL_ROWS if r > wins_up_to), int8_trial.TRIAL_ROWS[-1])
+    assert max(rows for rows, _ in timed) == first_loss
+
+
+@pytest.fixture
+def trial_cache(tmp_path, monkeypatch):
+    """A fresh cache folder and process memory; `measured` counts the trials that ran."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(int8_trial, "_results", {})
+    measured: list[str] = []
+    monkeypatch.setattr(int8_trial, "measure", lambda qtype: measured.append(qtype) or _fixed_trial(qtype))
+    return SimpleNamespace(path=int8_trial.trial_path(int8_trial.conditions()), measured=measured)
+
+
+def _new_process(monkeypatch) -> None:
+    monkeypatch.setattr(int8_trial, "_results", {})
+
+
+def test_the_trial_is_kept_per_machine_and_reused_without_timing(trial_cache, monkeypatch, caplog):
+    assert int8_trial.int8_rows_that_pay("Q4_K") == 16 and int8_trial.int8_rows_that_pay("Q4_1") == 4
+    assert trial_cache.measured == ["Q4_K", "Q4_1"]
+    entry = json.loads(trial_cache.path.read_text())
+    assert entry["rows"] == {"Q4_K": 16, "Q4_1": 4} and entry["conditions"] == int8_trial.conditions()
+    assert {"cpu", "flags", "kernels", "gguf_isa", "threads"} <= set(entry["conditions"])
+    assert entry["conditions"]["kernels"].startswith("pagedllm_kernels-")  # the library's own name
+    _new_process(monkeypatch)  # a second start on this machine: read, not timed
+    monkeypatch.setattr(int8_trial, "measure", lambda qtype: pytest.fail("a kept trial is not timed again"))
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert int8_trial.int8_rows_that_pay("Q4_K") == 16 and int8_trial.int8_rows_that_pay("Q4_1") == 4
+    assert "measured on this CPU and kernel library before" in caplog.text
+
+
+def test_other_conditions_are_measured_anew(trial_cache, monkeypatch):
+    int8_trial.int8_rows_that_pay("Q4_K")
+    conditions = int8_trial.conditions
+    monkeypatch.setattr(int8_trial, "conditions", lambda: {**conditions(), "kernels": "pagedllm_kernels-other.so"})
+    int8_trial.int8_rows_that_pay("Q4_K")  # another kernel library: another entry
+    assert trial_cache.measured == ["Q4_K", "Q4_K"]
+    assert len(list(trial_cache.path.parent.glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("damage", [
+    "{not json",
+    json.dumps(["a list"]),
+    json.dumps({"version": int8_trial.TRIAL_VERSION, "conditions": {"cpu": "another"}, "rows": {"Q4_K": 16}}),
+    "rows of a trial that cannot be",  # (the conditions are right; the row count is not one the trial gives)
+])
+def test_a_damaged_entry_is_measured_again_never_fatal(trial_cache, monkeypatch, caplog, damage):
+    int8_trial.int8_rows_that_pay("Q4_K")
+    if damage == "rows of a trial that cannot be":
+        entry = json.loads(trial_cache.path.read_text())
+        damage = json.dumps({**entry, "rows": {"Q4_K": 999, "Q4_1": "4"}})
+    trial_cache.path.write_text(damage)
+    _new_process(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        assert int8_trial.int8_rows_that_pay("Q4_K") == 16
+    assert trial_cache.measured == ["Q4_K", "Q4_K"]
+    assert json.loads(trial_cache.path.read_text())["rows"] == {"Q4_K": 16}  # rewritten whole
+    _new_process(monkeypatch)
+    assert int8_trial.int8_rows_that_pay("Q4_K") == 16 and len(trial_cache.measured) == 2  # and kept
+
+
+def test_an_unwritable_cache_folder_still_gives_the_trial(trial_cache, monkeypatch):
+    def refuse(path, value):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(int8_trial, "write_json_entry", refuse)
+    assert int8_trial.int8_rows_that_pay("Q4_1") == 4 and not trial_cache.path.exists()
+
+
+def test_auto_on_a_real_trial_takes_its_rows(tiny_gguf):
+    """Without faking anything: each quantized weight takes int8 up to what the trial of its
+    types gives on this machine (whatever that is: 0 where int8 never pays here)."""
+    llm = LLM(str(tiny_gguf), max_model_len=128, num_gpu_blocks=64)
+    try:
+        for method in _quantized_methods(llm):
+            trial = min(int8_trial.int8_rows_that_pay(q) for q in method.qtypes)
+            most = quant.MAX_ROWS if any(kernels_for(q) == "quant" for q in method.qtypes) else EVERY_SIZE
+            assert method.int8_rows == min(trial, most)
+    finally:
+        llm.llm_engine.shutdown()
