@@ -15,7 +15,8 @@ from tests.test_quant_matmul import _quantized
 def _int8_oracle(x: torch.Tensor, matrix) -> torch.Tensor:
     """The kernel's arithmetic in float64 from the unpacked blocks: x quantized per block of 32
     (scale max|x| / 127, values rounded to nearest), then per block d dx sum(q qx), plus
-    m sum(x) for Q4_1's minimum."""
+    m dx sum(qx) for Q4_1's minimum: the minimum meets the rounded x, as llama.cpp's Q8_1 sum
+    (with x's own sum the rounding error followed the uncentred d q: 2.4x llama.cpp's)."""
     u = matrix.unpack()
     rows = x.shape[0]
     blocks = x.view(rows, -1, 32)
@@ -31,7 +32,7 @@ def _int8_oracle(x: torch.Tensor, matrix) -> torch.Tensor:
     dots = torch.einsum("rbj,nbj->rnb", qx.double(), qw)  # integer sums, exact in float64
     y = (dots * u.scales.double()[None] * scale.double().squeeze(-1)[:, None]).sum(-1)
     if u.mins is not None:
-        y += blocks.double().sum(-1) @ u.mins.double().T
+        y += (qx.double() * scale.double()).sum(-1) @ u.mins.double().T
     return y
 
 
