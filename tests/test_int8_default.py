@@ -157,6 +157,7 @@ def trial_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(int8_trial, "_results", {})
     measured: list[str] = []
     monkeypatch.setattr(int8_trial, "measure", lambda qtype: measured.append(qtype) or _fixed_trial(qtype))
+    monkeypatch.setattr(int8_trial, "choose_ways", lambda qtype: {})  # (tests/ways below fake a choice)
     return SimpleNamespace(path=int8_trial.trial_path(int8_trial.conditions()), measured=measured)
 
 
@@ -227,3 +228,69 @@ def test_auto_on_a_real_trial_takes_its_rows(tiny_gguf):
             assert method.int8_rows == min(trial, most)
     finally:
         llm.llm_engine.shutdown()
+
+
+# --- the choice among int8 ways (AVX-512 VNNI or AMX beside AVX2) ------------------------------------
+
+
+@pytest.fixture
+def two_ways(monkeypatch):
+    """A path with two int8 ways, "vnni" and "avx2", whose setting is recorded per (type,
+    bucket) instead of reaching the C side; `timed` lists (rows, way) of each fake product."""
+    state = SimpleNamespace(set={}, timed=[])
+    monkeypatch.setattr(int8_trial.gguf_kernels, "int8_ways", lambda: ["vnni", "avx2"])
+    monkeypatch.setattr(int8_trial.gguf_kernels, "set_int8_way",
+                        lambda qtype, rows, way: state.set.__setitem__((qtype, rows), way))
+
+    def matmul(x, w, int8=False):
+        state.timed.append((x.shape[0], state.set[("Q4_K", x.shape[0])]))
+
+    monkeypatch.setattr(int8_trial.gguf_kernels, "matmul", matmul)
+    return state
+
+
+def test_each_bucket_takes_the_way_its_timings_find_faster(two_ways, monkeypatch):
+    """VNNI faked faster at 1 and 128+ rows, AVX2 in between: the choice follows the timings, both
+    ways are timed at every bucket, and the C side is left on the winner."""
+    def fake_time(fn, repeats):
+        fn()
+        rows, way = two_ways.timed[-1]
+        vnni_wins = rows == 1 or rows >= 128
+        return 1.0 if (way == "vnni") == vnni_wins else 2.0
+
+    monkeypatch.setattr(int8_trial, "best_wall_time", fake_time)
+    chosen = int8_trial.choose_ways("Q4_K")
+    buckets = int8_trial.gguf_kernels.INT8_WAY_BUCKETS
+    assert chosen == {rows: "vnni" if rows == 1 or rows >= 128 else "avx2" for rows in buckets}
+    assert sorted(two_ways.timed) == sorted((rows, way) for rows in buckets for way in ("vnni", "avx2"))
+    assert {rows: two_ways.set["Q4_K", rows] for rows in buckets} == chosen
+
+
+def test_nothing_is_timed_where_there_is_no_choice(two_ways, monkeypatch):
+    monkeypatch.setattr(int8_trial, "best_wall_time", lambda fn, repeats: pytest.fail("nothing to choose"))
+    assert int8_trial.choose_ways("IQ4_XS") == {}  # only the AVX2 way decodes it
+    assert int8_trial.choose_ways("Q4_1") == {}  # kernels/quant.py's type
+    monkeypatch.setattr(int8_trial.gguf_kernels, "int8_ways", lambda: ["avx2"])
+    assert int8_trial.choose_ways("Q4_K") == {}  # one way on this path
+
+
+def test_the_chosen_ways_are_kept_and_set_again_on_the_next_start(trial_cache, two_ways, monkeypatch):
+    choice = {1: "vnni", 2: "avx2", 128: "vnni"}
+    monkeypatch.setattr(int8_trial, "choose_ways", lambda qtype: trial_cache.measured.append("ways") or choice)
+    assert int8_trial.int8_rows_that_pay("Q4_K") == 16
+    assert trial_cache.measured == ["ways", "Q4_K"]  # the ways first: the rows are timed on them
+    assert json.loads(trial_cache.path.read_text())["ways"] == {"Q4_K": {"1": "vnni", "2": "avx2", "128": "vnni"}}
+    _new_process(monkeypatch)
+    two_ways.set.clear()
+    assert int8_trial.int8_rows_that_pay("Q4_K") == 16 and len(trial_cache.measured) == 2  # read, not timed
+    assert two_ways.set == {("Q4_K", rows): way for rows, way in choice.items()}  # and set on the C side
+
+
+@pytest.mark.parametrize("ways", [{"1": "amx"}, {"3": "vnni"}, ["vnni"], None])
+def test_kept_ways_this_path_cannot_run_are_measured_again(trial_cache, two_ways, monkeypatch, ways):
+    int8_trial.int8_rows_that_pay("Q4_K")
+    entry = json.loads(trial_cache.path.read_text())
+    trial_cache.path.write_text(json.dumps({**entry, "ways": {"Q4_K": ways}}))
+    _new_process(monkeypatch)
+    assert int8_trial.int8_rows_that_pay("Q4_K") == 16
+    assert trial_cache.measured == ["Q4_K", "Q4_K"]

@@ -216,6 +216,8 @@ def int8_peak(threads: int | None = None, seconds: float = 0.2) -> float:
 # The int8 ways a path can run: its own first, then the AVX2 way (kernels/csrc/gguf_int8_avx2.h),
 # which AVX-512 and AMX CPUs run too.
 INT8_WAYS = {"portable": ["portable"], "avx2": ["avx2"], "avx512": ["vnni", "avx2"], "amx": ["amx", "avx2"]}
+# The types only the AVX2 int8 way decodes (every SIMD path runs it for them).
+AVX2_INT8_ONLY = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 # The row counts whose int8 way is chosen together (the C side's buckets): 1, 2-3, 4-7, ..., 64+.
 INT8_WAY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -228,7 +230,7 @@ def int8_ways() -> list[str]:
 def set_int8_way(qtype: str, rows: int, way: str) -> None:
     """Run int8 products of `qtype` with `rows` rows (and every row count in its bucket of
     INT8_WAY_BUCKETS) by `way`, one of `int8_ways()`: a measurement's choice (the start-up trial,
-    model/quantization.py), never a fixed table. The types the VNNI and AMX ways do not decode
+    model/int8_trial.py), never a fixed table. The types the VNNI and AMX ways do not decode
     (Q2_K, Q3_K, IQ4_NL, IQ4_XS) take the AVX2 way whatever this says."""
     ways = int8_ways()
     if way not in ways:
@@ -244,7 +246,7 @@ def int8_way(qtype: str, rows: int) -> str:
     ways = int8_ways()
     if len(ways) == 1:
         return ways[0]
-    if qtype in ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"):
+    if qtype in AVX2_INT8_ONLY:
         return "avx2"
     return ways[_lib().gguf_int8_way(TYPE_IDS[qtype], rows)]
 

@@ -13,11 +13,18 @@ kernel library (its file name carries a hash of the C++ sources and this CPU's f
 paths they run (`gguf.isa()`, kernels/quant.py's int8 and float ways) and the thread count. It
 is kept in the cache folder as `int8-trials/<key>.json`, the key a hash of those conditions:
 
-    {"version": 1, "conditions": {"cpu": ..., "flags": ..., "kernels": ..., "gguf_isa": ...,
+    {"version": 2, "conditions": {"cpu": ..., "flags": ..., "kernels": ..., "gguf_isa": ...,
      "quant_int8_isa": ..., "quant_float_isa": ..., "threads": ..., "trial": ...},
-     "rows": {"Q4_K": 16, "Q6_K": 16, "Q4_1": 4}}
+     "rows": {"Q4_K": 16, "Q6_K": 16, "Q4_1": 4},
+     "ways": {"Q4_K": {"1": "vnni", "2": "avx2", ...}, "Q6_K": {...}, "Q4_1": {}}}
 
-so a later start on the same machine reads it instead of timing again (logged). An entry that
+so a later start on the same machine reads it instead of timing again (logged).
+
+Where the GGUF kernels' path has more than one int8 way (AVX-512 VNNI or AMX beside the AVX2
+way, `gguf.int8_ways()`), the trial first times each of them per bucket of row counts
+(`gguf.INT8_WAY_BUCKETS`: 1, 2-3, ..., 128 and more) and sets the faster (`gguf.set_int8_way`),
+kept as "ways" and set again when the entry is read: which way wins where depends on the core
+(VNNI's zmm issue rate, the caches), not on a threshold. A path with one way stores {}. An entry that
 is not valid JSON, was measured under other conditions or holds a row count the trial cannot
 give is ignored and measured again, never fatal. Delete `int8-trials/` under the cache folder
 (`pagedllm.paths.cache_dir()`) to measure again, for instance after a trial on a busy machine.
@@ -42,7 +49,7 @@ from pagedllm.utils import best_wall_time
 logger = logging.getLogger("pagedllm")
 
 # Raise when what the trial measures changes: older entries are then ignored.
-TRIAL_VERSION = 1
+TRIAL_VERSION = 2
 # (out, in) of the GGUF kernels' trial: a 1B model's projection, past a core's L2 as the model's
 # weights are. A weight that fits in L2 misjudges int8: measured (2 threads, Q4_K, AVX-512 VNNI),
 # 1536 x 512 has int8 losing at 8 rows (0.166 against 0.160 ms) where 4096 x 2048 has it winning
@@ -86,6 +93,37 @@ def measure(qtype: str) -> int:
     logger.info("int8 activations for %s (%s): %s on a trial (%s)", qtype, _isa(qtype), describe(pays),
                 "; ".join(timings))
     return pays
+
+
+def choose_ways(qtype: str) -> dict[int, str]:
+    """Time each int8 way of the GGUF kernels' path for `qtype` at every bucket of row counts
+    (`gguf.INT8_WAY_BUCKETS`), on the trial's weight, and set the faster: {bucket: way}. {} where
+    there is nothing to choose (one way on this path, a type only the AVX2 way decodes, or
+    kernels/quant.py's types)."""
+    ways = gguf_kernels.int8_ways()
+    if kernels_for(qtype) == "quant" or len(ways) < 2 or qtype in gguf_kernels.AVX2_INT8_ONLY:
+        return {}
+    gen = torch.Generator().manual_seed(1)
+    out_features, in_features = TRIAL_SHAPE
+    w = gguf_kernels.random_weight(qtype, out_features, in_features, gen)
+    chosen, timings = {}, []
+    for rows in gguf_kernels.INT8_WAY_BUCKETS:
+        x = torch.randn(rows, in_features, generator=gen)
+        times = {}
+        for way in ways:
+            gguf_kernels.set_int8_way(qtype, rows, way)
+            times[way] = best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), _repeats(rows))
+        chosen[rows] = min(ways, key=times.__getitem__)  # the path's own way on a tie
+        gguf_kernels.set_int8_way(qtype, rows, chosen[rows])
+        timings.append(f"{rows}: {chosen[rows]} (" + ", ".join(f"{way} {t * 1e6:.0f} us" for way, t in times.items()) + ")")
+    logger.info("int8 ways for %s, by rows: %s", qtype, "; ".join(timings))
+    return chosen
+
+
+def set_ways(qtype: str, ways: dict[int, str]) -> None:
+    """Set the int8 ways a trial chose for `qtype` (`choose_ways`)."""
+    for rows, way in ways.items():
+        gguf_kernels.set_int8_way(qtype, rows, way)
 
 
 def _isa(qtype: str) -> str:
@@ -144,18 +182,38 @@ def _possible(qtype: str) -> set[int]:
     return {0, *TRIAL_ROWS[:-1], EVERY_SIZE}
 
 
-def _stored(path: Path, conds: dict, quiet: bool = False) -> dict[str, int]:
-    """The results kept at `path` for these conditions; {} (logged unless `quiet`) for an entry
-    that cannot be used."""
+def _ways_of(stored) -> dict[int, str] | None:
+    """A kept choice of ways as `choose_ways` gives it; None if it is not one."""
+    if not isinstance(stored, dict):
+        return None
+    ways = {}
+    for bucket, way in stored.items():
+        if not (isinstance(bucket, str) and bucket.isdigit() and int(bucket) in gguf_kernels.INT8_WAY_BUCKETS
+                and way in gguf_kernels.int8_ways()):
+            return None
+        ways[int(bucket)] = way
+    return ways
+
+
+def _stored(path: Path, conds: dict, quiet: bool = False) -> dict[str, tuple[int, dict[int, str]]]:
+    """The results kept at `path` for these conditions, qtype -> (rows, ways); {} (logged unless
+    `quiet`) for an entry that cannot be used; a type whose rows or ways are not a trial's is
+    left out (measured again)."""
     entry = read_json(path)
-    rows = entry.get("rows") if entry is not None else None
-    if entry is None or entry.get("version") != TRIAL_VERSION or entry.get("conditions") != conds \
-            or not isinstance(rows, dict):
+    rows = entry.get("rows") if isinstance(entry, dict) else None
+    ways = entry.get("ways") if isinstance(entry, dict) else None
+    if rows is None or entry.get("version") != TRIAL_VERSION or entry.get("conditions") != conds \
+            or not isinstance(rows, dict) or not isinstance(ways, dict):
         if path.exists() and not quiet:
             logger.warning("Ignoring the int8 trial cache %s (unreadable, or made under other conditions): "
                            "measuring again", path)
         return {}
-    return {q: r for q, r in rows.items() if isinstance(q, str) and type(r) is int and r in _possible(q)}
+    kept = {}
+    for q, r in rows.items():
+        chosen = _ways_of(ways.get(q))
+        if isinstance(q, str) and type(r) is int and r in _possible(q) and chosen is not None:
+            kept[q] = (r, chosen)
+    return kept
 
 
 _results: dict[tuple[str, str], int] = {}  # per process: (the conditions' file, qtype) -> rows
@@ -170,14 +228,18 @@ def int8_rows_that_pay(qtype: str) -> int:
         return _results[str(path), qtype]
     stored = _stored(path, conds)
     if qtype in stored:
-        rows = stored[qtype]
+        rows, ways = stored[qtype]
+        set_ways(qtype, ways)
         logger.info("int8 activations for %s (%s): %s, measured on this CPU and kernel library before (%s; "
                     "delete it to measure again)", qtype, _isa(qtype), describe(rows), path)
     else:
+        ways = choose_ways(qtype)  # first: the rows where int8 pays are timed on the chosen ways
         rows = measure(qtype)
-        try:  # merged with what another process may have stored meanwhile
+        merged = {**_stored(path, conds, quiet=True), qtype: (rows, ways)}  # with what another process stored
+        try:
             write_json_entry(path, {"version": TRIAL_VERSION, "conditions": conds,
-                                    "rows": {**_stored(path, conds, quiet=True), qtype: rows}})
+                                    "rows": {q: r for q, (r, _) in merged.items()},
+                                    "ways": {q: {str(b): way for b, way in w.items()} for q, (_, w) in merged.items()}})
         except OSError as exc:
             logger.debug("Could not keep the int8 trial's result (%s)", exc)
     _results[str(path), qtype] = rows
