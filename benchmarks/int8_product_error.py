@@ -35,7 +35,7 @@ def llama_cpp_way(x: torch.Tensor, weight: torch.Tensor, block: int) -> torch.Te
 def projection_inputs(runner, tokens: list[int]) -> dict[str, torch.Tensor]:
     """The input of each quantized projection in a forward pass over `tokens` (the first call)."""
     from pagedllm.model import layers
-    from pagedllm.model.quantization import method_layers
+    from pagedllm.model.quant import method_layers
 
     names = {id(m): name for name, m in method_layers(runner.model).items()}
     inputs: dict[str, torch.Tensor] = {}
@@ -57,7 +57,7 @@ def projection_inputs(runner, tokens: list[int]) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     from pagedllm.bench.numerics import ChunkRunner, text_tokens
-    from pagedllm.model.quantization import kernels_of, method_layers
+    from pagedllm.model.quant import kernels_of, method_layers
     from pagedllm.transformers_utils import get_tokenizer, resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -10,7 +10,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import onednn
 from pagedllm.model import invariance
-from pagedllm.model.quantization import FloatLinear
+from pagedllm.model.quant import FloatLinear
 from tests.helpers import random_prompts
 
 # Contexts past 256 tokens, so they span several of the mode's fixed attention partitions.

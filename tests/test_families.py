@@ -180,8 +180,8 @@ def test_quantized_gguf_keeps_the_blocks_of_its_projections(tiny_models, tmp_pat
     down stack (48 columns, not whole blocks) stays float32, so its experts are all dequantized.
     The logits stay those of the model (most rows: the rounding may change a router's pick of
     experts for a token)."""
-    from pagedllm.model.expert_methods import FloatExperts, GGUFExperts
-    from pagedllm.model.quantization import GGUFLinear, layer_of
+    from pagedllm.model.quant.experts import FloatExperts, GGUFExperts
+    from pagedllm.model.quant import GGUFLinear, layer_of
 
     monkeypatch.setenv("PAGEDLLM_MODEL_CACHE", "0")
     path = tiny_models(family, **({"query_pre_attn_scalar": 32} if family == "gemma2" else {}))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.transformers_utils import resolve_model
-from pagedllm.model.quantization import dense_weight
+from pagedllm.model.quant import dense_weight
 from pagedllm.model.weights import GGUFWeight, unpermute_rotary_rows
 
 

@@ -1,4 +1,4 @@
-"""A mixture's experts in a quantized GGUF file keep their blocks (`expert_methods.GGUFExperts`):
+"""A mixture's experts in a quantized GGUF file keep their blocks (`quant.experts.GGUFExperts`):
 the experts' parameters are the file's bytes, not a float32 copy (7x the file), each expert's
 products run on the GGUF kernels, and the model's greedy tokens are transformers' on the same
 file; the weight cache stores and restores the packed experts."""
@@ -14,7 +14,7 @@ import torch
 from pagedllm.attention.reference import ReferenceAttentionBackend
 from pagedllm.model import load_model, weight_cache
 from pagedllm.model.moe import Experts
-from pagedllm.model.expert_methods import FloatExperts, GGUFExperts
+from pagedllm.model.quant.experts import FloatExperts, GGUFExperts
 from pagedllm.transformers_utils import resolve_model
 from tests.gguf_writer import write_gguf
 from tests.helpers import hf_greedy, random_prompts

@@ -1,5 +1,5 @@
 """Every native GGUF type, in files written with random blocks (tests/gguf_writer.py), computed
-from its blocks as stored (`quantization.GGUFLinear`; F16/BF16 kept 16-bit, `HalfLinear`) and
+from its blocks as stored (`quant.GGUFLinear`; F16/BF16 kept 16-bit, `HalfLinear`) and
 checked against transformers, which dequantizes the same file (an independent reader): logits
 close, greedy tokens identical. No float32 copy of a quantized weight is kept, and the process
 grows by about the file's size."""
@@ -17,7 +17,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.reference import ReferenceAttentionBackend
 from pagedllm.model import load_model
-from pagedllm.model.quantization import GGUFLinear, HalfLinear, method_layers
+from pagedllm.model.quant import GGUFLinear, HalfLinear, method_layers
 from pagedllm.transformers_utils import resolve_model
 from tests.gguf_writer import tokenizer_fields, write_random_llama
 from tests.helpers import hf_greedy

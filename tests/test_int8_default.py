@@ -13,8 +13,9 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs, SchedulerConfig
 from pagedllm.kernels import quant
-from pagedllm.model import int8_trial, layers
-from pagedllm.model.quantization import EVERY_SIZE, GGUFLinear, kernels_for
+from pagedllm.model import layers
+from pagedllm.model.quant import int8_trial
+from pagedllm.model.quant import EVERY_SIZE, GGUFLinear, kernels_for
 
 # Q4_K projections through kernels/gguf.py, Q4_1 ones (ffn_down) through kernels/quant.py.
 TYPES = {"default": "Q4_K", "ffn_down": "Q4_1"}

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from pagedllm.attention.reference import ReferenceAttentionBackend
 from pagedllm.kernels import onednn
 from pagedllm.model.layers import linear
-from pagedllm.model.quantization import layer_of
+from pagedllm.model.quant import layer_of
 from pagedllm.model.loader import load_model
 from pagedllm.transformers_utils import resolve_model
 

@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.kernels import quant
 from pagedllm.kernels.quant import MAX_ROWS, int8_matmul, quantized_matmul
-from pagedllm.model.quantization import KERNELS, layer_of
+from pagedllm.model.quant import KERNELS, layer_of
 from tests.test_quant_matmul import _quantized
 
 
@@ -75,7 +75,8 @@ def test_the_trial_reports_rows_and_the_instructions():
 
 
 def test_the_gguf_trial_times_a_projection_past_l2_and_reports_its_rows():
-    from pagedllm.model import int8_trial, quantization
+    from pagedllm.model import quant as quantization
+    from pagedllm.model.quant import int8_trial
 
     out_features, in_features = int8_trial.TRIAL_SHAPE
     # more than 2 MiB of Q4_K blocks (a core's L2 here): a weight that fits misjudges int8
@@ -92,7 +93,8 @@ def test_auto_lets_the_gguf_kernels_take_int8_at_every_size_where_the_trial_says
     the rows its kernels serve (quant.MAX_ROWS); a trial that stops at 16 rows stops there."""
     from types import SimpleNamespace
 
-    from pagedllm.model import layers, quantization
+    from pagedllm.model import layers
+    from pagedllm.model import quant as quantization
 
     def method(qtype):
         return quantization.GGUFLinear(parts=[SimpleNamespace(qtype=qtype)])

@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.kernels import quant
 from pagedllm.kernels.quant import MAX_ROWS, QuantizedMatrix, float_isa, quantized_matmul
-from pagedllm.model.quantization import GGUFLinear, layer_of
+from pagedllm.model.quant import GGUFLinear, layer_of
 
 
 def _quantized(qtype: str, out_features: int, in_features: int, seed: int):

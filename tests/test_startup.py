@@ -23,7 +23,7 @@ from pagedllm.attention.reference import ReferenceAttentionBackend
 from pagedllm.kernels import onednn
 from pagedllm.model import load_model, loader, weight_cache
 from pagedllm.model.memory import memory_budget
-from pagedllm.model.quantization import GGUFLinear, method_layers
+from pagedllm.model.quant import GGUFLinear, method_layers
 from pagedllm.transformers_utils import arch as arch_module
 from pagedllm.transformers_utils import file_cache
 from pagedllm.transformers_utils.source import ModelSource

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def step_layers(model) -> list[torch.nn.Module]:
     """The projection layers of one decode step, in the order the model applies them."""
-    from pagedllm.model.quantization import layer_of
+    from pagedllm.model.quant import layer_of
 
     return [layer_of(model, w) for w in model.step_projection_weights()]
 
@@ -68,7 +68,7 @@ def path_fns(layers) -> dict:
     quantized kernel is called directly. The float paths multiply by dequantized copies made
     here (a GGUF-packed model holds none)."""
     from pagedllm.kernels import onednn, quant
-    from pagedllm.model.quantization import GGUFLinear, kernels_of
+    from pagedllm.model.quant import kernels_of
 
     floats = [m.quant_method.to_float(m).contiguous() for m in layers]
     in_features = [w.shape[1] for w in floats]
@@ -77,7 +77,7 @@ def path_fns(layers) -> dict:
         return lambda xs: [product(xs[k], w) for k, w in zip(in_features, weights)]
 
     fns = {"linear": step(F.linear, floats)}
-    if all(isinstance(m.quant_method, GGUFLinear) and len(m.quant_method.parts) == 1 for m in layers):
+    if all(len(m.quant_method.fused_parts or ()) == 1 for m in layers):  # one packed GGUF part each
         packed = [m.quant_method.parts[0] for m in layers]
         # each part's own kernels (kernels/quant.py's layout for Q4_1 and Q8_0)
         fns["quant"] = step(lambda x, w: kernels_of(w).matmul(x, w), packed)
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         print("the quantized kernel is fastest at every row count measured (it serves every float32 product)")
     else:
         print(f"the quantized kernel stops being fastest at {crossover} rows (it serves every float32 product: "
-              "see quantization.GGUFLinear)")
+              "see quant.GGUFLinear)")
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config.update(quant_overtaken_at=crossover, int8_isa=quant.int8_isa(), float_isa=quant.float_isa(),
                   num_projections=len(weights), flops_per_row=flops_per_row)

@@ -90,7 +90,7 @@ class ChunkRunner:
         from pagedllm.model import load_model
         from pagedllm.model.fused_layers import enable_fused_layers
         from pagedllm.model.layers import use_int8_activations
-        from pagedllm.model.quantization import EVERY_SIZE, method_layers
+        from pagedllm.model.quant import EVERY_SIZE, method_layers
         from pagedllm.transformers_utils import resolve_model
         from pagedllm.utils import cdiv
 

@@ -230,7 +230,7 @@ def int8_ways() -> list[str]:
 def set_int8_way(qtype: str, rows: int, way: str) -> None:
     """Run int8 products of `qtype` with `rows` rows (and every row count in its bucket of
     INT8_WAY_BUCKETS) by `way`, one of `int8_ways()`: a measurement's choice (the start-up trial,
-    model/int8_trial.py), never a fixed table. The types the VNNI and AMX ways do not decode
+    model/quant/int8_trial.py), never a fixed table. The types the VNNI and AMX ways do not decode
     (Q2_K, Q3_K, IQ4_NL, IQ4_XS) take the AVX2 way whatever this says."""
     ways = int8_ways()
     if way not in ways:

@@ -12,7 +12,7 @@ far from the machine's peak for the skinny products of decoding (`pagedllm bench
 compares the two on the default model's shapes).
 
 The packed tensor is opaque (an MKLDNN tensor); it sits beside the plain weight in the layer's
-`FloatLinear` method (`pagedllm.model.quantization`), and every other user of the weight (the
+`FloatLinear` method (`pagedllm.model.quant`), and every other user of the weight (the
 embedding, tensor parallel loading, tests) keeps reading the plain one.
 
 oneDNN builds (JIT-compiles) and caches one primitive per distinct shape of product, about 0.6 MB

@@ -1,5 +1,5 @@
 """Matrix products with weights from their GGUF block quantization (Q4_1, Q8_0): the kernels
-`quantization.GGUFLinear` runs for these two types (`LegacyPacked`, the API of kernels/gguf.py;
+`quant.GGUFLinear` runs for these two types (`LegacyPacked`, the API of kernels/gguf.py;
 gguf.py serves every other type). Every float32 product on a CPU of such a weight multiplies
 from its blocks (csrc/quant_matmul.cpp):
 with a few rows of input (sequences decoding together) reading the quantized values (0.75 bytes
@@ -16,7 +16,7 @@ integers (csrc/quant_int8.cpp: VNNI's VPDPBUSD where the CPU has it, AVX2's VPMA
 Their outputs are close to float32's, not equal: `pagedllm bench dtype --dtypes float32
 float32+int8` measures the greedy agreement. "auto" uses them only at the row counts where a
 trial finds them faster than the float kernel (`int8_rows_that_pay`, run once per machine:
-model/int8_trial.py keeps its result in the cache folder).
+model/quant/int8_trial.py keeps its result in the cache folder).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class QuantizedMatrix:
 
 
 # --- the kernels' API of kernels/gguf.py, for the two types these kernels serve -----------------
-# `quantization.GGUFLinear` multiplies Q4_1 and Q8_0 weights with these kernels rather than
+# `quant.GGUFLinear` multiplies Q4_1 and Q8_0 weights with these kernels rather than
 # gguf.py's while they are faster on the default model's shapes (measured: about 1.8x at 1 row,
 # 2.3x at 8 rows on the 2-core Zen 5 machine, Q4_1 576-3072 x 576-1536). The weight is kept
 # unpacked (`QuantizedMatrix.unpack`), flat: the values, the float32 scales, the minimums: 1.2x

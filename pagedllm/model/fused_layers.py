@@ -1,6 +1,6 @@
 """Every decoder layer in one C++ call (`kernels/csrc/decoder_layers.cpp`) for the steps where
 Python's layer loop costs more than its arithmetic: a float32 model on a CPU whose projections
-are GGUF-packed (`quantization.GGUFLinear`, any type: the C++ side calls `gguf_matmul`), at up to `quant.MAX_ROWS` tokens (decode steps of a handful of
+are GGUF-packed (`quant.GGUFLinear`, any type: the C++ side calls `gguf_matmul`), at up to `quant.MAX_ROWS` tokens (decode steps of a handful of
 sequences), with the C++ attention backend. The call runs the very kernels the loop runs, in
 the same order on the same inputs, so its output is bitwise the loop's (tests/test_fused_layers.py);
 every other step (prompts, bfloat16, GPUs, tensor parallelism, batch-invariant mode) takes the
@@ -22,7 +22,7 @@ from pagedllm.attention import Attention
 
 from pagedllm.kernels import build
 from pagedllm.kernels.quant import MAX_ROWS
-from pagedllm.model.quantization import c_kernel
+from pagedllm.model.quant import c_kernel
 from pagedllm.model.rotary import RotaryEmbedding
 
 _P = ctypes.c_void_p

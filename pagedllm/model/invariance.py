@@ -9,7 +9,7 @@ checked at start-up on every weight shape of the model, at every row count a pro
 of a fixed row count instead (one kernel for all), which is invariant by construction.
 
 Whether a layer's products are invariant is its method's property (`LinearMethod.batch_invariant`):
-a GGUF-packed weight is dequantized to float32 here (`quantization.use_float`: the quantized
+a GGUF-packed weight is dequantized to float32 here (`quant.use_float`: the quantized
 kernels pick their way by row count), so this mode holds float copies of a GGUF model.
 """
 
@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import onednn
-from pagedllm.model import expert_methods, quantization
+from pagedllm.model import quant
+from pagedllm.model.quant import experts as quant_experts
 from pagedllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, prepare_linear_weights
-from pagedllm.model.quantization import FloatLinear
 
 logger = logging.getLogger("pagedllm")
 
@@ -47,15 +47,15 @@ def _row_invariant(packed: torch.Tensor, in_features: int) -> bool:
 
 def make_batch_invariant(model: nn.Module) -> None:
     """Prepare a loaded model's projections for batch-invariant inference (float32, CPU)."""
-    if any(isinstance(getattr(m, "experts_method", None), expert_methods.ExpertsMethod) for m in model.modules()):
+    if any(isinstance(getattr(m, "experts_method", None), quant_experts.ExpertsMethod) for m in model.modules()):
         raise ValueError(
             "batch_invariant=True is not supported for mixture-of-experts models: their expert products run on "
             "each expert's tokens, so a row's reduction order follows the batch. Drop batch_invariant."
         )
-    layers = list(quantization.method_layers(model).values())
+    layers = list(quant.method_layers(model).values())
     for layer in layers:
-        if not isinstance(layer.quant_method, FloatLinear) and "tied_embedding" not in layer.__dict__:
-            quantization.use_float(layer)  # (a tied head follows its table: tie_weights)
+        if not layer.quant_method.dense and "tied_embedding" not in layer.__dict__:
+            quant.use_float(layer)  # (a tied head follows its table: tie_weights)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     prepare_linear_weights(model)

@@ -17,15 +17,10 @@ from pagedllm.config import INT8_MODES
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
+from pagedllm.kernels import gguf as gguf_kernels
 from pagedllm.kernels import quant
-from pagedllm.model.int8_trial import int8_rows_that_pay
-from pagedllm.model.quantization import (
-    EVERY_SIZE,
-    FloatLinear,
-    gguf_kernels,
-    kernels_for,
-    load_part,
-)
+from pagedllm.model.quant import EVERY_SIZE, FloatLinear, kernels_for, load_part
+from pagedllm.model.quant.int8_trial import int8_rows_that_pay
 from pagedllm.model.weights import LazyWeight
 from pagedllm.utils import cdiv
 
@@ -43,7 +38,7 @@ def default_weight_loader(param: nn.Parameter, weight: LazyWeight) -> None:
 
 
 def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b by the layer's method (`pagedllm.model.quantization`)."""
+    """x W^T + b by the layer's method (`pagedllm.model.quant`)."""
     return layer.quant_method.apply(layer, x, bias)
 
 
@@ -62,7 +57,7 @@ def prepare_linear_weights(model: nn.Module) -> int:
     and placed (`LinearMethod.process_weights_after_loading`): float weights reordered for
     oneDNN on a CPU (float32, and 16-bit where it pays). Returns how many weights were packed."""
     layers = _linear_layers(model)
-    floats = [m for m in layers if isinstance(m.quant_method, FloatLinear)]
+    floats = [m for m in layers if m.quant_method.dense]
     unpacked = [m for m in floats if m.quant_method.packed is None]
     for module, packed in zip(unpacked, onednn.pack_all([m.weight for m in unpacked])):
         module.quant_method.packed = packed
@@ -94,7 +89,7 @@ def resolve_int8_activations(model: nn.Module, mode: str | None, batch_invariant
 def use_int8_activations(model: nn.Module, mode: str, by_default: bool = False) -> int:
     """Let the GGUF-packed projections of `model` run on int8 activations (a property of their
     method, `GGUFLinear.int8_rows`): "on" up to `quant.MAX_ROWS` rows, "auto" up to the rows where
-    the trial of their types' kernels finds them faster (model/int8_trial.py: kernels/quant.py's at
+    the trial of their types' kernels finds them faster (model/quant/int8_trial.py: kernels/quant.py's at
     most `quant.MAX_ROWS`; gguf.py's at every size where they win at the largest trial), "off"
     never. `by_default`: the mode was not chosen but resolved (`resolve_int8_activations`), which
     the log says. Returns how many weights take them."""
@@ -167,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = tp.split(out_features, "output features")
         self.weight = _new_param(self.out_per_rank, in_features, dtype=dtype, loader=self.weight_loader)
         self.bias = _new_param(self.out_per_rank, dtype=dtype, loader=self.weight_loader) if bias else None
-        self.quant_method = FloatLinear()  # chosen again when the weight arrives (quantization.load_part)
+        self.quant_method = FloatLinear()  # chosen again when the weight arrives (quant.load_part)
 
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
         start = self.tp.rank * self.out_per_rank
@@ -298,7 +293,7 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, weight: LazyWeight) -> None:
         rows = self.vocab_end - self.vocab_start
         load_part(self, weight.narrow(0, self.vocab_start, rows), 0)
-        if isinstance(self.quant_method, FloatLinear) and rows < self.rows_per_rank:
+        if self.quant_method.dense and rows < self.rows_per_rank:
             self.weight.data[rows:].zero_()  # the padding rows
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:

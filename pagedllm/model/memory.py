@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.model.quantization import method_layers
+from pagedllm.model.quant import method_layers
 from pagedllm.model.weight_cache import cache_file_mappings
 
 GiB = 1 << 30

@@ -2,7 +2,7 @@
 their router probabilities rescaled to sum to 1 and kept in float32 (`pagedllm.model.moe`).
 Checkpoints name the MLP `block_sparse_moe` and the experts' projections w1 (gate), w3 (up),
 w2 (down). GGUF: `llama` with experts, stacked per layer (kept in their blocks where every
-stack has a kernel, `expert_methods.GGUFExperts`) or, in files converted before llama.cpp stacked
+stack has a kernel, `quant.experts.GGUFExperts`) or, in files converted before llama.cpp stacked
 them, one tensor per expert (`blk.N.ffn_gate.E`, dequantized to float)."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ transformers' `index_add_` over experts sums them (the same rounding in 16-bit d
 
 Tensor parallelism: every rank holds a slice of every expert's intermediate dimension (rows of
 gate and up, columns of down), like the dense MLP; a token's partial sums are all-reduced once.
-The router is replicated. A GGUF file's experts keep their blocks (`expert_methods.GGUFExperts`)
+The router is replicated. A GGUF file's experts keep their blocks (`quant.experts.GGUFExperts`)
 on a float32 CPU model where the slice of down's columns falls on block boundaries, as a dense
 layer's do; else they are dequantized.
 """
@@ -26,7 +26,7 @@ from torch import nn
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.model.activations import activation
 from pagedllm.model.layers import ColumnParallelLinear, _copy_into, _new_param
-from pagedllm.model.expert_methods import ExpertsMethod, FloatExperts, GGUFExperts, gguf_experts
+from pagedllm.model.quant.experts import ExpertsMethod, FloatExperts, GGUFExperts, gguf_experts
 from pagedllm.model.weights import GGUFBlocks, LazyWeight
 from pagedllm.transformers_utils.arch import MoEConfig
 
@@ -129,8 +129,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(down, requires_grad=False)
         for param in (self.gate_up_proj, self.down_proj):
             param.weight_loader = self.weight_loader
-        if isinstance(method, GGUFExperts):
-            method.rebind(self.gate_up_proj.data, self.down_proj.data)
+        method.bind(self.gate_up_proj.data, self.down_proj.data)
         self.experts_method = method
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,8 @@ import torch
 from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
-from pagedllm.model import expert_methods, quantization
+from pagedllm.model import quant
+from pagedllm.model.quant import experts as quant_experts
 from pagedllm.paths import cache_dir
 from pagedllm.transformers_utils.file_cache import (
     discard_entry,
@@ -78,7 +79,7 @@ def _code_digest() -> str:
     # Every model family's code (which parameters exist, how GGUF tensors map onto them), the
     # packed layout (the kernels' packing), and how a GGUF file's metadata becomes the architecture.
     files = sorted(Path(__file__).parent.glob("*.py"))
-    files += [Path(kernels.__file__) for kernels in quantization.KERNELS.values()]
+    files += [Path(kernels.__file__) for kernels in quant.KERNELS.values()]
     files.append(Path(pagedllm.transformers_utils.gguf_config.__file__))
     digest = hashlib.sha256()
     for file in files:
@@ -120,14 +121,14 @@ def _method_params(model: nn.Module) -> dict[str, nn.Module]:
     """The parameter name of each weight owned through a method -> its layer (a tied head,
     whose table is the embedding's, not again)."""
     names = {id(p): name for name, p in model.named_parameters()}
-    return {names[id(m.weight)]: m for m in quantization.method_layers(model).values()
+    return {names[id(m.weight)]: m for m in quant.method_layers(model).values()
             if "tied_embedding" not in m.__dict__}
 
 
 def _packed_experts(model: nn.Module) -> dict[str, nn.Module]:
     """Each mixture's experts whose method is not float (`moe.Experts`), by module name."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(getattr(m, "experts_method", None), expert_methods.ExpertsMethod)
+            if isinstance(getattr(m, "experts_method", None), quant_experts.ExpertsMethod)
             and m.experts_method.cache_description is not None}
 
 
@@ -241,7 +242,7 @@ def _read_entry(entry: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], 
 
 def _expected_form(layer: nn.Module, description: dict, saved: torch.Tensor) -> bool:
     """Whether a saved packed or 16-bit weight fits the layer's (float placeholder) weight."""
-    rows, cols = quantization.logical_shape(layer)  # (a placeholder's, or those of the method loading installed)
+    rows, cols = quant.logical_shape(layer)  # (a placeholder's, or those of the method loading installed)
     if description.get("method") == "half":
         return saved.dtype in (torch.float16, torch.bfloat16) and tuple(saved.shape) == (rows, cols)
     parts = description.get("parts", [])
@@ -314,7 +315,7 @@ def load(model: nn.Module, entry: Path, wait_for_checksum: bool = False) -> Chec
         pass
     for module_name, description in experts.items():
         module = model.get_submodule(module_name)
-        module.install(expert_methods.experts_from_cache(description), tensors[f"{module_name}.gate_up_proj"],
+        module.install(quant_experts.experts_from_cache(description), tensors[f"{module_name}.gate_up_proj"],
                        tensors[f"{module_name}.down_proj"])
     packed = {f"{m}.{p}" for m in experts for p in ("gate_up_proj", "down_proj")}
     layers = _method_params(model)
@@ -322,7 +323,7 @@ def load(model: nn.Module, entry: Path, wait_for_checksum: bool = False) -> Chec
         if name in packed:
             continue
         if name in methods:
-            quantization.install(layers[name], quantization.from_cache(methods[name]), tensors[name])
+            quant.install(layers[name], quant.from_cache(methods[name]), tensors[name])
         else:
             param.data = tensors[name]
     if hasattr(model, "tie_weights"):
@@ -386,7 +387,7 @@ def release_unread_pages(model: nn.Module) -> int:
         return 0
     spans = cache_file_mappings()
     released = 0
-    layers = {id(m.quant_method): m for m in quantization.method_layers(model).values()}  # a tied table once
+    layers = {id(m.quant_method): m for m in quant.method_layers(model).values()}  # a tied table once
     for layer in layers.values():
         method = layer.quant_method
         if getattr(method, "packed", None) is not None and layer.weight.device.type == "cpu":

@@ -4,7 +4,7 @@ only the slice the layer asks for, so a tensor-parallel rank reads just its own 
 A `LazyWeight` has a `shape`, `narrow(dim, start, length)` (returns another lazy weight), and
 `load()` (returns a float tensor). Sources: a tensor in memory, a safetensors file, a GGUF file.
 A GGUF weight may also offer `load_native()`: its slice as the kernels read it (the blocks, or a
-16-bit tensor), which the layer's method keeps instead of a float copy (`model/quantization.py`).
+16-bit tensor), which the layer's method keeps instead of a float copy (`model/quant/`).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class GGUFWeight:
     def _block_columns(qtype: str, cols: range) -> slice | None:
         """The bytes of each row that hold columns `cols`, or None (no kernel for the type, or
         the columns cut a block)."""
-        from pagedllm.model.quantization import gguf_kernels
+        from pagedllm.kernels import gguf as gguf_kernels
 
         if qtype not in gguf_kernels.GGUF_TYPES:
             return None

@@ -41,7 +41,7 @@ import torch
 
 from pagedllm.kernels import gguf as gguf_kernels
 from pagedllm.kernels import quant
-from pagedllm.model.quantization import EVERY_SIZE, kernels_for
+from pagedllm.model.quant.gguf import EVERY_SIZE, kernels_for
 from pagedllm.paths import cache_dir
 from pagedllm.transformers_utils.file_cache import entry_key, read_json, write_json_entry
 from pagedllm.utils import best_wall_time

@@ -1,5 +1,5 @@
 """How a mixture's experts (`moe.Experts`) are stored and multiplied: one method object per form,
-as model/quantization.py has for linear layers. `FloatExperts`: float stacks; `GGUFExperts`: each
+as the linear layers' (this package) have. `FloatExperts`: float stacks; `GGUFExperts`: each
 expert's GGUF blocks as the kernels read them, a `GGUFLinear` per expert over views of two flat
 uint8 parameters. They are not linear layers' methods, so the passes over those (oneDNN packing,
 int8 activations, the fused decoder, batch-invariant mode) leave them alone."""
@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.quantization import GGUFLinear, _packed, from_cache
+from pagedllm.model.quant.gguf import GGUFLinear, packed
+from pagedllm.model.quant.selection import from_cache
 from pagedllm.model.weights import GGUFBlocks
 
 
@@ -33,6 +34,9 @@ class ExpertsMethod:
     def cache_description(self) -> dict | None:
         """What the weight cache stores to rebuild this method over the saved weights (None: float)."""
         return None
+
+    def bind(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Point the method at its storage (the two parameters' data), once installed."""
 
 
 class FloatExperts(ExpertsMethod):
@@ -67,12 +71,12 @@ class GGUFExperts(ExpertsMethod):
         return {"method": "gguf_experts", "num_experts": len(self.downs),
                 "gate_up": self.gate_ups[0].cache_description, "down": self.downs[0].cache_description}
 
-    def rebind(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def bind(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Point each expert's parts at its bytes inside the flat parameters."""
         for methods, flat in ((self.gate_ups, gate_up), (self.downs, down)):
             size = sum(p.data.numel() for p in methods[0].parts)
             for e, method in enumerate(methods):
-                method.rebind(flat[e * size : (e + 1) * size])
+                method.bind(flat[e * size : (e + 1) * size])
 
 
 def gguf_experts(gate: GGUFBlocks, up: GGUFBlocks, down: GGUFBlocks) -> tuple[GGUFExperts, torch.Tensor, torch.Tensor]:
@@ -80,17 +84,17 @@ def gguf_experts(gate: GGUFBlocks, up: GGUFBlocks, down: GGUFBlocks) -> tuple[GG
     ([E, rows, bytes per row] each), each expert packed as its kernels read it."""
     num_experts = down.raw.shape[0]
     method = GGUFExperts(
-        [GGUFLinear(_packed([GGUFBlocks(gate.qtype, gate.raw[e], gate.in_features),
+        [GGUFLinear(packed([GGUFBlocks(gate.qtype, gate.raw[e], gate.in_features),
                              GGUFBlocks(up.qtype, up.raw[e], up.in_features)])) for e in range(num_experts)],
-        [GGUFLinear(_packed([GGUFBlocks(down.qtype, down.raw[e], down.in_features)])) for e in range(num_experts)])
+        [GGUFLinear(packed([GGUFBlocks(down.qtype, down.raw[e], down.in_features)])) for e in range(num_experts)])
     gate_up, down_bytes = (torch.cat([p.data.reshape(-1) for m in methods for p in m.parts])
                            for methods in (method.gate_ups, method.downs))
-    method.rebind(gate_up, down_bytes)
+    method.bind(gate_up, down_bytes)
     return method, gate_up, down_bytes
 
 
 def experts_from_cache(description: dict) -> GGUFExperts:
-    """The experts' method the weight cache described (`cache_description`); `rebind` it to the
+    """The experts' method the weight cache described (`cache_description`); `bind` it to the
     saved bytes."""
     if description.get("method") != "gguf_experts":
         raise ValueError(f"unknown experts method {description.get('method')!r} in the weight cache")

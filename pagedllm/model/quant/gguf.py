@@ -1,0 +1,140 @@
+"""`GGUFLinear`: the GGUF blocks as the kernels read them, about the file's bytes, no float copy.
+
+The parameter holds them as one flat uint8 tensor (so the weight cache saves them as they are);
+products by the kernels' `matmul`, the embedding by dequantizing only the looked-up rows. A fused
+weight whose parts are of different types (Q4_K_M's q/k in Q4_K, v in Q6_K) keeps one packed
+weight per part. Products of up to `int8_rows` rows run on int8-quantized activations
+(`layers.use_int8_activations`, where the trial of model/quant/int8_trial.py finds them faster).
+
+Which kernels multiply each type: kernels/quant.py's for Q4_1 and Q8_0 (its own layout, unpacked
+at load), while its one-row products measure faster than the GGUF kernels' on these types
+(`pagedllm bench gguf-kernels`, its `old` columns; PAGEDLLM_GGUF_LEGACY_KERNELS=0 hands them to
+kernels/gguf.py too), kernels/gguf.py's for every other type.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.kernels import gguf as gguf_kernels
+from pagedllm.kernels import quant
+from pagedllm.model.quant.base import LinearMethod
+from pagedllm.model.weights import GGUFBlocks
+
+KERNELS = {"gguf": gguf_kernels, "quant": quant}
+LEGACY_TYPES = () if os.environ.get("PAGEDLLM_GGUF_LEGACY_KERNELS") == "0" else tuple(quant.TYPE_IDS)
+# GGUFLinear.int8_rows of a weight on int8 activations at every size (prompts too): what the
+# trial gives where int8 wins at its largest size (model/quant/int8_trial.py; AMX-INT8 tiles).
+EVERY_SIZE = 2**31 - 1
+
+
+def kernels_for(qtype: str) -> str:
+    """The name (a key of KERNELS) of the kernels that serve `qtype`."""
+    return "quant" if qtype in LEGACY_TYPES else "gguf"
+
+
+def kernels_of(part):
+    """The kernels module (kernels/quant.py or kernels/gguf.py) that reads this packed part's layout."""
+    return quant if isinstance(part, quant.LegacyPacked) else gguf_kernels
+
+
+def c_kernel(part) -> tuple[int, bool]:
+    """(the C ABI's qtype id, whether kernels/quant.py's entry point serves it) of a packed part."""
+    legacy = isinstance(part, quant.LegacyPacked)
+    return (quant if legacy else gguf_kernels).TYPE_IDS[part.qtype], legacy
+
+
+@dataclass(eq=False)
+class GGUFLinear(LinearMethod):
+    """GGUF blocks as the kernels read them; parts stacked by output rows."""
+
+    parts: list  # [gguf_kernels.PackedWeight or quant.LegacyPacked]
+    int8_rows: int = 0  # products of up to this many rows on int8 activations (use_int8_activations)
+
+    @property
+    def qtypes(self) -> list[str]:
+        return [p.qtype for p in self.parts]
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    def logical_shape(self, layer):
+        return self.out_features, self.in_features
+
+    def apply(self, layer, x, bias=None):
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"GGUF-packed weights multiply float32 CPU activations, not {x.dtype} on {x.device}")
+        int8 = x.shape[0] <= self.int8_rows
+        ys = [kernels_of(p).matmul(x, p, int8=int8) for p in self.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y + bias if bias is not None else y
+
+    def embed(self, layer, ids):
+        (table,) = self.parts
+        flat = ids.reshape(-1)
+        return kernels_of(table).dequantize_rows(table, flat.long()).view(*ids.shape, self.in_features)
+
+    def to_float(self, layer):
+        return torch.cat([kernels_of(p).dequantize_rows(p) for p in self.parts])
+
+    @property
+    def supports_int8(self) -> bool:
+        return True
+
+    @property
+    def fused_parts(self) -> list | None:
+        if len(self.parts) > 3 or any(p.qtype not in kernels_of(p).TYPE_IDS for p in self.parts):  # (kMaxParts)
+            return None
+        return self.parts
+
+    @property
+    def cache_description(self) -> dict:
+        return {"method": "gguf", "parts": [
+            {"qtype": p.qtype, "kernels": "quant" if kernels_of(p) is quant else "gguf", "out_features": p.out_features,
+             "in_features": p.in_features, "shape": list(p.data.shape), "nbytes": p.data.numel()} for p in self.parts]}
+
+    def bind(self, storage: torch.Tensor) -> None:
+        """Point the parts at their bytes inside `storage` (the flat parameter's data)."""
+        offset, parts = 0, []
+        for p in self.parts:
+            n = p.data.numel()
+            data = storage[offset : offset + n].view(p.data.shape)
+            parts.append(kernels_of(p).from_data(p.qtype, p.out_features, p.in_features, data))
+            offset += n
+        self.parts = parts
+
+
+def flat_parameter(parts: list) -> nn.Parameter:
+    """One uint8 parameter holding every part's packed bytes, back to back."""
+    data = parts[0].data.reshape(-1) if len(parts) == 1 else torch.cat([p.data.reshape(-1) for p in parts])
+    return nn.Parameter(data.view(torch.uint8), requires_grad=False)
+
+
+def packed(blocks: list[GGUFBlocks]) -> list:
+    """Packed weights of the parts, adjacent parts of one type packed together (a fused
+    projection of one type is one product)."""
+    groups: list[list[GGUFBlocks]] = []
+    for b in blocks:
+        if groups and groups[-1][0].qtype == b.qtype:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return [KERNELS[kernels_for(g[0].qtype)].pack(g[0].qtype, g[0].raw if len(g) == 1 else torch.cat([b.raw for b in g]),
+                                                 g[0].in_features)
+            for g in groups]
+
+
+def gguf_from_cache(description: dict) -> GGUFLinear:
+    """The GGUF method the weight cache described, over zeroed bytes until `bind`."""
+    return GGUFLinear([KERNELS[p["kernels"]].from_data(p["qtype"], p["out_features"], p["in_features"],
+                                                       torch.zeros(p["nbytes"], dtype=torch.uint8).view(p["shape"]))
+                       for p in description["parts"]])
