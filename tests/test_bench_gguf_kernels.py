@@ -46,3 +46,15 @@ def test_bench_gguf_kernels_times_an_lm_head(tmp_path):
     (record,) = payload["results"]
     assert record["MB"] == pytest.approx(151936 * 1024 // 256 * 210 / 1e6)
     assert record["int8_bound_pct"] > 0
+
+
+@pytest.mark.slow
+def test_a_type_whose_blocks_do_not_fit_the_rows_is_skipped_not_fatal(tmp_path, capsys):
+    """Gemma's 262k x 640 head: 640 is no multiple of Q6_K's 256, so Q6_K is skipped with a line
+    saying why and Q8_0 (blocks of 32) is timed."""
+    out = tmp_path / "head.json"
+    args = ["bench", "gguf-kernels", "--shapes", "head-262k", "--types", "Q6_K", "Q8_0", "--rows", "1",
+            "--repeats", "1", "--bandwidth-mb", "64", "--output-json", str(out)]
+    assert main(args) == 0
+    assert [r["type"] for r in json.loads(out.read_text())["results"]] == ["Q8_0"]
+    assert "Q6_K: skipped: rows of 640 weights are not whole blocks of 256" in capsys.readouterr().out

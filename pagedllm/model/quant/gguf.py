@@ -7,9 +7,13 @@ weight per part. Products of up to `int8_rows` rows run on int8-quantized activa
 (`layers.use_int8_activations`, where the trial of model/quant/int8_trial.py finds them faster).
 
 Which kernels multiply each type: kernels/quant.py's for Q4_1 and Q8_0 (its own layout, unpacked
-at load), while its one-row products measure faster than the GGUF kernels' on these types
-(`pagedllm bench gguf-kernels`, its `old` columns; PAGEDLLM_GGUF_LEGACY_KERNELS=0 hands them to
-kernels/gguf.py too), kernels/gguf.py's for every other type.
+at load), kernels/gguf.py's for every other type (PAGEDLLM_GGUF_LEGACY_KERNELS=0: for these two
+too). The older kernels still win where decoding spends its time: measured 2026-12-05 on the
+2-core AVX2 EPYC, quiet, a 1B layer's seven projections (`pagedllm bench gguf-kernels`, its `old`
+columns), int8 at 1 / 2 / 4 / 64 rows: Q4_1 3.78 / 6.22 / 12.0 / 168 ms old against 4.79 / 8.62
+/ 10.5 / 85.3 GGUF; Q8_0 4.94 / 6.77 / 11.7 / 195 against 4.00 / 11.2 / 18.2 / 164; float at one
+row 7.57 against 9.62 (Q4_1). Retiring them needs the GGUF kernels' one-row Q4_1 and few-row
+Q8_0 ways to catch up first.
 """
 
 from __future__ import annotations
