@@ -274,11 +274,13 @@ def test_the_int8_way_of_a_row_count_is_chosen_per_type():
     for path in ISAS:
         kernels.set_isa(path)
         ways = kernels.int8_ways()
-        assert ways[0] == path if path in ("portable", "avx2") else ways == [{"avx512": "vnni", "amx": "amx"}[path], "avx2"]
-        if len(ways) == 1:
+        assert ways == {"portable": ["portable"], "avx2": ["avx2", "avx2_rows"]}.get(path) or \
+            ways == [{"avx512": "vnni", "amx": "amx"}[path], "avx2", "avx2_rows"]
+        if path in ("portable", "avx2"):
             kernels.set_int8_way("Q4_K", 8, ways[0])
             assert kernels.int8_way("Q4_K", 8) == ways[0]
             continue
+        assert kernels.int8_ways("Q3_K") == ["avx2", "avx2_rows"]  # (the VNNI and AMX ways do not decode it)
         try:
             kernels.set_int8_way("Q4_K", 8, "avx2")  # 8-15 rows
             assert [kernels.int8_way("Q4_K", r) for r in (7, 8, 15, 16)] == [ways[0], "avx2", "avx2", ways[0]]
@@ -290,3 +292,29 @@ def test_the_int8_way_of_a_row_count_is_chosen_per_type():
             kernels.set_isa(path)
             kernels.set_int8_way("Q4_K", 8, ways[0])
     kernels.set_isa(None)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_alone_is_the_same_int8_product(qtype, isa):
+    """The AVX2 way with every row of x alone ("avx2_rows": W decoded in registers, taken by each
+    row) multiplies the same quantized activations: the float64 product of them, within float32
+    accumulation, at every row count, for the bucket it is set on only."""
+    if "avx2_rows" not in kernels.int8_ways(qtype):
+        pytest.skip("the portable path has one int8 way")
+    w = weight(qtype, seed=21)
+    w64 = gguf_dense(w).astype(np.float64)
+    x = torch.randn(100, w.in_features, generator=torch.Generator().manual_seed(22))
+    q, d = kernels.quantize_activations(x, qtype)
+    xq = (q.double().numpy().reshape(len(x), -1, 32) * d.double().numpy()[..., None]).reshape(len(x), -1)
+    reference = Reference(xq, w64)
+    own = kernels.int8_ways(qtype)[0]
+    try:
+        for rows in (2, 3, 5, 9, 64, 100):
+            kernels.set_int8_way(qtype, rows, "avx2_rows")
+            assert kernels.int8_way(qtype, rows) == "avx2_rows"
+            reference.check(kernels.matmul(x[:rows], w, int8=True))
+        kernels.set_int8_way(qtype, 2, own)
+        assert kernels.int8_way(qtype, 2) == own and kernels.int8_way(qtype, 4) == "avx2_rows"
+    finally:
+        for rows in kernels.INT8_WAY_BUCKETS:
+            kernels.set_int8_way(qtype, rows, own)

@@ -239,7 +239,8 @@ def two_ways(monkeypatch):
     """A path with two int8 ways, "vnni" and "avx2", whose setting is recorded per (type,
     bucket) instead of reaching the C side; `timed` lists (rows, way) of each fake product."""
     state = SimpleNamespace(set={}, timed=[])
-    monkeypatch.setattr(int8_trial.gguf_kernels, "int8_ways", lambda: ["vnni", "avx2"])
+    monkeypatch.setattr(int8_trial.gguf_kernels, "int8_ways",
+                        lambda qtype=None: ["avx2"] if qtype in ("IQ4_XS",) else ["vnni", "avx2"])
     monkeypatch.setattr(int8_trial.gguf_kernels, "set_int8_way",
                         lambda qtype, rows, way: state.set.__setitem__((qtype, rows), way))
 
@@ -269,10 +270,25 @@ def test_each_bucket_takes_the_way_its_timings_find_faster(two_ways, monkeypatch
 
 def test_nothing_is_timed_where_there_is_no_choice(two_ways, monkeypatch):
     monkeypatch.setattr(int8_trial, "best_wall_time", lambda fn, repeats: pytest.fail("nothing to choose"))
-    assert int8_trial.choose_ways("IQ4_XS") == {}  # only the AVX2 way decodes it
+    assert int8_trial.choose_ways("IQ4_XS") == {}  # (faked: one way for it)
     assert int8_trial.choose_ways("Q4_1") == {}  # kernels/quant.py's type
-    monkeypatch.setattr(int8_trial.gguf_kernels, "int8_ways", lambda: ["avx2"])
+    monkeypatch.setattr(int8_trial.gguf_kernels, "int8_ways", lambda qtype=None: ["portable"])
     assert int8_trial.choose_ways("Q4_K") == {}  # one way on this path
+
+
+def test_rows_alone_is_not_timed_at_one_row(two_ways, monkeypatch):
+    """One row of x is the same product either way: "avx2_rows" is timed from 2 rows."""
+    monkeypatch.setattr(int8_trial.gguf_kernels, "int8_ways", lambda qtype=None: ["avx2", "avx2_rows"])
+
+    def fake_time(fn, repeats):
+        fn()
+        rows, way = two_ways.timed[-1]
+        return 1.0 if (way == "avx2_rows") == (rows in (2, 4)) else 2.0
+
+    monkeypatch.setattr(int8_trial, "best_wall_time", fake_time)
+    chosen = int8_trial.choose_ways("Q4_K")
+    assert chosen == {rows: "avx2_rows" if rows in (2, 4) else "avx2" for rows in int8_trial.gguf_kernels.INT8_WAY_BUCKETS}
+    assert (1, "avx2_rows") not in two_ways.timed and (2, "avx2_rows") in two_ways.timed
 
 
 def test_the_chosen_ways_are_kept_and_set_again_on_the_next_start(trial_cache, two_ways, monkeypatch):

@@ -214,41 +214,50 @@ def int8_peak(threads: int | None = None, seconds: float = 0.2) -> float:
 
 
 # The int8 ways a path can run: its own first, then the AVX2 way (kernels/csrc/gguf_int8_avx2.h),
-# which AVX-512 and AMX CPUs run too.
-INT8_WAYS = {"portable": ["portable"], "avx2": ["avx2"], "avx512": ["vnni", "avx2"], "amx": ["amx", "avx2"]}
+# which AVX-512 and AMX CPUs run too, and the AVX2 way with every row of x alone ("avx2_rows": W
+# decoded in registers once and taken by each row, where the interleaved groups' buffer costs more
+# than it saves at a few rows).
+INT8_WAYS = {"portable": ["portable"], "avx2": ["avx2", "avx2_rows"], "avx512": ["vnni", "avx2", "avx2_rows"],
+             "amx": ["amx", "avx2", "avx2_rows"]}
+_WAY_CODES = {"avx2_rows": 2}  # the C side's Int8Way; a path's own way is 0, the AVX2 way elsewhere 1
 # The types only the AVX2 int8 way decodes (every SIMD path runs it for them).
 AVX2_INT8_ONLY = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 # The row counts whose int8 way is chosen together (the C side's buckets): 1, 2-3, 4-7, ..., 64+.
 INT8_WAY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def int8_ways() -> list[str]:
-    """The int8 ways this path can run, its own first (`set_int8_way` chooses among them)."""
-    return INT8_WAYS[isa()]
+def int8_ways(qtype: str | None = None) -> list[str]:
+    """The int8 ways this path can run, its own first (`set_int8_way` chooses among them); with
+    `qtype`, those that can multiply that type (the AVX2 ones only for AVX2_INT8_ONLY)."""
+    ways = INT8_WAYS[isa()]
+    return [w for w in ways if w.startswith("avx2")] if qtype in AVX2_INT8_ONLY else list(ways)
+
+
+def _way_code(way: str) -> int:
+    return _WAY_CODES.get(way, 0 if way == INT8_WAYS[isa()][0] else 1)
 
 
 def set_int8_way(qtype: str, rows: int, way: str) -> None:
     """Run int8 products of `qtype` with `rows` rows (and every row count in its bucket of
     INT8_WAY_BUCKETS) by `way`, one of `int8_ways()`: a measurement's choice (the start-up trial,
     model/quant/int8_trial.py), never a fixed table. The types the VNNI and AMX ways do not decode
-    (Q2_K, Q3_K, IQ4_NL, IQ4_XS) take the AVX2 way whatever this says."""
-    ways = int8_ways()
-    if way not in ways:
-        raise ValueError(f"int8 way {way!r} is not one of this path's ({', '.join(ways)})")
+    (AVX2_INT8_ONLY) choose among the AVX2 ways only (`int8_ways(qtype)`)."""
     if TYPE_IDS.get(qtype) is None or rows < 1:
         raise ValueError(f"set_int8_way needs a GGUF type and rows >= 1, got {qtype!r}, {rows}")
+    ways = int8_ways(qtype)
+    if way not in ways:
+        raise ValueError(f"int8 way {way!r} is not one of this path's for {qtype} ({', '.join(ways)})")
     if len(ways) > 1:
-        _lib().gguf_set_int8_way(TYPE_IDS[qtype], rows, ways.index(way))
+        _lib().gguf_set_int8_way(TYPE_IDS[qtype], rows, _way_code(way))
 
 
 def int8_way(qtype: str, rows: int) -> str:
     """The int8 way products of `qtype` with `rows` rows run by now."""
-    ways = int8_ways()
+    ways = int8_ways(qtype)
     if len(ways) == 1:
         return ways[0]
-    if qtype in AVX2_INT8_ONLY:
-        return "avx2"
-    return ways[_lib().gguf_int8_way(TYPE_IDS[qtype], rows)]
+    code = _lib().gguf_int8_way(TYPE_IDS[qtype], rows)
+    return next((w for w in ways if _way_code(w) == code), ways[0])  # (an AVX2-only type's 0 is "avx2")
 
 
 def isa() -> str:

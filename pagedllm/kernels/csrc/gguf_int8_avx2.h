@@ -655,14 +655,18 @@ inline void tile_product(float* y, const uint8_t* packed, int64_t row_bytes, int
   }
 }
 
+// `rows_alone`: every row of x its own group (G = 1), each row of W decoded in registers once a
+// chunk and taken by every row of x, instead of the interleaved groups and their L1 buffer: a way
+// for few rows where decoding into the buffer costs more than it saves (a measurement chooses:
+// kernels/gguf.py's set_int8_way, "avx2_rows").
 template <int T>
 void matmul_type(float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
-                 int64_t in_features, int num_threads) {
+                 int64_t in_features, int num_threads, bool rows_alone) {
   const TypeSize t = type_size(T);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
   const int64_t chunks = (in_features + kChunk - 1) / kChunk, kc = chunks * kChunk;
   // rows of x in groups of 8, then 4, 2, 1
-  Group groups[64 / 8 + 3];
+  Group groups[64];  // (64 rows alone: one group each)
   int num_groups = 0;
   int64_t bytes = 0;
   const int64_t max_rows = 64;  // rows of x per pass (their groups' buffers stay in L2)
@@ -671,7 +675,7 @@ void matmul_type(float* y, const float* x, const uint8_t* packed, int64_t num_ro
     num_groups = 0;
     bytes = 0;
     for (int64_t r = 0; r < rows;) {
-      const int G = rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+      const int G = rows_alone ? 1 : rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
       groups[num_groups++] = Group{G, r0 + r, nullptr, nullptr, nullptr, nullptr};
       bytes += group_bytes<T>(G, chunks);
       r += G;
@@ -699,20 +703,26 @@ void matmul_type(float* y, const float* x, const uint8_t* packed, int64_t num_ro
       }
       fill_group<T>(g, x, in_features, chunks, qrow, drow);
     }
-    if (num_groups == 1 && groups[0].G == 1) {  // one row of x: each row of W decoded in registers
-      const Group g = groups[0];
+    if (groups[0].G == 1) {  // one row of x, or rows alone: each row of W decoded in registers
+      const Group* gs = groups;
+      const int ng = num_groups;
 #pragma omp parallel num_threads(num_threads)
-      for_rows_streamed(out_features, [&](int64_t n) {
-        alignas(32) float facc[8] = {};
-        for (int64_t c = 0; c < chunks; ++c) {
-          const Decoder<T> dec(packed + n * row_bytes, num_blocks, c);
-          chunk_product<T, 1, 1, Decoder<T>>(facc, &dec, g, c);
-        }
-        const __m256 f = _mm256_load_ps(facc);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        y[g.row0 * out_features + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-      });
+      {
+        float* facc = static_cast<float*>(thread_buffer(1, sizeof(float) * 8 * ng));
+        for_rows_streamed(out_features, [&](int64_t n) {
+          std::memset(facc, 0, sizeof(float) * 8 * ng);
+          for (int64_t c = 0; c < chunks; ++c) {
+            const Decoder<T> dec(packed + n * row_bytes, num_blocks, c);
+            for (int gi = 0; gi < ng; ++gi) chunk_product<T, 1, 1, Decoder<T>>(facc + 8 * gi, &dec, gs[gi], c);
+          }
+          for (int gi = 0; gi < ng; ++gi) {
+            const __m256 f = _mm256_load_ps(facc + 8 * gi);
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            y[gs[gi].row0 * out_features + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+          }
+        });
+      }
       continue;
     }
     const int64_t tiles = (out_features + kTileRows - 1) / kTileRows;
@@ -761,20 +771,20 @@ __attribute__((noinline)) inline int64_t peak_loop(int64_t iterations) {
 
 // y [num_rows, out_features] = x [num_rows, in_features] W^T, x quantized as described above.
 inline void matmul(int qtype, float* y, const float* x, const uint8_t* packed, int64_t num_rows, int64_t out_features,
-                   int64_t in_features, int num_threads) {
+                   int64_t in_features, int num_threads, bool rows_alone = false) {
   switch (qtype) {
-    case kQ4_0: return matmul_type<kQ4_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ4_1: return matmul_type<kQ4_1>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ5_0: return matmul_type<kQ5_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ5_1: return matmul_type<kQ5_1>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ8_0: return matmul_type<kQ8_0>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ4_K: return matmul_type<kQ4_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ5_K: return matmul_type<kQ5_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ6_K: return matmul_type<kQ6_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ2_K: return matmul_type<kQ2_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kQ3_K: return matmul_type<kQ3_K>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kIQ4_NL: return matmul_type<kIQ4_NL>(y, x, packed, num_rows, out_features, in_features, num_threads);
-    case kIQ4_XS: return matmul_type<kIQ4_XS>(y, x, packed, num_rows, out_features, in_features, num_threads);
+    case kQ4_0: return matmul_type<kQ4_0>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kQ4_1: return matmul_type<kQ4_1>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kQ5_0: return matmul_type<kQ5_0>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kQ5_1: return matmul_type<kQ5_1>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kQ8_0: return matmul_type<kQ8_0>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kQ4_K: return matmul_type<kQ4_K>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kQ5_K: return matmul_type<kQ5_K>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kQ6_K: return matmul_type<kQ6_K>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kQ2_K: return matmul_type<kQ2_K>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kQ3_K: return matmul_type<kQ3_K>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kIQ4_NL: return matmul_type<kIQ4_NL>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
+    case kIQ4_XS: return matmul_type<kIQ4_XS>(y, x, packed, num_rows, out_features, in_features, num_threads, rows_alone);
     default: return;
   }
 }

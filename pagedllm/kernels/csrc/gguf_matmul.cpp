@@ -57,7 +57,9 @@ int g_isa = -1;  // best_isa() at first use
 // The int8 way per type and row count where the path has more than one (AVX-512 and AMX: its own,
 // or the AVX2 way): chosen by a measurement (kernels/gguf.py's set_int8_way), never by a table of
 // thresholds. Row counts in buckets by powers of two: 1, 2-3, 4-7, ..., 64 and more.
-enum Int8Way : int { kWayPath = 0, kWayAvx2 = 1 };
+// kWayAvx2Rows: the AVX2 way with every row of x alone (int8_avx2::matmul's rows_alone), on every
+// SIMD path.
+enum Int8Way : int { kWayPath = 0, kWayAvx2 = 1, kWayAvx2Rows = 2 };
 constexpr int kWayBuckets = 8;
 constexpr int kWayTypes = 32;  // (ggml's type ids are below this)
 int g_int8_way[kWayTypes][kWayBuckets] = {};
@@ -120,8 +122,9 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
 #ifdef GGUF_INT8_AVX2
   // (the types the VNNI and AMX ways have no decoder for take the AVX2 way on every SIMD path, as
   // do the row counts where a measurement chose it: gguf_set_int8_way)
-  if (ISA != kPortable && (ISA == kAvx2 || !vnni_type(qtype) || int8_way(qtype, num_rows) == kWayAvx2))
-    return int8_avx2::matmul(qtype, y, x, packed, num_rows, out_features, in_features, num_threads);
+  const int way = int8_way(qtype, num_rows);
+  if (ISA != kPortable && (ISA == kAvx2 || !vnni_type(qtype) || way != kWayPath))
+    return int8_avx2::matmul(qtype, y, x, packed, num_rows, out_features, in_features, num_threads, way == kWayAvx2Rows);
 #endif
   const TypeSize t = type_size(qtype);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
@@ -324,11 +327,12 @@ int gguf_set_isa(int isa) {
 }
 
 // The int8 way of products of `rows` rows of type qtype_id (with every other row count in its
-// bucket: 1, 2-3, 4-7, ..., 64 and more): 0 the path's own (VNNI, AMX), 1 the AVX2 way. Returns
-// 0, or -1 if this build has no AVX2 way or the arguments are out of range.
+// bucket: 1, 2-3, 4-7, ..., 64 and more): 0 the path's own (VNNI, AMX; on the AVX2 path the AVX2
+// way), 1 the AVX2 way, 2 the AVX2 way with every row of x alone. Returns 0, or -1 if this build
+// has no AVX2 way or the arguments are out of range.
 int gguf_set_int8_way(int qtype_id, int64_t rows, int way) {
 #ifdef GGUF_INT8_AVX2
-  if (qtype_id < 0 || qtype_id >= kWayTypes || type_size(qtype_id).weights == 0 || rows < 1 || (way != kWayPath && way != kWayAvx2))
+  if (qtype_id < 0 || qtype_id >= kWayTypes || type_size(qtype_id).weights == 0 || rows < 1 || way < kWayPath || way > kWayAvx2Rows)
     return -1;
   g_int8_way[qtype_id][way_bucket(rows)] = way;
   return 0;

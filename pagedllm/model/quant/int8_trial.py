@@ -13,18 +13,20 @@ kernel library (its file name carries a hash of the C++ sources and this CPU's f
 paths they run (`gguf.isa()`, kernels/quant.py's int8 and float ways) and the thread count. It
 is kept in the cache folder as `int8-trials/<key>.json`, the key a hash of those conditions:
 
-    {"version": 2, "conditions": {"cpu": ..., "flags": ..., "kernels": ..., "gguf_isa": ...,
+    {"version": 3, "conditions": {"cpu": ..., "flags": ..., "kernels": ..., "gguf_isa": ...,
      "quant_int8_isa": ..., "quant_float_isa": ..., "threads": ..., "trial": ...},
      "rows": {"Q4_K": 16, "Q6_K": 16, "Q4_1": 4},
      "ways": {"Q4_K": {"1": "vnni", "2": "avx2", ...}, "Q6_K": {...}, "Q4_1": {}}}
 
 so a later start on the same machine reads it instead of timing again (logged).
 
-Where the GGUF kernels' path has more than one int8 way (AVX-512 VNNI or AMX beside the AVX2
-way, `gguf.int8_ways()`), the trial first times each of them per bucket of row counts
+The GGUF kernels have more than one int8 way for a type (`gguf.int8_ways(qtype)`: VNNI or AMX
+beside the AVX2 way on AVX-512 CPUs, and everywhere the AVX2 way with every row of x alone,
+"avx2_rows"), so the trial first times each of them per bucket of row counts
 (`gguf.INT8_WAY_BUCKETS`: 1, 2-3, ..., 128 and more) and sets the faster (`gguf.set_int8_way`),
 kept as "ways" and set again when the entry is read: which way wins where depends on the core
-(VNNI's zmm issue rate, the caches), not on a threshold. A path with one way stores {}. An entry that
+(VNNI's zmm issue rate, the caches, the type's decoding), not on a threshold. A type with one way
+(kernels/quant.py's) stores {}. An entry that
 is not valid JSON, was measured under other conditions or holds a row count the trial cannot
 give is ignored and measured again, never fatal. Delete `int8-trials/` under the cache folder
 (`pagedllm.paths.cache_dir()`) to measure again, for instance after a trial on a busy machine.
@@ -49,7 +51,7 @@ from pagedllm.utils import best_wall_time
 logger = logging.getLogger("pagedllm")
 
 # Raise when what the trial measures changes: older entries are then ignored.
-TRIAL_VERSION = 2
+TRIAL_VERSION = 3
 # (out, in) of the GGUF kernels' trial: a 1B model's projection, past a core's L2 as the model's
 # weights are. A weight that fits in L2 misjudges int8: measured (2 threads, Q4_K, AVX-512 VNNI),
 # 1536 x 512 has int8 losing at 8 rows (0.166 against 0.160 ms) where 4096 x 2048 has it winning
@@ -98,10 +100,9 @@ def measure(qtype: str) -> int:
 def choose_ways(qtype: str) -> dict[int, str]:
     """Time each int8 way of the GGUF kernels' path for `qtype` at every bucket of row counts
     (`gguf.INT8_WAY_BUCKETS`), on the trial's weight, and set the faster: {bucket: way}. {} where
-    there is nothing to choose (one way on this path, a type only the AVX2 way decodes, or
-    kernels/quant.py's types)."""
-    ways = gguf_kernels.int8_ways()
-    if kernels_for(qtype) == "quant" or len(ways) < 2 or qtype in gguf_kernels.AVX2_INT8_ONLY:
+    there is nothing to choose (one way on this path for the type, or kernels/quant.py's types)."""
+    ways = gguf_kernels.int8_ways(qtype)
+    if kernels_for(qtype) == "quant" or len(ways) < 2:
         return {}
     gen = torch.Generator().manual_seed(1)
     out_features, in_features = TRIAL_SHAPE
@@ -110,10 +111,10 @@ def choose_ways(qtype: str) -> dict[int, str]:
     for rows in gguf_kernels.INT8_WAY_BUCKETS:
         x = torch.randn(rows, in_features, generator=gen)
         times = {}
-        for way in ways:
+        for way in ways if rows > 1 else [w for w in ways if w != "avx2_rows"]:  # (one row: the same product)
             gguf_kernels.set_int8_way(qtype, rows, way)
             times[way] = best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), _repeats(rows))
-        chosen[rows] = min(ways, key=times.__getitem__)  # the path's own way on a tie
+        chosen[rows] = min(times, key=times.__getitem__)  # the path's own way on a tie
         gguf_kernels.set_int8_way(qtype, rows, chosen[rows])
         timings.append(f"{rows}: {chosen[rows]} (" + ", ".join(f"{way} {t * 1e6:.0f} us" for way, t in times.items()) + ")")
     logger.info("int8 ways for %s, by rows: %s", qtype, "; ".join(timings))
@@ -182,14 +183,14 @@ def _possible(qtype: str) -> set[int]:
     return {0, *TRIAL_ROWS[:-1], EVERY_SIZE}
 
 
-def _ways_of(stored) -> dict[int, str] | None:
+def _ways_of(stored, qtype: str) -> dict[int, str] | None:
     """A kept choice of ways as `choose_ways` gives it; None if it is not one."""
     if not isinstance(stored, dict):
         return None
     ways = {}
     for bucket, way in stored.items():
         if not (isinstance(bucket, str) and bucket.isdigit() and int(bucket) in gguf_kernels.INT8_WAY_BUCKETS
-                and way in gguf_kernels.int8_ways()):
+                and way in gguf_kernels.int8_ways(qtype)):
             return None
         ways[int(bucket)] = way
     return ways
@@ -210,7 +211,7 @@ def _stored(path: Path, conds: dict, quiet: bool = False) -> dict[str, tuple[int
         return {}
     kept = {}
     for q, r in rows.items():
-        chosen = _ways_of(ways.get(q))
+        chosen = _ways_of(ways.get(q), q)
         if isinstance(q, str) and type(r) is int and r in _possible(q) and chosen is not None:
             kept[q] = (r, chosen)
     return kept
