@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.bench import llama_cpp_peer
+from pagedllm.bench import llama_cpp_peer, llama_perplexity
 from pagedllm.bench.kl_divergence import (
     PositionScores,
     chunk_inputs,
@@ -235,20 +235,20 @@ def test_a_truncated_base_file_is_refused(tmp_path):
 # --- llama-perplexity ----------------------------------------------------------------------------
 
 def test_the_kl_divergence_summary_is_read_from_llama_perplexity_output():
-    figures = llama_cpp_peer.parse_kl_divergence(LLAMA_PERPLEXITY_OUTPUT)
+    figures = llama_perplexity.parse_kl_divergence(LLAMA_PERPLEXITY_OUTPUT)
     assert figures == {"mean_kld": 0.005149, "mean_kld_unc": 0.000213, "kld_max": 0.04319, "kld_p999": 0.03967,
                        "kld_p99": 0.025256, "top1_pct": 93.333, "top1_pct_unc": 1.106, "ppl": 21.669627,
                        "ppl_base": 21.53846, "positions": 2 * 255}
     with pytest.raises(llama_cpp_peer.LlamaCppPeerError, match="missing top1_pct"):
-        llama_cpp_peer.parse_kl_divergence(LLAMA_PERPLEXITY_OUTPUT.replace("Same top p", "Same top"))
+        llama_perplexity.parse_kl_divergence(LLAMA_PERPLEXITY_OUTPUT.replace("Same top p", "Same top"))
 
 
 def test_llama_perplexity_scores_against_the_base_or_writes_its_own(tmp_path):
     (tmp_path / "llama-perplexity").write_text("")
-    score = llama_cpp_peer.perplexity_command(tmp_path, tmp_path / "m.gguf", tmp_path / "b.kld", 512, 2)
+    score = llama_perplexity.perplexity_command(tmp_path, tmp_path / "m.gguf", tmp_path / "b.kld", 512, 2)
     assert score[1:] == ["-m", str(tmp_path / "m.gguf"), "-c", "512", "-t", "2", "-tb", "2",
                          "--kl-divergence-base", str(tmp_path / "b.kld"), "--kl-divergence"]
-    write = llama_cpp_peer.perplexity_command(tmp_path, tmp_path / "m.gguf", tmp_path / "b.kld", 512, 2,
+    write = llama_perplexity.perplexity_command(tmp_path, tmp_path / "m.gguf", tmp_path / "b.kld", 512, 2,
                                               text=tmp_path / "t.txt", chunks=3)
     assert "--kl-divergence" not in write and write[-4:] == ["-f", str(tmp_path / "t.txt"), "--chunks", "3"]
 
@@ -331,7 +331,7 @@ def test_llama_perplexity_reads_our_base_file_on_our_tokens(tiny_q4_gguf, tmp_pa
             first = chunk * ctx + positions.start + 1
             parts.append(score_against_base(logits, rows, tokens[first : first + len(positions)]))
     ours = summarize(PositionScores.concat(parts))
-    theirs = llama_cpp_peer.run_kl_divergence(binaries, tiny_q4_gguf, path, ctx, 2)
+    theirs = llama_perplexity.run_kl_divergence(binaries, tiny_q4_gguf, path, ctx, 2)
     assert theirs["positions"] == ours["positions"] == n_chunk * len(positions)
     assert theirs["ppl_base"] == pytest.approx(ours["ppl_base"], rel=1e-4)  # our distributions, our positions
     assert theirs["ppl"] == pytest.approx(ours["ppl"], rel=0.02)  # the same model, run by llama.cpp

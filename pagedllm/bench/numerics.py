@@ -202,12 +202,12 @@ def _llama_cpp_base(binaries: Path, path: Path, tokens: list[int], n_chunk: int,
     tokenizes the text otherwise than we do (then nothing is scored against it)."""
     import numpy as np
 
-    from pagedllm.bench import llama_cpp_peer
+    from pagedllm.bench import llama_perplexity
     from pagedllm.bench.kl_divergence import read_base
 
     lc_path = base_dir / f"{path.stem}.llama-cpp.kld"
     start = time.perf_counter()
-    llama_cpp_peer.write_llama_cpp_base(binaries, path, args.text, lc_path, args.ctx, args.threads, chunks=n_chunk,
+    llama_perplexity.write_llama_cpp_base(binaries, path, args.text, lc_path, args.ctx, args.threads, chunks=n_chunk,
                                         log_path=base_dir / f"{path.stem}.llama-cpp-base.log")
     info["seconds"]["llama.cpp base"] = time.perf_counter() - start
     lc_base = read_base(lc_path)
@@ -243,7 +243,7 @@ def measure_model(name: str | None, args: argparse.Namespace, binaries: Path | N
     """Every row of one model (the reference's floor, each int8 mode, llama.cpp) and what was run."""
     import torch
 
-    from pagedllm.bench import llama_cpp_peer
+    from pagedllm.bench import llama_perplexity
     from pagedllm.bench.kl_divergence import num_chunks, read_base, summarize
     from pagedllm.bench.models import benchmark_model
     from pagedllm.transformers_utils import get_tokenizer, resolve_model
@@ -297,7 +297,7 @@ def measure_model(name: str | None, args: argparse.Namespace, binaries: Path | N
 
     if binaries is not None:
         start = time.perf_counter()
-        figures = llama_cpp_peer.run_kl_divergence(binaries, path, ours, args.ctx, args.threads,
+        figures = llama_perplexity.run_kl_divergence(binaries, path, ours, args.ctx, args.threads,
                                                    log_path=base_dir / f"{label}.llama-cpp-kld.log")
         info["seconds"]["llama.cpp"] = time.perf_counter() - start
         # llama.cpp's perplexity of the base is ours only if it read our distributions at our positions.
