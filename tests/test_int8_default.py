@@ -277,7 +277,8 @@ def test_nothing_is_timed_where_there_is_no_choice(two_ways, monkeypatch):
 
 
 def test_rows_alone_is_not_timed_at_one_row(two_ways, monkeypatch):
-    """One row of x is the same product either way: "avx2_rows" is timed from 2 rows."""
+    """One row of x is the same product either way: "avx2_rows" is timed from 2 rows, and no
+    longer past the first bucket where it lost."""
     monkeypatch.setattr(int8_trial.gguf_kernels, "int8_ways", lambda qtype=None: ["avx2", "avx2_rows"])
 
     def fake_time(fn, repeats):
@@ -288,7 +289,8 @@ def test_rows_alone_is_not_timed_at_one_row(two_ways, monkeypatch):
     monkeypatch.setattr(int8_trial, "best_wall_time", fake_time)
     chosen = int8_trial.choose_ways("Q4_K")
     assert chosen == {rows: "avx2_rows" if rows in (2, 4) else "avx2" for rows in int8_trial.gguf_kernels.INT8_WAY_BUCKETS}
-    assert (1, "avx2_rows") not in two_ways.timed and (2, "avx2_rows") in two_ways.timed
+    assert (1, "avx2_rows") not in two_ways.timed and (4, "avx2_rows") in two_ways.timed
+    assert (8, "avx2_rows") in two_ways.timed and (16, "avx2_rows") not in two_ways.timed  # lost at 8: no more
 
 
 def test_the_chosen_ways_are_kept_and_set_again_on_the_next_start(trial_cache, two_ways, monkeypatch):

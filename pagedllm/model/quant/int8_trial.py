@@ -108,13 +108,17 @@ def choose_ways(qtype: str) -> dict[int, str]:
     out_features, in_features = TRIAL_SHAPE
     w = gguf_kernels.random_weight(qtype, out_features, in_features, gen)
     chosen, timings = {}, []
+    # One row is the same product either way; and rows alone, once it loses, only loses more at
+    # larger buckets (each row decodes W again, where the groups share one decoding): not timed.
+    alone_lost = False
     for rows in gguf_kernels.INT8_WAY_BUCKETS:
         x = torch.randn(rows, in_features, generator=gen)
         times = {}
-        for way in ways if rows > 1 else [w for w in ways if w != "avx2_rows"]:  # (one row: the same product)
+        for way in [name for name in ways if name != "avx2_rows" or (rows > 1 and not alone_lost)]:
             gguf_kernels.set_int8_way(qtype, rows, way)
             times[way] = best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), _repeats(rows))
         chosen[rows] = min(times, key=times.__getitem__)  # the path's own way on a tie
+        alone_lost = alone_lost or ("avx2_rows" in times and chosen[rows] != "avx2_rows")
         gguf_kernels.set_int8_way(qtype, rows, chosen[rows])
         timings.append(f"{rows}: {chosen[rows]} (" + ", ".join(f"{way} {t * 1e6:.0f} us" for way, t in times.items()) + ")")
     logger.info("int8 ways for %s, by rows: %s", qtype, "; ".join(timings))
