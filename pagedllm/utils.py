@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import platform
 import time
 
 
@@ -49,3 +51,20 @@ def heap_bytes_in_use() -> int | None:
     mallinfo2.restype = _Info
     info = mallinfo2()
     return info.uordblks + info.hblkhd
+
+
+@functools.cache
+def cpu_model_and_flags() -> tuple[str, str]:
+    """This CPU's model name and feature flags as /proc/cpuinfo gives them (the platform's
+    processor name and no flags where there is none)."""
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                found.setdefault(key.strip(), value.strip())
+                if "model name" in found and "flags" in found:
+                    break
+    except OSError:
+        pass
+    return found.get("model name", platform.processor() or platform.machine() or "unknown"), found.get("flags", "")

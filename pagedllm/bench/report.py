@@ -33,16 +33,11 @@ SIMD_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "
 
 def cpu_description() -> tuple[str, list[str]]:
     """(CPU model name, the SIMD flags that matter to the kernels) from /proc/cpuinfo."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = set(info.get("flags", "").split())
-    return info.get("model name", platform.processor() or "unknown"), [flag for flag in SIMD_FLAGS if flag in flags]
+    from pagedllm.utils import cpu_model_and_flags
+
+    name, flags = cpu_model_and_flags()
+    present = set(flags.split())
+    return name, [flag for flag in SIMD_FLAGS if flag in present]
 
 
 def machine() -> dict:

@@ -34,9 +34,7 @@ give is ignored and measured again, never fatal. Delete `int8-trials/` under the
 
 from __future__ import annotations
 
-import functools
 import logging
-import platform
 from pathlib import Path
 
 import torch
@@ -46,7 +44,7 @@ from pagedllm.kernels import quant
 from pagedllm.model.quant.gguf import EVERY_SIZE, kernels_for
 from pagedllm.paths import cache_dir
 from pagedllm.transformers_utils.file_cache import entry_key, read_json, write_json_entry
-from pagedllm.utils import best_wall_time
+from pagedllm.utils import best_wall_time, cpu_model_and_flags
 
 logger = logging.getLogger("pagedllm")
 
@@ -142,28 +140,11 @@ def describe(rows: int) -> str:
             else "not faster than float32, not used")
 
 
-@functools.cache
-def _cpu() -> tuple[str, str]:
-    """This CPU's model name and feature flags, from /proc/cpuinfo (the platform's names where
-    there is none)."""
-    found: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                found.setdefault(key.strip(), value.strip())
-                if "model name" in found and "flags" in found:
-                    break
-    except OSError:
-        pass
-    return found.get("model name", platform.processor() or platform.machine()), found.get("flags", "")
-
-
 def conditions() -> dict:
     """What the trial's result depends on, as stored beside it."""
     from pagedllm.kernels.build import load
 
-    name, flags = _cpu()
+    name, flags = cpu_model_and_flags()
     return {
         "cpu": name,
         "flags": flags,
