@@ -57,7 +57,8 @@ def projection_inputs(runner, tokens: list[int]) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     from pagedllm.bench.numerics import ChunkRunner, text_tokens
-    from pagedllm.model.quant import kernels_of, method_layers
+    from pagedllm.kernels import gguf
+    from pagedllm.model.quant import method_layers
     from pagedllm.transformers_utils import get_tokenizer, resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,11 +75,9 @@ def main() -> None:
     with torch.inference_mode():
         for name, x in projection_inputs(runner, tokens[: args.tokens]).items():
             for part in layers[name].quant_method.parts:
-                kernels = kernels_of(part)
-                exact = kernels.matmul(x, part, int8=False)
-                block = 256 if part.qtype.endswith("_K") else 32
-                for i, y in enumerate((kernels.matmul(x, part, int8=True),
-                                       llama_cpp_way(x, kernels.dequantize_rows(part), block))):
+                exact = gguf.matmul(x, part, int8=False)
+                for i, y in enumerate((gguf.matmul(x, part, int8=True),
+                                       llama_cpp_way(x, gguf.dequantize_rows(part), gguf.activation_block(part.qtype)))):
                     errors[part.qtype][i].append(float((y - exact).norm() / exact.norm()))
     print(f"{source.path.name}: relative error of int8-activation products, mean over projections ({args.tokens} rows)")
     print(f"{'type':>6}  {'products':>8}  {'pagedllm':>9}  {'llama.cpp way':>13}  ratio")

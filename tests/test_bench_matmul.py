@@ -23,16 +23,16 @@ def test_bench_matmul_writes_one_record_per_row_count(tmp_path, capsys):
         assert record["fastest"] in ("quant", "onednn", "linear")
     # Every layer's four projections and the LM head.
     assert payload["config"]["num_projections"] % 4 == 1
-    assert payload["config"]["int8_isa"].split()[0] in ("AVX2", "AVX-VNNI", "AVX512-VNNI", "portable")
+    assert payload["config"]["isa"] in ("portable", "avx2", "avx512", "amx")
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rows", "quant_ms"])
     assert [line.split()[0] for line in lines[header + 2 : header + 4]] == ["1", "16"]
 
 
 @pytest.mark.slow
-def test_bench_matmul_multiplies_each_part_with_its_own_kernels():
-    # Q4_1 and Q8_0 parts are in kernels/quant.py's layout: read by gguf.py's kernels (as the
-    # bench once called them) they give other numbers at about the same speed.
+def test_bench_matmul_quant_column_is_the_float_product():
+    # The quant column multiplies the model's own packed parts (Q4_1 and Q8_0 in the first
+    # layer): the products of their dequantized weights, to float32 rounding.
     import torch
     import torch.nn.functional as F
 
@@ -52,18 +52,18 @@ def test_bench_matmul_multiplies_each_part_with_its_own_kernels():
 
 @pytest.mark.slow
 def test_bench_matmul_times_the_avx512_way_beside_the_amx_one():
-    # On AMX CPUs the quant column takes the tiles from 10 rows on; quant_no_amx turns them off
-    # for its own calls only: both agree with the float product, and the tiles are on after it.
+    # On AMX CPUs the quant column takes the tiles; quant_no_amx runs the AVX-512 path for its
+    # own calls only: both agree with the float product, and the AMX path is back after it.
     import torch
     import torch.nn.functional as F
 
     from pagedllm.attention.reference import ReferenceAttentionBackend
     from pagedllm.bench.matmul import path_fns, step_layers
-    from pagedllm.kernels import quant
+    from pagedllm.kernels import gguf
     from pagedllm.model import load_model
     from pagedllm.transformers_utils import resolve_model
 
-    if not quant.amx_min_rows():
+    if gguf.isa() != "amx":
         pytest.skip("no AMX way on this CPU: the column is not timed")
     model = load_model(resolve_model(None), 64, ReferenceAttentionBackend(), torch.float32, torch.device("cpu"))
     fns, floats = path_fns(step_layers(model)[:4])
@@ -72,4 +72,4 @@ def test_bench_matmul_times_the_avx512_way_beside_the_amx_one():
         for path in ("quant", "quant_no_amx"):
             for y, w in zip(fns[path](xs), floats):
                 torch.testing.assert_close(y, F.linear(xs[w.shape[1]], w), atol=1e-3, rtol=1e-4)
-    assert quant.amx_min_rows() == 10
+    assert gguf.isa() == "amx"

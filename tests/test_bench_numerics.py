@@ -290,7 +290,7 @@ def _mean_kld(runner: ChunkRunner, tokens: list[int], rows: np.ndarray) -> float
 
 
 def test_int8_passes_put_the_modes_int8_weights_on_int8_activations_at_every_step(tiny_q4_gguf):
-    from pagedllm.kernels.quant import MAX_ROWS
+    from pagedllm.kernels.gguf import MAX_ROWS
 
     # A whole-chunk pass, and the LM head over its scored positions, are past the rows that
     # "on" puts on int8 activations by itself.

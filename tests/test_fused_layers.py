@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from pagedllm.bench.step_profile import profile_decode_steps
-from pagedllm.kernels.quant import MAX_ROWS
+from pagedllm.kernels.gguf import MAX_ROWS
 from pagedllm.model.fused_layers import FusedDecoderLayers
 from pagedllm.sampling_params import SamplingParams
 

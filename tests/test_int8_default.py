@@ -12,12 +12,11 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs, SchedulerConfig
-from pagedllm.kernels import quant
 from pagedllm.model import layers
 from pagedllm.model.quant import int8_trial
-from pagedllm.model.quant import EVERY_SIZE, GGUFLinear, kernels_for
+from pagedllm.model.quant import EVERY_SIZE, GGUFLinear
 
-# Q4_K projections through kernels/gguf.py, Q4_1 ones (ffn_down) through kernels/quant.py.
+# Q4_K projections, and Q4_1 ones (ffn_down): two types, two trials.
 TYPES = {"default": "Q4_K", "ffn_down": "Q4_1"}
 
 
@@ -37,8 +36,8 @@ def _quantized_methods(llm) -> list[GGUFLinear]:
 
 
 def _fixed_trial(qtype: str) -> int:
-    """A trial's result without timing: int8 up to 16 rows on gguf.py's kernels, 4 on quant.py's."""
-    return 16 if kernels_for(qtype) == "gguf" else 4
+    """A trial's result without timing, one per type: int8 up to 16 rows for Q4_K, 4 for Q4_1."""
+    return {"Q4_K": 16, "Q4_1": 4}[qtype]
 
 
 # --- what the default resolves to ----------------------------------------------------------------
@@ -129,7 +128,6 @@ def test_the_trial_covers_decode_batches_and_a_prompt_chunk_of_the_default_budge
     assert int8_trial.TRIAL_ROWS == tuple(sorted(int8_trial.TRIAL_ROWS)) and int8_trial.TRIAL_ROWS[0] == 1
     assert SchedulerConfig().max_num_seqs in int8_trial.TRIAL_ROWS
     assert int8_trial.TRIAL_ROWS[-1] >= SchedulerConfig().max_num_batched_tokens
-    assert quant._TRIAL_ROWS[-1] == quant.MAX_ROWS  # quant.py's kernels take int8 no further than measured
 
 
 @pytest.mark.parametrize("wins_up_to, expected", [(0, 0), (16, 16), (256, 256), (10**9, EVERY_SIZE)])
@@ -224,9 +222,7 @@ def test_auto_on_a_real_trial_takes_its_rows(tiny_gguf):
     llm = LLM(str(tiny_gguf), max_model_len=128, num_gpu_blocks=64)
     try:
         for method in _quantized_methods(llm):
-            trial = min(int8_trial.int8_rows_that_pay(q) for q in method.qtypes)
-            most = quant.MAX_ROWS if any(kernels_for(q) == "quant" for q in method.qtypes) else EVERY_SIZE
-            assert method.int8_rows == min(trial, most)
+            assert method.int8_rows == min(int8_trial.int8_rows_that_pay(q) for q in method.qtypes)
     finally:
         llm.llm_engine.shutdown()
 
@@ -271,7 +267,6 @@ def test_each_bucket_takes_the_way_its_timings_find_faster(two_ways, monkeypatch
 def test_nothing_is_timed_where_there_is_no_choice(two_ways, monkeypatch):
     monkeypatch.setattr(int8_trial, "best_wall_time", lambda fn, repeats: pytest.fail("nothing to choose"))
     assert int8_trial.choose_ways("IQ4_XS") == {}  # (faked: one way for it)
-    assert int8_trial.choose_ways("Q4_1") == {}  # kernels/quant.py's type
     monkeypatch.setattr(int8_trial.gguf_kernels, "int8_ways", lambda qtype=None: ["portable"])
     assert int8_trial.choose_ways("Q4_K") == {}  # one way on this path
 

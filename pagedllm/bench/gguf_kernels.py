@@ -5,12 +5,12 @@ prompt row counts.
 
 Per type and row count: the time of the whole set, as GB/s of weight bytes read and GFLOP/s, on
 float32 activations and on int8 ones (`int8=True`), against a float32 torch product of the same
-shapes (F.linear and, where it builds, the packed oneDNN product the engine's float32 layers use),
-and for Q4_1/Q8_0 against the older tuned kernels (kernels/quant.py). The machine's memory read
-bandwidth (a buffer well past the caches read as the products read a weight, `gguf.read_bandwidth`)
-and its int8 peak (a loop of its widest int8 instruction, `gguf.int8_peak`) are measured in the same
-run, so the 1-row products show their share of the physical bound (weight bytes / bandwidth over
-the time) and the int8 products their multiply-adds per second and share of the peak.
+shapes (F.linear and, where it builds, the packed oneDNN product the engine's float32 layers use).
+The machine's memory read bandwidth (a buffer well past the caches read as the products read a
+weight, `gguf.read_bandwidth`) and its int8 peak (a loop of its widest int8 instruction,
+`gguf.int8_peak`) are measured in the same run, so the 1-row products show their share of the
+physical bound (weight bytes / bandwidth over the time) and the int8 products their multiply-adds
+per second and share of the peak.
 
 `--clock cpu` (with `--threads 1`) times each call by the thread's CPU time instead of the wall
 clock: on a machine shared with other work, the time the thread was descheduled is left out.
@@ -81,21 +81,6 @@ def _float_baselines(shapes, gen) -> dict:
     return fns
 
 
-def _old_kernels(qtype: str, packed) -> dict:
-    """The older Q4_1/Q8_0 kernels on the same blocks."""
-    from pagedllm.kernels import quant
-
-    if qtype not in quant.QUANT_TYPES:
-        return {}
-    matrices = [quant.QuantizedMatrix(qtype, w.data, w.in_features) for w in packed]
-    for m in matrices:
-        m.unpack()
-    return {
-        "old": lambda xs: [quant.float_matmul(xs[m.in_features], m) for m in matrices],
-        "old_int8": lambda xs: [quant.int8_matmul(xs[m.in_features], m) for m in matrices],
-    }
-
-
 def run(args: argparse.Namespace) -> int:
     from pagedllm.kernels import gguf
 
@@ -132,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
             fns = {
                 "gguf": lambda xs: [gguf.matmul(xs[w.in_features], w) for w in packed],
                 "gguf_int8": lambda xs: [gguf.matmul(xs[w.in_features], w, int8=True) for w in packed],
-                **_old_kernels(qtype, packed),
             }
             # a fresh weight's first products run slower for a while (measured: 2-3x for tens
             # of calls on the shared test machine), so each type warms up before it is timed
@@ -158,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 rows_out.append(row)
                 print(f"{qtype} rows {n:4d}: " + ", ".join(f"{k[:-3]} {v:.2f} ms" for k, v in row.items() if k.endswith("_ms")),
                       flush=True)
-    columns = ["type", "rows", "MB", "gguf_ms", "gguf_int8_ms", "torch_ms", "onednn_ms", "old_ms", "old_int8_ms",
+    columns = ["type", "rows", "MB", "gguf_ms", "gguf_int8_ms", "torch_ms", "onednn_ms",
                "gguf_GBps", "gguf_int8_GBps", "gguf_bound_pct", "int8_bound_pct", "int8_GMACs", "int8_peak_pct",
                "gguf_GFLOPs", "onednn_GFLOPs"]
     columns = [c for c in columns if any(c in r for r in rows_out)]

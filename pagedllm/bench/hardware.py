@@ -70,19 +70,18 @@ def matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: 
 def quantized_matmul_flops(
     rows: int = 64, out_features: int = 3072, in_features: int = 576, repeats: int = 5
 ) -> float | None:
-    """FLOP/s of the engine's quantized kernel (kernels/quant.py) on a random Q4_1 weight of a
-    decode projection's shape, at `rows` rows; None where the C++ kernels are unavailable. On a
-    CPU it can outrun torch's float product (the engine's float32 projections use it), so a
-    bound taken from torch's rate alone could be beaten."""
-    from pagedllm.kernels import build
-    from pagedllm.kernels.quant import float_matmul, random_q4_1
+    """FLOP/s of the engine's quantized kernel (kernels/gguf.py, float32 activations) on a random
+    Q4_1 weight of a decode projection's shape, at `rows` rows; None where the C++ kernels are
+    unavailable. On a CPU it can outrun torch's float product (the engine's float32 projections
+    use it), so a bound taken from torch's rate alone could be beaten."""
+    from pagedllm.kernels import build, gguf
 
     if not build.available():
         return None
     g = torch.Generator().manual_seed(0)
-    weight = random_q4_1(out_features, in_features, g)
+    weight = gguf.random_weight("Q4_1", out_features, in_features, g)
     x = torch.randn(rows, in_features, generator=g)
-    return 2 * rows * out_features * in_features / best_time(lambda: float_matmul(x, weight), repeats)
+    return 2 * rows * out_features * in_features / best_time(lambda: gguf.matmul(x, weight), repeats)
 
 
 def matrix_rate(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> float:

@@ -12,9 +12,9 @@ input row counts (sequences decoding together), through the three paths a layer 
   float32 path of models without quantized blocks;
 - plain `F.linear` (MKL sgemm), which re-packs the weight on every call and is slow on the
   skinny products of decoding: the reason float32 projections go through packed oneDNN.
-- `quant_no_amx` (on CPUs with AMX): the quantized kernel with its AMX way turned off, the
-  AVX-512 way at every row count up to 64: what the tiles (csrc/quant_amx.h, from 10 rows on)
-  buy; informational, as the `quant` column takes the tiles where they pay.
+- `quant_no_amx` (on CPUs with AMX): the quantized kernel on its AVX-512 path (`gguf.set_isa`),
+  no tiles at any row count: what the tiles (csrc/gguf_amx*.h) buy; informational, as the
+  `quant` column takes the tiles where they pay.
 - `int8`: the quantized blocks times int8-quantized activations (`int8_activations`), on the
   CPU's integer dot products (VNNI, or AVX2's VPMADDUBSW; the table's header names which): not
   float32's outputs, so it is not in the race; its column shows what it would buy.
@@ -51,14 +51,14 @@ def step_layers(model) -> list[torch.nn.Module]:
 
 
 def _without_amx(fn):
-    from pagedllm.kernels import quant
+    from pagedllm.kernels import gguf
 
     def run(xs):
-        quant.set_amx(False)
+        gguf.set_isa("avx512")
         try:
             return fn(xs)
         finally:
-            quant.set_amx(True)
+            gguf.set_isa(None)
 
     return run
 
@@ -67,8 +67,7 @@ def path_fns(layers) -> dict:
     """Each path as fn(inputs by in_features) -> None running every projection once; the
     quantized kernel is called directly. The float paths multiply by dequantized copies made
     here (a GGUF-packed model holds none)."""
-    from pagedllm.kernels import onednn, quant
-    from pagedllm.model.quant import kernels_of
+    from pagedllm.kernels import gguf, onednn
 
     floats = [m.quant_method.to_float(m).contiguous() for m in layers]
     in_features = [w.shape[1] for w in floats]
@@ -79,10 +78,9 @@ def path_fns(layers) -> dict:
     fns = {"linear": step(F.linear, floats)}
     if all(len(m.quant_method.fused_parts or ()) == 1 for m in layers):  # one packed GGUF part each
         packed = [m.quant_method.parts[0] for m in layers]
-        # each part's own kernels (kernels/quant.py's layout for Q4_1 and Q8_0)
-        fns["quant"] = step(lambda x, w: kernels_of(w).matmul(x, w), packed)
-        fns["int8"] = step(lambda x, w: kernels_of(w).matmul(x, w, int8=True), packed)
-        if quant.amx_min_rows() and all(isinstance(w, quant.LegacyPacked) for w in packed):
+        fns["quant"] = step(gguf.matmul, packed)
+        fns["int8"] = step(lambda x, w: gguf.matmul(x, w, int8=True), packed)
+        if gguf.isa() == "amx":
             fns["quant_no_amx"] = _without_amx(fns["quant"])
     reordered = onednn.pack_all(floats)
     if all(w is not None for w in reordered):
@@ -92,7 +90,7 @@ def path_fns(layers) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from pagedllm.attention.reference import ReferenceAttentionBackend
-    from pagedllm.kernels import quant
+    from pagedllm.kernels import gguf
     from pagedllm.model import load_model
     from pagedllm.transformers_utils import resolve_model
 
@@ -102,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
     flops_per_row = 2 * sum(w.numel() for w in weights)
     qtypes = sorted({q for m in layers for q in getattr(m.quant_method, "qtypes", [])})
     print(f"{len(weights)} projections per step, {flops_per_row / 2e6:.1f}M weights ({', '.join(qtypes) or 'not quantized'}); "
-          f"paths: {', '.join(p for p in PATHS if p in fns)}" + (f"; int8 on {quant.int8_isa()}" if "int8" in fns else "")
-          + f"; Q4_1/Q8_0 float kernel: {quant.float_isa()}")
+          f"paths: {', '.join(p for p in PATHS if p in fns)}; quantized kernels: {gguf.ISA_NAMES[gguf.isa()]}")
 
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -139,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"the quantized kernel stops being fastest at {crossover} rows (it serves every float32 product: "
               "see quant.GGUFLinear)")
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    config.update(quant_overtaken_at=crossover, int8_isa=quant.int8_isa(), float_isa=quant.float_isa(),
+    config.update(quant_overtaken_at=crossover, isa=gguf.isa(),
                   num_projections=len(weights), flops_per_row=flops_per_row)
     path = write_json(args.output_json, "matmul", config, rows)
     print(f"wrote {path}")

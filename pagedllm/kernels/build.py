@@ -107,18 +107,6 @@ def load() -> ctypes.CDLL:
         getattr(lib, f"paged_attention_{types}_windowed").restype = None
         getattr(lib, f"write_kv_{types}").argtypes = _WRITE_ARGS
         getattr(lib, f"write_kv_{types}").restype = None
-    lib.quant_matmul_f32.argtypes = [_P, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.quant_matmul_f32.restype = None
-    lib.quant_matmul_int8.argtypes = lib.quant_matmul_f32.argtypes
-    lib.quant_matmul_int8.restype = None
-    lib.quant_int8_isa.argtypes = []
-    lib.quant_int8_isa.restype = ctypes.c_int
-    lib.quant_matmul_isa.argtypes = []
-    lib.quant_matmul_isa.restype = ctypes.c_int
-    lib.quant_matmul_set_amx.argtypes = [ctypes.c_int]
-    lib.quant_matmul_set_amx.restype = ctypes.c_int
-    lib.quant_matmul_amx_min_rows.argtypes = []
-    lib.quant_matmul_amx_min_rows.restype = ctypes.c_int
     # kernels/gguf.py: the native GGUF block types
     lib.gguf_matmul.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.gguf_dequantize_rows.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]

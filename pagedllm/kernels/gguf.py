@@ -49,6 +49,10 @@ TYPE_IDS: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 
 # The layout of PackedWeight.data: "rows-1" is the file's rows of blocks, unchanged. A weight
 # cache keys its entries on it, so a later layout (interleaved rows) never reads an old one.
 LAYOUT = "rows-1"
+# The most rows of a decode-sized step: int8_activations="on" multiplies products of up to this
+# many rows on int8 activations, and steps of up to this many tokens run their layers in one C++
+# call (model/fused_layers.py). The kernels themselves serve any row count.
+MAX_ROWS = 64
 ISAS = {0: "portable", 1: "avx2", 2: "avx512", 3: "amx"}
 ISA_NAMES = {"portable": "portable C++", "avx2": "AVX2 (FMA, VPMADDUBSW)", "avx512": "AVX-512 VNNI (VPDPBUSD)",
              "amx": "AVX-512 VNNI, prompts on AMX-BF16 tiles (TDPBF16PS), int8 batches on AMX-INT8 (TDPBUSD)"}
@@ -124,17 +128,11 @@ def matmul(x: torch.Tensor, w: PackedWeight, int8: bool = False) -> torch.Tensor
     per block of `activation_block(w.qtype)` and multiplied on 8-bit integers (close to, not equal to, the float product)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be float32 [rows, {w.in_features}], got {x.dtype} {list(x.shape)}")
-    return packed_product(_lib().gguf_matmul, x, w, TYPE_IDS[w.qtype], int8)
-
-
-def packed_product(kernel, x: torch.Tensor, w, type_id: int, int8: bool) -> torch.Tensor:
-    """Call a C product of the gguf_matmul ABI (qtype id, y, x, packed, rows, out, in, threads,
-    int8) on x [rows, in_features] and a packed weight (`.data`, `.out_features`, `.in_features`)."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
     if x.shape[0]:
-        kernel(type_id, y.data_ptr(), x.data_ptr(), w.data.data_ptr(), x.shape[0], w.out_features, w.in_features,
-               torch.get_num_threads(), int(int8))
+        _lib().gguf_matmul(TYPE_IDS[w.qtype], y.data_ptr(), x.data_ptr(), w.data.data_ptr(), x.shape[0], w.out_features,
+                           w.in_features, torch.get_num_threads(), int(int8))
     return y
 
 

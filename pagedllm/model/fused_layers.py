@@ -1,6 +1,6 @@
 """Every decoder layer in one C++ call (`kernels/csrc/decoder_layers.cpp`) for the steps where
 Python's layer loop costs more than its arithmetic: a float32 model on a CPU whose projections
-are GGUF-packed (`quant.GGUFLinear`, any type: the C++ side calls `gguf_matmul`), at up to `quant.MAX_ROWS` tokens (decode steps of a handful of
+are GGUF-packed (`quant.GGUFLinear`, any type: the C++ side calls `gguf_matmul`), at up to `gguf.MAX_ROWS` tokens (decode steps of a handful of
 sequences), with the C++ attention backend. The call runs the very kernels the loop runs, in
 the same order on the same inputs, so its output is bitwise the loop's (tests/test_fused_layers.py);
 every other step (prompts, bfloat16, GPUs, tensor parallelism, batch-invariant mode) takes the
@@ -20,9 +20,8 @@ from torch import nn
 
 from pagedllm.attention import Attention
 
-from pagedllm.kernels import build
-from pagedllm.kernels.quant import MAX_ROWS
-from pagedllm.model.quant import c_kernel
+from pagedllm.kernels import build, gguf
+from pagedllm.kernels.gguf import MAX_ROWS
 from pagedllm.model.rotary import RotaryEmbedding
 
 _P = ctypes.c_void_p
@@ -35,8 +34,7 @@ _MAX_PARTS = 3  # decoder_layers.cpp's kMaxParts
 
 
 class _ProjectionPart(ctypes.Structure):
-    _fields_ = [("packed", _P), ("qtype_id", ctypes.c_int32), ("out_features", ctypes.c_int32),
-                        ("legacy", ctypes.c_int32), ("pad", ctypes.c_int32)]
+    _fields_ = [("packed", _P), ("qtype_id", ctypes.c_int32), ("out_features", ctypes.c_int32)]
 
 
 class _Projection(ctypes.Structure):
@@ -67,8 +65,7 @@ def _projection(linear) -> _Projection:
     method = linear.quant_method
     parts = []
     for part in method.fused_parts:
-        qtype_id, legacy = c_kernel(part)
-        parts.append(_ProjectionPart(part.data.data_ptr(), qtype_id, part.out_features, int(legacy), 0))
+        parts.append(_ProjectionPart(part.data.data_ptr(), gguf.TYPE_IDS[part.qtype], part.out_features))
     bias = getattr(linear, "bias", None)
     return _Projection((_ProjectionPart * _MAX_PARTS)(*parts), bias.data_ptr() if bias is not None else None,
                        len(parts), method.out_features, method.in_features, method.int8_rows)

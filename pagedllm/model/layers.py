@@ -18,8 +18,7 @@ from pagedllm.distributed import TensorParallelGroup
 from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.kernels import gguf as gguf_kernels
-from pagedllm.kernels import quant
-from pagedllm.model.quant import EVERY_SIZE, FloatLinear, kernels_for, load_part
+from pagedllm.model.quant import EVERY_SIZE, FloatLinear, load_part
 from pagedllm.model.quant.int8_trial import int8_rows_that_pay
 from pagedllm.model.weights import LazyWeight
 from pagedllm.utils import cdiv
@@ -88,10 +87,9 @@ def resolve_int8_activations(model: nn.Module, mode: str | None, batch_invariant
 
 def use_int8_activations(model: nn.Module, mode: str, by_default: bool = False) -> int:
     """Let the GGUF-packed projections of `model` run on int8 activations (a property of their
-    method, `GGUFLinear.int8_rows`): "on" up to `quant.MAX_ROWS` rows, "auto" up to the rows where
-    the trial of their types' kernels finds them faster (model/quant/int8_trial.py: kernels/quant.py's at
-    most `quant.MAX_ROWS`; gguf.py's at every size where they win at the largest trial), "off"
-    never. `by_default`: the mode was not chosen but resolved (`resolve_int8_activations`), which
+    method, `GGUFLinear.int8_rows`): "on" up to `gguf.MAX_ROWS` rows, "auto" up to the rows where
+    the trial of their types' kernels finds them faster (model/quant/int8_trial.py; at every size
+    where they win at the largest trial), "off" never. `by_default`: the mode was not chosen but resolved (`resolve_int8_activations`), which
     the log says. Returns how many weights take them."""
     if mode not in INT8_MODES:
         raise ValueError(f"int8_activations must be one of {', '.join(INT8_MODES)}, not {mode!r}")
@@ -109,15 +107,14 @@ def use_int8_activations(model: nn.Module, mode: str, by_default: bool = False) 
         return 0
     for method in methods:
         trial = min(int8_rows_that_pay(q) for q in method.qtypes)  # (each type's kernels, once)
-        most = quant.MAX_ROWS if any(kernels_for(q) == "quant" for q in method.qtypes) else EVERY_SIZE
-        method.int8_rows = quant.MAX_ROWS if mode == "on" else min(trial, most)
+        method.int8_rows = gguf_kernels.MAX_ROWS if mode == "on" else trial
     taking = sum(m.int8_rows > 0 for m in methods)
     most = max(m.int8_rows for m in methods)
     sizes = ("no product: float32's were as fast at every trial size" if most == 0 else
              "products of every size" if most == EVERY_SIZE else f"products of up to {most} rows")
-    logger.info("int8 activations: %s (%s%s; %s; %s) for %s, on %d of %d quantized weights", mode, chosen,
-                "; --int8-activations off keeps float32 activations" if by_default else "", quant.int8_isa(),
-                gguf_kernels.isa(), sizes, taking, len(methods))
+    logger.info("int8 activations: %s (%s%s; %s) for %s, on %d of %d quantized weights", mode, chosen,
+                "; --int8-activations off keeps float32 activations" if by_default else "",
+                gguf_kernels.ISA_NAMES[gguf_kernels.isa()], sizes, taking, len(methods))
     return taking
 
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed import TensorParallelGroup
+from pagedllm.kernels import gguf as gguf_kernels
 from pagedllm.model import quant
 from pagedllm.model.quant import experts as quant_experts
 from pagedllm.paths import cache_dir
@@ -78,8 +79,9 @@ def _code_digest() -> str:
 
     # Every model family's code (which parameters exist, how GGUF tensors map onto them), the
     # packed layout (the kernels' packing), and how a GGUF file's metadata becomes the architecture.
-    files = sorted(Path(__file__).parent.glob("*.py"))
-    files += [Path(kernels.__file__) for kernels in quant.KERNELS.values()]
+    # (model/quant/ included: the weight forms and their packing live there)
+    files = sorted(Path(__file__).parent.rglob("*.py"))
+    files.append(Path(gguf_kernels.__file__))
     files.append(Path(pagedllm.transformers_utils.gguf_config.__file__))
     digest = hashlib.sha256()
     for file in files:

@@ -1,8 +1,8 @@
 // Float32 products on AMX tiles with exact operands (AMX-BF16), for weights whose blocks of 32 are
-// w = d q + m with q an integer that a bfloat16 holds exactly (|q| <= 256): the Q4_1/Q8_0
-// kernels' layout (quant_amx.h) and the GGUF types with one scale per 32 weights (gguf_matmul's
-// exact way, from their int8 decoding u, s, c: q = u, d = s, m = -c). Header-only; the caller
-// gives each step's rows of W through an expander.
+// w = d q + m with q an integer that a bfloat16 holds exactly (|q| <= 256): the GGUF types with
+// one scale per 32 weights (gguf_matmul's exact way, gguf_amx_exact.h, from their int8 decoding
+// u, s, c: q = u, d = s, m = -c). Header-only; the caller gives each step's rows of W through an
+// expander.
 //
 // Block b of a product is
 //   sum_k x[k] w[k] = d_b sum_k x[k] q[k] + m_b sum_k x[k],

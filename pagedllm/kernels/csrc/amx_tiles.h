@@ -1,4 +1,4 @@
-// What every AMX kernel needs (gguf_amx.h, gguf_amx_int8.h, quant_amx.h): the process's
+// What every AMX kernel needs (gguf_amx.h, gguf_amx_int8.h, gguf_amx_exact.h): the process's
 // permission to use the tile registers, and the tile configuration's layout.
 #pragma once
 

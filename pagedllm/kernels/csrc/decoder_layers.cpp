@@ -1,5 +1,5 @@
 // Every decoder layer of a float32 Llama-family model in one call, for a step of a few tokens
-// whose projections are GGUF-packed, of any type with a kernel (a decode step of up to quant.MAX_ROWS
+// whose projections are GGUF-packed, of any type with a kernel (a decode step of up to gguf.MAX_ROWS
 // sequences): the same kernels the Python layer loop calls, in the same order on the same
 // buffers, so the output is bitwise the loop's. What it saves is the loop itself: at a handful
 // of sequences, each of the ~300 kernel calls of a step cost more in Python (module calls,
@@ -17,8 +17,6 @@
 #include "gguf_matmul.h"
 
 extern "C" {
-void quant_matmul_packed(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t rows,
-                         int64_t out_features, int64_t in_features, int num_threads, int use_int8);
 void fused_add_rms_norm_f32(float* out, float* residual, const float* x, const float* weight, int num_rows, int dim,
                             float eps, int num_threads);
 void rotary_neox_f32(float* qk, int64_t row_stride, const int64_t* positions, const float* cos_cache,
@@ -37,7 +35,7 @@ void paged_attention_f32_f32_windowed(void* out, const void* query, const void* 
 
 namespace {
 
-// One projection's GGUF-packed weight (`quantization.GGUFLinear`: kernels/gguf.py's layout, any
+// One projection's GGUF-packed weight (`quant.GGUFLinear`: kernels/gguf.py's layout, any
 // type) and optional bias. A fused weight whose parts have different types (Q4_K_M's q/k and v)
 // has one part each, stacked by output rows.
 constexpr int kMaxParts = 3;
@@ -46,14 +44,11 @@ struct ProjectionPart {
   const uint8_t* packed;
   int32_t qtype_id;      // gguf.TYPE_IDS
   int32_t out_features;
-  int32_t legacy;        // 1: kernels/quant.py's layout and kernels (quant_matmul_packed), 0: gguf_matmul's
-  int32_t pad;
 };
 
 void part_matmul(const ProjectionPart& part, float* y, const float* x, int64_t rows, int64_t in_features,
                  int num_threads, int use_int8) {
-  auto kernel = part.legacy ? quant_matmul_packed : gguf_matmul;
-  kernel(part.qtype_id, y, x, part.packed, rows, part.out_features, in_features, num_threads, use_int8);
+  gguf_matmul(part.qtype_id, y, x, part.packed, rows, part.out_features, in_features, num_threads, use_int8);
 }
 
 struct Projection {

@@ -36,15 +36,6 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(poly, _mm256_castsi256_ps(pow2n));
 }
 
-// A GGUF Q4_1 block's 16 bytes of nibbles as its 32 values 0..15, one byte each: lo holds values
-// 0-15 (the low nibbles), hi values 16-31 (the high ones).
-inline void split_nibbles(const uint8_t* bytes, __m128i* lo, __m128i* hi) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  *lo = _mm_and_si128(raw, mask);
-  *hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-}
-
 // Eight bfloat16 values (uint16_t) as floats.
 inline __m256 widen8(const uint16_t* p) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

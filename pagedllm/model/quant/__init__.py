@@ -9,7 +9,7 @@ ask the method instead of branching on types.
   (batch-invariant mode).
 - `half.py`: `HalfLinear`, an F16 or BF16 GGUF weight kept 16-bit in a float32 model.
 - `gguf.py`: `GGUFLinear`, the GGUF blocks as the kernels read them (about the file's bytes, no
-  float copy), int8 activations up to `int8_rows` rows; which kernels serve each type.
+  float copy), int8 activations up to `int8_rows` rows.
 - `experts.py`: a mixture's experts (`moe.Experts`): `FloatExperts`, `GGUFExperts` (a
   `GGUFLinear` per expert over views of two flat parameters). They are not among
   `method_layers`, so the dense passes (oneDNN packing, int8 activations, the fused decoder,
@@ -32,12 +32,11 @@ three stacks are not all of native types, and batch-invariant mode (`use_float`)
 
 from pagedllm.model.quant.base import LinearMethod, dense_weight, install, layer_of, logical_shape, method_layers
 from pagedllm.model.quant.float import FloatLinear, use_float
-from pagedllm.model.quant.gguf import EVERY_SIZE, KERNELS, GGUFLinear, c_kernel, kernels_for, kernels_of
+from pagedllm.model.quant.gguf import EVERY_SIZE, GGUFLinear
 from pagedllm.model.quant.half import HalfLinear
 from pagedllm.model.quant.selection import from_cache, load_part
 
 __all__ = [
-    "EVERY_SIZE", "KERNELS", "FloatLinear", "GGUFLinear", "HalfLinear", "LinearMethod", "c_kernel", "dense_weight",
-    "from_cache", "install", "kernels_for", "kernels_of", "layer_of", "load_part", "logical_shape", "method_layers",
-    "use_float",
+    "EVERY_SIZE", "FloatLinear", "GGUFLinear", "HalfLinear", "LinearMethod", "dense_weight", "from_cache", "install",
+    "layer_of", "load_part", "logical_shape", "method_layers", "use_float",
 ]

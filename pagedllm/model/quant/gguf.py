@@ -6,57 +6,33 @@ weight whose parts are of different types (Q4_K_M's q/k in Q4_K, v in Q6_K) keep
 weight per part. Products of up to `int8_rows` rows run on int8-quantized activations
 (`layers.use_int8_activations`, where the trial of model/quant/int8_trial.py finds them faster).
 
-Which kernels multiply each type: kernels/quant.py's for Q4_1 and Q8_0 (its own layout, unpacked
-at load), kernels/gguf.py's for every other type (PAGEDLLM_GGUF_LEGACY_KERNELS=0: for these two
-too). The older kernels still win where decoding spends its time: measured 2026-12-05 on the
-2-core AVX2 EPYC, quiet, a 1B layer's seven projections (`pagedllm bench gguf-kernels`, its `old`
-columns), int8 at 1 / 2 / 4 / 64 rows: Q4_1 3.78 / 6.22 / 12.0 / 168 ms old against 4.79 / 8.62
-/ 10.5 / 85.3 GGUF; Q8_0 4.94 / 6.77 / 11.7 / 195 against 4.00 / 11.2 / 18.2 / 164; float at one
-row 7.57 against 9.62 (Q4_1). Retiring them needs the GGUF kernels' one-row Q4_1 and few-row
-Q8_0 ways to catch up first.
+Every type is multiplied by kernels/gguf.py's kernels, from the file's blocks as they are:
+Q4_1 and Q8_0 included, which an older pair of kernels (kernels/quant.py, over an unpacked copy
+at 1.2x Q4_1's bytes) served until 2026-12-05, when the GGUF kernels measured no slower on the
+embedded model end to end (docs/performance-cpu.md).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pagedllm.kernels import gguf as gguf_kernels
-from pagedllm.kernels import quant
 from pagedllm.model.quant.base import LinearMethod
 from pagedllm.model.weights import GGUFBlocks
 
-KERNELS = {"gguf": gguf_kernels, "quant": quant}
-LEGACY_TYPES = () if os.environ.get("PAGEDLLM_GGUF_LEGACY_KERNELS") == "0" else tuple(quant.TYPE_IDS)
 # GGUFLinear.int8_rows of a weight on int8 activations at every size (prompts too): what the
 # trial gives where int8 wins at its largest size (model/quant/int8_trial.py; AMX-INT8 tiles).
 EVERY_SIZE = 2**31 - 1
-
-
-def kernels_for(qtype: str) -> str:
-    """The name (a key of KERNELS) of the kernels that serve `qtype`."""
-    return "quant" if qtype in LEGACY_TYPES else "gguf"
-
-
-def kernels_of(part):
-    """The kernels module (kernels/quant.py or kernels/gguf.py) that reads this packed part's layout."""
-    return quant if isinstance(part, quant.LegacyPacked) else gguf_kernels
-
-
-def c_kernel(part) -> tuple[int, bool]:
-    """(the C ABI's qtype id, whether kernels/quant.py's entry point serves it) of a packed part."""
-    legacy = isinstance(part, quant.LegacyPacked)
-    return (quant if legacy else gguf_kernels).TYPE_IDS[part.qtype], legacy
 
 
 @dataclass(eq=False)
 class GGUFLinear(LinearMethod):
     """GGUF blocks as the kernels read them; parts stacked by output rows."""
 
-    parts: list  # [gguf_kernels.PackedWeight or quant.LegacyPacked]
+    parts: list[gguf_kernels.PackedWeight]
     int8_rows: int = 0  # products of up to this many rows on int8 activations (use_int8_activations)
 
     @property
@@ -78,17 +54,17 @@ class GGUFLinear(LinearMethod):
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise TypeError(f"GGUF-packed weights multiply float32 CPU activations, not {x.dtype} on {x.device}")
         int8 = x.shape[0] <= self.int8_rows
-        ys = [kernels_of(p).matmul(x, p, int8=int8) for p in self.parts]
+        ys = [gguf_kernels.matmul(x, p, int8=int8) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y + bias if bias is not None else y
 
     def embed(self, layer, ids):
         (table,) = self.parts
         flat = ids.reshape(-1)
-        return kernels_of(table).dequantize_rows(table, flat.long()).view(*ids.shape, self.in_features)
+        return gguf_kernels.dequantize_rows(table, flat.long()).view(*ids.shape, self.in_features)
 
     def to_float(self, layer):
-        return torch.cat([kernels_of(p).dequantize_rows(p) for p in self.parts])
+        return torch.cat([gguf_kernels.dequantize_rows(p) for p in self.parts])
 
     @property
     def supports_int8(self) -> bool:
@@ -96,15 +72,14 @@ class GGUFLinear(LinearMethod):
 
     @property
     def fused_parts(self) -> list | None:
-        if len(self.parts) > 3 or any(p.qtype not in kernels_of(p).TYPE_IDS for p in self.parts):  # (kMaxParts)
+        if len(self.parts) > 3 or any(p.qtype not in gguf_kernels.TYPE_IDS for p in self.parts):  # (kMaxParts)
             return None
         return self.parts
 
     @property
     def cache_description(self) -> dict:
         return {"method": "gguf", "parts": [
-            {"qtype": p.qtype, "kernels": "quant" if kernels_of(p) is quant else "gguf", "out_features": p.out_features,
-             "in_features": p.in_features, "shape": list(p.data.shape), "nbytes": p.data.numel()} for p in self.parts]}
+            {"qtype": p.qtype, "out_features": p.out_features, "in_features": p.in_features, "shape": list(p.data.shape), "nbytes": p.data.numel()} for p in self.parts]}
 
     def bind(self, storage: torch.Tensor) -> None:
         """Point the parts at their bytes inside `storage` (the flat parameter's data)."""
@@ -112,7 +87,7 @@ class GGUFLinear(LinearMethod):
         for p in self.parts:
             n = p.data.numel()
             data = storage[offset : offset + n].view(p.data.shape)
-            parts.append(kernels_of(p).from_data(p.qtype, p.out_features, p.in_features, data))
+            parts.append(gguf_kernels.from_data(p.qtype, p.out_features, p.in_features, data))
             offset += n
         self.parts = parts
 
@@ -132,13 +107,13 @@ def packed(blocks: list[GGUFBlocks]) -> list:
             groups[-1].append(b)
         else:
             groups.append([b])
-    return [KERNELS[kernels_for(g[0].qtype)].pack(g[0].qtype, g[0].raw if len(g) == 1 else torch.cat([b.raw for b in g]),
+    return [gguf_kernels.pack(g[0].qtype, g[0].raw if len(g) == 1 else torch.cat([b.raw for b in g]),
                                                  g[0].in_features)
             for g in groups]
 
 
 def gguf_from_cache(description: dict) -> GGUFLinear:
     """The GGUF method the weight cache described, over zeroed bytes until `bind`."""
-    return GGUFLinear([KERNELS[p["kernels"]].from_data(p["qtype"], p["out_features"], p["in_features"],
-                                                       torch.zeros(p["nbytes"], dtype=torch.uint8).view(p["shape"]))
+    return GGUFLinear([gguf_kernels.from_data(p["qtype"], p["out_features"], p["in_features"],
+                                              torch.zeros(p["nbytes"], dtype=torch.uint8).view(p["shape"]))
                        for p in description["parts"]])

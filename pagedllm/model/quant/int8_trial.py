@@ -10,13 +10,13 @@ size (`EVERY_SIZE`).
 
 The trial times the kernels, so its result holds for one CPU (model name and feature flags), one
 kernel library (its file name carries a hash of the C++ sources and this CPU's flags), the ISA
-paths they run (`gguf.isa()`, kernels/quant.py's int8 and float ways) and the thread count. It
+path they run (`gguf.isa()`) and the thread count. It
 is kept in the cache folder as `int8-trials/<key>.json`, the key a hash of those conditions:
 
-    {"version": 3, "conditions": {"cpu": ..., "flags": ..., "kernels": ..., "gguf_isa": ...,
-     "quant_int8_isa": ..., "quant_float_isa": ..., "threads": ..., "trial": ...},
-     "rows": {"Q4_K": 16, "Q6_K": 16, "Q4_1": 4},
-     "ways": {"Q4_K": {"1": "vnni", "2": "avx2", ...}, "Q6_K": {...}, "Q4_1": {}}}
+    {"version": 4, "conditions": {"cpu": ..., "flags": ..., "kernels": ..., "gguf_isa": ...,
+     "threads": ..., "trial": ...},
+     "rows": {"Q4_K": 16, "Q6_K": 16, "Q4_1": 2147483647},
+     "ways": {"Q4_K": {"1": "vnni", "2": "avx2", ...}, "Q6_K": {...}, "Q4_1": {...}}}
 
 so a later start on the same machine reads it instead of timing again (logged).
 
@@ -26,8 +26,7 @@ beside the AVX2 way on AVX-512 CPUs, and everywhere the AVX2 way with every row 
 (`gguf.INT8_WAY_BUCKETS`: 1, 2-3, ..., 128 and more) and sets the faster (`gguf.set_int8_way`),
 kept as "ways" and set again when the entry is read: which way wins where depends on the core
 (VNNI's zmm issue rate, the caches, the type's decoding), not on a threshold. A type with one way
-(kernels/quant.py's) stores {}. An entry that
-is not valid JSON, was measured under other conditions or holds a row count the trial cannot
+on this path stores {}. An entry that is not valid JSON, was measured under other conditions or holds a row count the trial cannot
 give is ignored and measured again, never fatal. Delete `int8-trials/` under the cache folder
 (`pagedllm.paths.cache_dir()`) to measure again, for instance after a trial on a busy machine.
 """
@@ -40,16 +39,16 @@ from pathlib import Path
 import torch
 
 from pagedllm.kernels import gguf as gguf_kernels
-from pagedllm.kernels import quant
-from pagedllm.model.quant.gguf import EVERY_SIZE, kernels_for
+from pagedllm.model.quant.gguf import EVERY_SIZE
 from pagedllm.paths import cache_dir
 from pagedllm.transformers_utils.file_cache import entry_key, read_json, write_json_entry
 from pagedllm.utils import best_wall_time, cpu_model_and_flags
 
 logger = logging.getLogger("pagedllm")
 
-# Raise when what the trial measures changes: older entries are then ignored.
-TRIAL_VERSION = 3
+# Raise when what the trial measures changes: older entries are then ignored (4: Q4_1 and Q8_0
+# on the GGUF kernels' trial, where kernels/quant.py had its own).
+TRIAL_VERSION = 4
 # (out, in) of the GGUF kernels' trial: a 1B model's projection, past a core's L2 as the model's
 # weights are. A weight that fits in L2 misjudges int8: measured (2 threads, Q4_K, AVX-512 VNNI),
 # 1536 x 512 has int8 losing at 8 rows (0.166 against 0.160 ms) where 4096 x 2048 has it winning
@@ -74,9 +73,7 @@ def _repeats(rows: int) -> int:
 
 def measure(qtype: str) -> int:
     """Time the trial of `qtype`'s kernels now: the most rows up to which int8 activations beat
-    float32's (kernels/quant.py's own trial for the types it serves)."""
-    if kernels_for(qtype) == "quant":
-        return quant.int8_rows_that_pay()
+    float32's."""
     gen = torch.Generator().manual_seed(0)
     out_features, in_features = TRIAL_SHAPE
     w = gguf_kernels.random_weight(qtype, out_features, in_features, gen)
@@ -90,7 +87,7 @@ def measure(qtype: str) -> int:
             break
         pays = rows
     pays = EVERY_SIZE if pays == TRIAL_ROWS[-1] else pays
-    logger.info("int8 activations for %s (%s): %s on a trial (%s)", qtype, _isa(qtype), describe(pays),
+    logger.info("int8 activations for %s (%s): %s on a trial (%s)", qtype, gguf_kernels.isa(), describe(pays),
                 "; ".join(timings))
     return pays
 
@@ -98,9 +95,9 @@ def measure(qtype: str) -> int:
 def choose_ways(qtype: str) -> dict[int, str]:
     """Time each int8 way of the GGUF kernels' path for `qtype` at every bucket of row counts
     (`gguf.INT8_WAY_BUCKETS`), on the trial's weight, and set the faster: {bucket: way}. {} where
-    there is nothing to choose (one way on this path for the type, or kernels/quant.py's types)."""
+    there is nothing to choose (one way on this path for the type)."""
     ways = gguf_kernels.int8_ways(qtype)
-    if kernels_for(qtype) == "quant" or len(ways) < 2:
+    if len(ways) < 2:
         return {}
     gen = torch.Generator().manual_seed(1)
     out_features, in_features = TRIAL_SHAPE
@@ -129,11 +126,6 @@ def set_ways(qtype: str, ways: dict[int, str]) -> None:
         gguf_kernels.set_int8_way(qtype, rows, way)
 
 
-def _isa(qtype: str) -> str:
-    """The way `qtype`'s int8 products run here, for the log."""
-    return quant.int8_isa() if kernels_for(qtype) == "quant" else gguf_kernels.isa()
-
-
 def describe(rows: int) -> str:
     """A trial's result in words, for the log."""
     return ("used at every size" if rows == EVERY_SIZE else f"used up to {rows} rows" if rows
@@ -150,10 +142,8 @@ def conditions() -> dict:
         "flags": flags,
         "kernels": Path(load()._name).name,  # the library the trial times, whatever is on disk now
         "gguf_isa": gguf_kernels.isa(),
-        "quant_int8_isa": quant.int8_isa(),
-        "quant_float_isa": quant.float_isa(),
         "threads": torch.get_num_threads(),
-        "trial": f"v{TRIAL_VERSION} gguf {TRIAL_SHAPE} {TRIAL_ROWS}; quant {quant._TRIAL_SHAPE} {quant._TRIAL_ROWS}",
+        "trial": f"v{TRIAL_VERSION} {TRIAL_SHAPE} {TRIAL_ROWS}",
     }
 
 
@@ -161,10 +151,8 @@ def trial_path(conds: dict) -> Path:
     return cache_dir() / "int8-trials" / f"{entry_key(*sorted(conds.items()))}.json"
 
 
-def _possible(qtype: str) -> set[int]:
-    """Every result the trial of `qtype` can give."""
-    if kernels_for(qtype) == "quant":
-        return {0, *quant._TRIAL_ROWS}
+def _possible() -> set[int]:
+    """Every result a trial can give."""
     return {0, *TRIAL_ROWS[:-1], EVERY_SIZE}
 
 
@@ -197,7 +185,7 @@ def _stored(path: Path, conds: dict, quiet: bool = False) -> dict[str, tuple[int
     kept = {}
     for q, r in rows.items():
         chosen = _ways_of(ways.get(q), q)
-        if isinstance(q, str) and type(r) is int and r in _possible(q) and chosen is not None:
+        if isinstance(q, str) and type(r) is int and r in _possible() and chosen is not None:
             kept[q] = (r, chosen)
     return kept
 
@@ -217,7 +205,7 @@ def int8_rows_that_pay(qtype: str) -> int:
         rows, ways = stored[qtype]
         set_ways(qtype, ways)
         logger.info("int8 activations for %s (%s): %s, measured on this CPU and kernel library before (%s; "
-                    "delete it to measure again)", qtype, _isa(qtype), describe(rows), path)
+                    "delete it to measure again)", qtype, gguf_kernels.isa(), describe(rows), path)
     else:
         ways = choose_ways(qtype)  # first: the rows where int8 pays are timed on the chosen ways
         rows = measure(qtype)
