@@ -54,11 +54,12 @@ def _without_amx(fn):
     from pagedllm.kernels import gguf
 
     def run(xs):
+        path = gguf.isa()  # (the best, or what PAGEDLLM_GGUF_ISA forced)
         gguf.set_isa("avx512")
         try:
             return fn(xs)
         finally:
-            gguf.set_isa(None)
+            gguf.set_isa(path)
 
     return run
 

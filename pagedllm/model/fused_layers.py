@@ -1,7 +1,7 @@
 """Every decoder layer in one C++ call (`kernels/csrc/decoder_layers.cpp`) for the steps where
 Python's layer loop costs more than its arithmetic: a float32 model on a CPU whose projections
-are GGUF-packed (`quant.GGUFLinear`, any type: the C++ side calls `gguf_matmul`), at up to `gguf.MAX_ROWS` tokens (decode steps of a handful of
-sequences), with the C++ attention backend. The call runs the very kernels the loop runs, in
+are GGUF-packed (`quant.GGUFLinear`, any type: the C++ side calls `gguf_matmul`), at up to
+`gguf.MAX_ROWS` tokens (decode steps of a handful of sequences), with the C++ attention backend. The call runs the very kernels the loop runs, in
 the same order on the same inputs, so its output is bitwise the loop's (tests/test_fused_layers.py);
 every other step (prompts, bfloat16, GPUs, tensor parallelism, batch-invariant mode) takes the
 loop.

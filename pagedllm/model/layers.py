@@ -89,8 +89,8 @@ def use_int8_activations(model: nn.Module, mode: str, by_default: bool = False) 
     """Let the GGUF-packed projections of `model` run on int8 activations (a property of their
     method, `GGUFLinear.int8_rows`): "on" up to `gguf.MAX_ROWS` rows, "auto" up to the rows where
     the trial of their types' kernels finds them faster (model/quant/int8_trial.py; at every size
-    where they win at the largest trial), "off" never. `by_default`: the mode was not chosen but resolved (`resolve_int8_activations`), which
-    the log says. Returns how many weights take them."""
+    where they win at the largest trial), "off" never. `by_default`: the mode was not chosen but
+    resolved (`resolve_int8_activations`), which the log says. Returns how many weights take them."""
     if mode not in INT8_MODES:
         raise ValueError(f"int8_activations must be one of {', '.join(INT8_MODES)}, not {mode!r}")
     methods = _int8_methods(model)
