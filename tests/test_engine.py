@@ -246,7 +246,7 @@ def test_a_failed_step_still_tells_the_workers_which_requests_finished(tiny_llam
         engine.step()
     assert any(key[0] == "seeded" for key in sampler._generators)  # dropped with the next step's message
 
-    real, failed = engine.core.execute, []
+    real, failed = engine.executor.execute, []
 
     def fail_once(scheduled):
         if not failed:
@@ -254,7 +254,7 @@ def test_a_failed_step_still_tells_the_workers_which_requests_finished(tiny_llam
             raise RuntimeError("injected fault")
         return real(scheduled)
 
-    monkeypatch.setattr(engine.core, "execute", fail_once)
+    monkeypatch.setattr(engine.executor, "execute", fail_once)
     engine.add_request("next", [8, 9], SamplingParams(max_tokens=2, ignore_eos=True))
     with pytest.raises(RuntimeError, match="injected fault"):
         engine.step()

@@ -67,7 +67,6 @@ def test_prompts_and_large_batches_take_the_loop(smollm_llm, monkeypatch):
     # No step-time budget: the prompts all run in one step, so that their decodes do too (with
     # it, what earlier tests taught the shared engine could spread them over steps).
     monkeypatch.setattr(engine.step_budget, "max_step_seconds", None)
-    monkeypatch.setattr(engine.scheduler, "prompt_chunk_limit", None)
     with _counting(model.fused_layers, calls):
         smollm_llm.generate([[200 + i for i in range(40)]], params, use_tqdm=False)
         # one prompt of 40 fresh tokens: the loop (torch's causal attention); its one decode: fused

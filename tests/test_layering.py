@@ -142,12 +142,16 @@ def _import_with_blocked(modules: list[str], blocked: list[str]) -> subprocess.C
 
 
 def test_the_engine_front_end_imports_without_torch():
-    """Output processing, beam search, the engine class and model resolution need no torch,
-    numpy or transformers until a model is actually loaded."""
+    """Output processing, beam search, the engine core (the step's owner, which the paper's
+    simulator and the test harnesses drive), the engine class and model resolution need no
+    torch, numpy or transformers until a model is actually loaded."""
     result = _import_with_blocked(
         [
             "pagedllm.engine.output_processor",
             "pagedllm.engine.beam_search",
+            "pagedllm.engine.engine_core",
+            "pagedllm.engine.requests",
+            "pagedllm.bench.paper.simulator",
             "pagedllm.engine.llm_engine",
             "pagedllm.transformers_utils",
             "pagedllm.kernels.build",

@@ -92,8 +92,6 @@ def keep_every_block(engine) -> None:
         enable_prefix_caching=False, group_windows=(None,) * bm.num_groups,
     )
     engine.core.scheduler = scheduler
-    engine.core.block_manager = scheduler.block_manager
-    engine.output_processor.block_manager = scheduler.block_manager
 
 
 def _long_generation(engine, prompt: list[int], output_len: int) -> dict:
@@ -103,22 +101,23 @@ def _long_generation(engine, prompt: list[int], output_len: int) -> dict:
 
     engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     seq = engine.requests.groups["long"].seqs[0]
-    peak, schedule = 0, engine.core.schedule
+    scheduler = engine.scheduler
+    peak, schedule = 0, scheduler.schedule
 
-    def schedule_and_count():
+    def schedule_and_count(*args):
         nonlocal peak
-        out = schedule()
+        out = schedule(*args)
         if engine.block_manager.has_blocks(seq.seq_id):
             peak = max(peak, engine.block_manager.num_blocks_held(seq.seq_id))
         return out
 
-    engine.core.schedule, start, tokens = schedule_and_count, time.perf_counter(), []
+    scheduler.schedule, start, tokens = schedule_and_count, time.perf_counter(), []
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 tokens = out.outputs[0].token_ids
     finally:
-        engine.core.schedule = schedule
+        del scheduler.schedule  # the class's again
     return {"peak_blocks": peak, "seconds": time.perf_counter() - start, "tokens": tokens}
 
 
@@ -148,7 +147,7 @@ def measure(model: str, label: str, args) -> dict:
     layers = load_arch_config(resolve_model(model)).num_layers
     engine = _engine(model, args, num_blocks=layers * -(-(args.prompt_len + args.output_len) // args.block_size))
     core = engine.core
-    windows = core.group_windows
+    windows = core.executor.group_windows
     rng = random.Random(0)
     prompt = [rng.randrange(100, engine.arch.vocab_size) for _ in range(args.prompt_len)]
     block_bytes = core.executor.block_bytes

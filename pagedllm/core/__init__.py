@@ -10,7 +10,8 @@ from pagedllm.core.kv_breakdown import KVBreakdown
 from pagedllm.core.policies import create_scheduler
 from pagedllm.core.reservation import KVPolicy, ReservationBlockManager
 from pagedllm.core.reservation_scheduler import ReservationScheduler
-from pagedllm.core.scheduler import PreemptionMode, Scheduler, SchedulerStats
+from pagedllm.core.preemption import PreemptionMode
+from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import BeamState, Detokenizer, Sequence, SequenceGroup, SequenceStatus
 

@@ -26,8 +26,8 @@ from pagedllm.core.sequence import SequenceGroup, SequenceStatus
 class ReservationScheduler(Scheduler):
     block_manager: ReservationBlockManager
 
-    def __init__(self, config: SchedulerConfig, block_manager: ReservationBlockManager) -> None:
-        super().__init__(config, block_manager)
+    def __init__(self, config: SchedulerConfig, block_manager: ReservationBlockManager, share_blocks: bool = True) -> None:
+        super().__init__(config, block_manager, share_blocks)
         self.static_batching = block_manager.policy is KVPolicy.STATIC
         # Static batching: the groups of the batch now running (kept until it is all done).
         self.current_batch: list[SequenceGroup] = []

@@ -13,13 +13,13 @@ Every step, in this order:
    chunks over several steps.
 
 A group of several sequences (parallel samples, beams) is gang-scheduled: its sequences are
-preempted and resumed together, and they sample in the same step.
+preempted and resumed together, and they sample in the same step. After the step,
+`update_from_output` applies its outcome; nothing else writes the block tables.
 """
 
 from __future__ import annotations
 
 import bisect
-import enum
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,16 +27,11 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.kv_breakdown import KVBreakdownAverage
 from pagedllm.core.model_output import ModelRunnerOutput
+from pagedllm.core.preemption import PreemptionMode, choose_preemption_mode
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core.step_update import ProcessOutput, StepUpdate
 from pagedllm.sampling_params import SamplingType
-
-
-class PreemptionMode(enum.Enum):
-    """How a preempted group gives its blocks back (the configuration's `auto` picks one per victim)."""
-
-    SWAP = "swap"  # copy its blocks to the CPU pool, and back when it resumes
-    RECOMPUTE = "recompute"  # drop its blocks; it resumes as one prefill of all its tokens
 
 
 @dataclass
@@ -59,22 +54,28 @@ class _Step:
     preempted: bool = False  # a running group was preempted: nothing else is admitted
 
 
+def _has_drafts(group: SequenceGroup) -> bool:
+    return any(seq.draft_token_ids for seq in group.unfinished_seqs())
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    """The only writer of the block tables: it allocates, preempts, swaps and frees while
+    scheduling, and applies each step's forks, drops and stops (`update_from_output`)."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, share_blocks: bool = True) -> None:
         self.config = config
         self.block_manager = block_manager
+        # Off only to measure what sharing saves: forks then copy every block.
+        self.share_blocks = share_blocks
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # in arrival order
         self.swapped: list[SequenceGroup] = []  # in arrival order
         self.stats = SchedulerStats()
         # What the device's KV slots held (token states, reserved, fragmented, free), summed
-        # over the steps, one sample at the end of each (`free_finished`).
+        # over the steps, one sample at the end of each (`_free_finished`).
         self.kv_breakdown = KVBreakdownAverage()
         self._finished_request_ids: list[str] = []
         self._failed: list[SequenceGroup] = []
-        # The most prompt tokens one step computes while other requests share the engine, set
-        # by the engine from the step-time budget (pagedllm.engine.step_budget); None: no cap.
-        self.prompt_chunk_limit: int | None = None
 
     # --- request lifecycle ------------------------------------------------------------------
 
@@ -119,11 +120,13 @@ class Scheduler:
 
     # --- scheduling -------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Decide the next step, in the three phases of the module docstring."""
+    def schedule(self, prompt_chunk_limit: int | None = None) -> SchedulerOutput:
+        """Decide the next step, in the three phases of the module docstring.
+        `prompt_chunk_limit`: the most prompt tokens the step computes while other requests share
+        the engine (the step-time budget, `pagedllm.engine.step_budget`); None: no cap."""
         step = _Step(budget=self.config.max_num_batched_tokens)
-        if self.prompt_chunk_limit is not None and len(self.running) + len(self.waiting) + len(self.swapped) > 1:
-            step.prompt_budget = self.prompt_chunk_limit  # alone, a request holds nobody up
+        if prompt_chunk_limit is not None and len(self.running) + len(self.waiting) + len(self.swapped) > 1:
+            step.prompt_budget = prompt_chunk_limit  # alone, a request holds nobody up
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step)
@@ -154,7 +157,7 @@ class Scheduler:
                 index += 1
                 continue
             needed = self.block_manager.blocks_needed_together(plan)
-            if not self.block_manager.can_allocate(needed) and self._has_drafts(group):
+            if not self.block_manager.can_allocate(needed) and _has_drafts(group):
                 # Proposals are dropped rather than preempt anything for them.
                 for seq in group.unfinished_seqs():
                     seq.draft_token_ids = []
@@ -224,10 +227,6 @@ class Scheduler:
             self._insert_by_arrival(self.running, group)
             self._allocate_and_emit(group, plan, step)
 
-    @staticmethod
-    def _has_drafts(group: SequenceGroup) -> bool:
-        return any(seq.draft_token_ids for seq in group.unfinished_seqs())
-
     def _plan_tokens(
         self,
         group: SequenceGroup,
@@ -252,7 +251,7 @@ class Scheduler:
         remaining = [seq.num_tokens - computed.get(seq.seq_id, seq.num_computed_tokens) for seq in seqs]
         if prompt_budget is not None and len(seqs) == 1 and remaining[0] > 1:
             budget = min(budget, prompt_budget)
-        if speculate and self._has_drafts(group):
+        if speculate and _has_drafts(group):
             drafted = [left + len(seq.draft_token_ids) if left == 1 else left for seq, left in zip(seqs, remaining)]
             if len(seqs) == 1 or sum(drafted) <= budget:
                 remaining = drafted
@@ -321,7 +320,7 @@ class Scheduler:
         """Evict all of the group's blocks: to CPU memory (swap) or dropped (recompute)."""
         self.stats.num_preemptions += 1
         seqs = group.unfinished_seqs()
-        if self._choose_preemption_mode(group) is PreemptionMode.SWAP and self.block_manager.can_swap_out(seqs):
+        if choose_preemption_mode(self.config, self.block_manager, group) is PreemptionMode.SWAP and self.block_manager.can_swap_out(seqs):
             self.stats.num_blocks_swapped_out += self.block_manager.swap_out(seqs)
             self.stats.num_swap_preemptions += 1
             group.set_status(SequenceStatus.SWAPPED)
@@ -334,27 +333,6 @@ class Scheduler:
         group.set_status(SequenceStatus.WAITING)
         # Preempted groups arrived before every waiting one (admission is first-come-first-served).
         self.waiting.appendleft(group)
-
-    def _choose_preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
-        """How to evict this victim.
-
-        A group still computing its prompt is always recomputed: its blocks are incomplete and
-        resuming it is a prefill either way. Otherwise `auto` swaps a group of several sequences
-        (parallel samples, beams), because recomputing it would redo the shared prompt once per
-        sequence and lose the sharing; a single sequence swaps when moving its blocks is
-        estimated to cost less than recomputing its tokens.
-        """
-        seqs = group.unfinished_seqs()
-        if any(seq.num_uncomputed_tokens > 1 for seq in seqs) or self.block_manager.num_cpu_blocks == 0:
-            return PreemptionMode.RECOMPUTE
-        if self.config.preemption_mode != "auto":
-            return PreemptionMode(self.config.preemption_mode)
-        if len(seqs) > 1:
-            return PreemptionMode.SWAP
-        tokens = sum(seq.num_computed_tokens for seq in seqs)
-        blocks = sum(self.block_manager.num_blocks_held(seq.seq_id) for seq in seqs)
-        swap_cost = blocks * self.config.swap_cost_per_block
-        return PreemptionMode.SWAP if swap_cost < tokens * self.config.recompute_cost_per_token else PreemptionMode.RECOMPUTE
 
     @staticmethod
     def _insert_by_arrival(queue: list[SequenceGroup], group: SequenceGroup) -> None:
@@ -376,20 +354,50 @@ class Scheduler:
         self._free_group(group)
         self._failed.append(group)
 
+    def update_draft_token_ids(self, drafts: dict[int, list[int]]) -> None:
+        """Speculative decoding: the tokens proposed to follow each running sequence, for the
+        next `schedule()` to verify as far as its budget allows; a sequence not named has none."""
+        for group in self.running:
+            for seq in group.unfinished_seqs():
+                seq.draft_token_ids = drafts.get(seq.seq_id, [])
+
     # --- after a step -----------------------------------------------------------------------
 
-    def on_step_computed(
-        self, output: SchedulerOutput, seqs_by_id: dict[int, Sequence], result: ModelRunnerOutput | None = None
-    ) -> None:
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        result: ModelRunnerOutput,
+        seqs_by_id: dict[int, Sequence],
+        process: ProcessOutput,
+    ) -> StepUpdate:
+        """Everything a computed step changes, in order: count the computed tokens (and keep
+        the accepted proposals), let `process` append the sampled tokens and check stops, apply
+        the forks and drops it decided, free what finished."""
+        self._on_step_computed(output, seqs_by_id, result)
+        update = process(output, result)
+        bm = self.block_manager
+        for seq in update.dropped:
+            bm.free(seq)
+        for parent, child in update.forks:
+            if not bm.can_fork(parent, share=self.share_blocks):
+                raise RuntimeError(
+                    "Out of KV blocks while copying a sequence with enable_block_sharing=False; "
+                    "that measuring mode needs a larger KV cache."
+                )
+            bm.fork(parent, child, share=self.share_blocks)
+        self._free_finished()
+        return update
+
+    def _on_step_computed(self, output: SchedulerOutput, seqs_by_id: dict[int, Sequence], result: ModelRunnerOutput) -> None:
         """The model has written the scheduled tokens into the cache: advance the sequences and
-        publish their newly full blocks to the prefix cache. Call before appending new tokens.
+        publish their newly full blocks to the prefix cache, before new tokens are appended.
         A speculating sequence keeps the proposed tokens the model accepted (`result`) and rolls
         back the slots of the rejected ones."""
         for item in output.seqs:
             seq = seqs_by_id[item.seq_id]
             num_drafts = len(item.draft_token_ids)
             if num_drafts:
-                step = result.outputs.get(item.seq_id) if result is not None else None
+                step = result.outputs.get(item.seq_id)
                 num_accepted = len(step.accepted) if step is not None else 0
                 seq.num_computed_tokens += len(item.token_ids) - num_drafts + num_accepted
                 self.block_manager.rollback(seq, num_drafts - num_accepted)
@@ -398,7 +406,7 @@ class Scheduler:
                 seq.num_computed_tokens += len(item.token_ids)
             self.block_manager.commit(seq)
 
-    def free_finished(self) -> None:
+    def _free_finished(self) -> None:
         """Free the blocks of every finished sequence and take finished groups off the running
         queue. Finished sequences of a still-running group free their blocks at once. Then
         sample the step's KV memory breakdown."""

@@ -63,7 +63,7 @@ class DraftModel:
             config, model=dataclasses.replace(config.model, model=spec.model, tokenizer=None), speculative=None
         )
         self.executor = create_executor(draft_config, max_model_len)
-        windows = tuple(group.sliding_window for group in self.executor.kv_cache_groups)
+        windows = self.executor.group_windows
         if windows != tuple(target_windows):
             self.executor.shutdown()
             raise ValueError(
@@ -130,7 +130,6 @@ class DraftModel:
                 own = len(item.token_ids) - len(item.draft_token_ids)
                 item.token_ids = item.token_ids[:own] + proposal
                 item.draft_token_ids = proposal
-                seqs[item.seq_id].draft_token_ids = proposal
 
     def _catch_up(self, scheduled: SchedulerOutput, seqs: dict[int, Sequence], templates: dict[int, ScheduledSequence],
                   wanted: dict[int, int]) -> dict[int, list[int]]:

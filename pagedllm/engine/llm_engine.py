@@ -1,8 +1,8 @@
-"""The engine: requests in, `RequestOutput`s out, one `step()` at a time.
+"""The engine's front end: requests in, `RequestOutput`s out, one `step()` at a time.
 
-Each step the scheduler builds the control message, the executor runs it on every worker, and
-the output processor appends the sampled tokens, forks samples and beams, and checks stop
-conditions; finished sequences free their blocks at once.
+It tokenizes and checks each request, builds its sequence group and hands it to the
+`EngineCore`, which owns the step (schedule -> execute -> the scheduler's update from the
+output); from each step's groups it makes the `RequestOutput`s (text, metrics, ranking).
 """
 
 from __future__ import annotations
@@ -16,17 +16,16 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineArgs, EngineConfig
-from pagedllm.core import BlockManager, Scheduler, Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core import BlockManager, Scheduler, Sequence, SequenceGroup
 from pagedllm.engine.beam_search import ranked_beams
 from pagedllm.engine.constraints import RequestConstraints
-from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.engine_core import EngineCore, start_executor
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.requests import RequestRegistry
+from pagedllm.engine.requests import RequestRegistry, make_sequence_group
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_budget import StepBudget
-from pagedllm.engine.step_timer import StepTimer
 from pagedllm.executor import Executor, WorkerDiedError
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams, SamplingType
 from pagedllm.transformers_utils import eos_token_ids, get_tokenizer, load_arch_config, resolve_model
 
@@ -49,9 +48,13 @@ class RequestTooLargeError(ValueError):
         self.param = param
 
 
+def _of_core(name: str) -> property:
+    return property(lambda self: getattr(self.core, name))
+
+
 class LLMEngine:
-    """Requests in, `RequestOutput`s out: an `EngineCore` (scheduler, KV cache manager and
-    executor), the registry of live requests, the output processor and a step timer."""
+    """Requests in, `RequestOutput`s out: the tokenizer, the admission checks and the outputs,
+    over an `EngineCore` (scheduler, KV cache manager, executor, output processing)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -63,49 +66,43 @@ class LLMEngine:
         # The tokenizer loads in a thread while the weights load and the KV cache is set up.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer") as pool:
             tokenizer = pool.submit(get_tokenizer, source)
-            self.core = EngineCore(config, self.max_model_len)
+            executor, scheduler = start_executor(config, self.max_model_len)
             self.tokenizer = tokenizer.result()
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.arch.end_of_turn_tokens)
-        self.requests = RequestRegistry()
+        requests = RequestRegistry()
         limits = config.limits
-        self.constraints = RequestConstraints(
+        constraints = RequestConstraints(
             self.tokenizer,
             self.arch.vocab_size,
             self.eos_token_ids,
             cache_bytes=limits.structured_outputs_cache_bytes,
             compile_seconds=limits.structured_outputs_compile_seconds,
         )
-        self.output_processor = OutputProcessor(
-            self.tokenizer,
-            self.core.block_manager,
-            self.requests,
-            self.max_model_len,
-            self.eos_token_ids,
-            share_blocks=config.cache.enable_block_sharing,
-        )
-        self.timer = StepTimer()
+        self.output_processor = OutputProcessor(self.tokenizer, requests, self.max_model_len, self.eos_token_ids)
         sched = config.scheduler
-        self.step_budget = StepBudget(sched.max_step_seconds, sched.max_num_batched_tokens)
-        self.scheduler.prompt_chunk_limit = self.step_budget.chunk_limit
-        self.speculator = self._make_speculator()
-        self.debug_invariants = os.environ.get(CHECK_INVARIANTS_ENV) == "1"
+        self.core = EngineCore(
+            scheduler,
+            executor,
+            self.output_processor.process,
+            requests,
+            constraints=constraints,
+            speculator=self._make_speculator(executor, scheduler),
+            step_budget=StepBudget(sched.max_step_seconds, sched.max_num_batched_tokens),
+            check_invariants=os.environ.get(CHECK_INVARIANTS_ENV) == "1",
+        )
         self.num_prompt_tokens_total = 0
-        self.num_computed_tokens_total = 0
-        self.num_steps = 0
-        self.dead: str | None = None  # why the engine can no longer run (a worker died)
 
     # The core's parts, for inspection (tests, benchmarks, stats).
-    @property
-    def scheduler(self) -> Scheduler:
-        return self.core.scheduler
-
-    @property
-    def block_manager(self) -> BlockManager:
-        return self.core.block_manager
-
-    @property
-    def executor(self) -> Executor:
-        return self.core.executor
+    scheduler: Scheduler = _of_core("scheduler")
+    block_manager: BlockManager = _of_core("block_manager")
+    executor: Executor = _of_core("executor")
+    requests: RequestRegistry = _of_core("requests")
+    constraints: RequestConstraints = _of_core("constraints")
+    speculator: "Speculator | None" = _of_core("speculator")
+    step_budget: StepBudget = _of_core("step_budget")
+    timer = _of_core("timer")
+    num_steps: int = _of_core("num_steps")
+    dead: str | None = _of_core("dead")  # why the engine can no longer run (a worker died)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -113,7 +110,7 @@ class LLMEngine:
 
     # --- set-up checks ----------------------------------------------------------------------
 
-    def _make_speculator(self) -> "Speculator | None":
+    def _make_speculator(self, executor: Executor, scheduler: Scheduler) -> "Speculator | None":
         spec = self.config.speculative
         if spec is None:
             return None
@@ -124,8 +121,8 @@ class LLMEngine:
             from pagedllm.engine.draft_model import DraftModel, check_draft_model
 
             check_draft_model(spec.model, self.arch.vocab_size, self.tokenizer)
-            bm = self.block_manager
-            draft = DraftModel(self.config, self.max_model_len, self.core.group_windows, bm.num_total_blocks, bm.num_cpu_blocks)
+            bm = scheduler.block_manager
+            draft = DraftModel(self.config, self.max_model_len, executor.group_windows, bm.num_total_blocks, bm.num_cpu_blocks)
         return Speculator(spec, self.max_model_len, self.config.scheduler.max_num_batched_tokens, draft)
 
     def _resolve_max_model_len(self) -> int:
@@ -165,35 +162,18 @@ class LLMEngine:
         self.constraints.check(params)
         params = copy.copy(params)
         params.max_tokens = self._max_tokens_that_fit(len(token_ids), params)
-        params.all_stop_token_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            params.all_stop_token_ids |= self.eos_token_ids_set
-        now = time.monotonic()
-        arrival = now if arrival_time is None else arrival_time
-        # One sequence; parallel samples fork from it once the prompt is computed, sharing its
-        # blocks. Without block sharing (a measuring mode), each sample is its own sequence.
-        num_seqs = 1
-        if params.sampling_type is SamplingType.RANDOM and not self.config.cache.enable_block_sharing:
-            num_seqs = params.best_of
-        seqs = [Sequence(self.requests.new_seq_id(), token_ids, sample_index=i) for i in range(num_seqs)]
-        group = SequenceGroup(
-            request_id=request_id,
-            seqs=seqs,
-            sampling_params=params,
-            arrival_time=arrival,
+        group = make_sequence_group(
+            request_id,
+            token_ids,
+            params,
+            self.requests,
+            time.monotonic() if arrival_time is None else arrival_time,
+            self.eos_token_ids,
+            share_blocks=self.config.cache.enable_block_sharing,
             prompt=prompt if isinstance(prompt, str) else None,
-            metrics=RequestMetrics(arrival_time=arrival),
-            forked=num_seqs > 1,
         )
-        self.requests.add_group(group)
-        # A request with a grammar still compiling is scheduled once it is ready (see step).
-        if not (params.needs_token_mask and self.constraints.hold(group)):
-            self.scheduler.add(group)
+        self.core.add(group)
         self.num_prompt_tokens_total += len(token_ids)
-
-    @property
-    def eos_token_ids_set(self) -> set[int]:
-        return set(self.eos_token_ids)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -280,12 +260,10 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
-            group = self.scheduler.abort(request_id) or self.constraints.drop(request_id)
-            if group is not None:
-                self.requests.remove_group(group)
+            self.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.constraints.pending)
+        return self.core.has_unfinished()
 
     def check_constraints(self, params: SamplingParams) -> None:
         """Raise the `ValueError` (naming the field) of an invalid grammar in `params`; waits for
@@ -301,62 +279,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of every request that progressed or ended."""
-        begin = time.perf_counter()
-        with self.timer.part("scheduler"):
-            outputs = self._release_compiled()
-            if self.speculator is not None:
-                self.speculator.propose(self.scheduler)
-            scheduled = self.core.schedule()
-            outputs += [self._make_output(g) for g in self._take_failed()]
-        if not scheduled.has_model_work and not scheduled.has_cache_work and not scheduled.finished_request_ids:
-            return outputs
-        with self.timer.part("grammar"):
-            self.constraints.fill_bitmasks(scheduled, self.requests.seqs)
-        try:
-            with self.timer.part("model"):
-                started = time.perf_counter()
-                if self.speculator is not None:
-                    self.speculator.fill(scheduled, self.requests.seqs)
-                result = self.core.execute(scheduled)
-                model_seconds = time.perf_counter() - started
-        except WorkerDiedError as exc:
-            return outputs + self._fail_everything(str(exc))
-        except BaseException:
-            self.core.scheduler.requeue_finished(scheduled.finished_request_ids)
-            raise
-        self.num_steps += 1
-        now = time.monotonic()
-        with self.timer.part("scheduler"):
-            self.core.advance(scheduled, self.requests.seqs, result)
-            if self.speculator is not None and scheduled.has_model_work:
-                self.speculator.observe(scheduled, result, model_seconds)
-            self.num_computed_tokens_total += scheduled.num_batched_tokens
-        with self.timer.part("outputs"):
-            touched = self.output_processor.process(scheduled, result)
-        with self.timer.part("scheduler"):
-            self.core.free_finished()
-            if self.debug_invariants:
-                self.block_manager.check_invariants()
-        with self.timer.part("outputs"):
-            for group in touched:
-                self._update_metrics(group, now)
+        step = self.core.step()
+        with self.core.timer.part("outputs"):
+            outputs = [self._make_output(group) for group in step.failed]
+            for group in step.touched:
+                self._update_metrics(group, step.time)
                 outputs.append(self._make_output(group))
-                if group.is_finished:
-                    self.requests.remove_group(group)
-        self._observe_step(scheduled, time.perf_counter() - begin)
         return outputs
-
-    def _observe_step(self, scheduled, seconds: float) -> None:
-        """A step that ran the model teaches the step-time budget its cost per prompt token.
-        With adaptive speculation, steps that verified proposed tokens are left out: it stops
-        while the budget holds prompts back (`Speculator.propose`), so the steps that admit
-        prompts verify nothing, and their cost is that of the steps that did not."""
-        adaptive = self.speculator is not None and self.speculator.config.adaptive
-        if adaptive and any(item.draft_token_ids for item in scheduled.seqs):
-            return
-        prompt_tokens = sum(len(item.token_ids) for item in scheduled.seqs if len(item.token_ids) > 1)
-        self.step_budget.observe(seconds, prompt_tokens)
-        self.scheduler.prompt_chunk_limit = self.step_budget.chunk_limit
 
     @staticmethod
     def _update_metrics(group: SequenceGroup, now: float) -> None:
@@ -369,21 +298,6 @@ class LLMEngine:
         if group.is_finished:
             metrics.finished_time = now
 
-    def _fail_everything(self, reason: str) -> list[RequestOutput]:
-        """A worker died: every request in flight ends with an error; the engine stops."""
-        logger.error("Engine stopped: %s", reason)
-        self.dead = reason
-        outputs = []
-        for group in list(self.requests.groups.values()):
-            self.scheduler.abort(group.request_id)
-            self.constraints.drop(group.request_id)
-            group.error = f"The engine stopped: {reason}"
-            for seq in group.seqs:
-                seq.status = SequenceStatus.FINISHED_ERROR
-            outputs.append(self._make_output(group))
-            self.requests.remove_group(group)
-        return outputs
-
     def check_health(self) -> None:
         """Raise if the engine cannot run (a worker process died)."""
         if self.dead is not None:
@@ -391,30 +305,8 @@ class LLMEngine:
         try:
             self.executor.check_health()
         except WorkerDiedError as exc:
-            self._fail_everything(str(exc))
+            self.core.fail_everything(str(exc))
             raise RuntimeError(f"The engine has stopped: {exc}") from exc
-
-    def _release_compiled(self) -> list[RequestOutput]:
-        """Schedule the requests whose grammar is compiled now; fail those whose grammar failed.
-        With nothing else to run, wait a moment for a grammar rather than spin."""
-        ready, failed = self.constraints.take_ready(wait=not self.scheduler.has_unfinished())
-        for group in ready:
-            self.scheduler.add(group)
-        outputs = []
-        for group, error in failed:
-            group.error = error
-            for seq in group.seqs:
-                seq.status = SequenceStatus.FINISHED_ERROR
-            outputs.append(self._make_output(group))
-            self.requests.remove_group(group)
-        return outputs
-
-    def _take_failed(self) -> list[SequenceGroup]:
-        failed = self.scheduler.take_failed()
-        for group in failed:
-            logger.warning("%s", group.error)
-            self.requests.remove_group(group)
-        return failed
 
     # --- outputs ----------------------------------------------------------------------------
 
@@ -482,15 +374,12 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_hits,
             num_prompt_tokens=self.num_prompt_tokens_total,
             num_generation_tokens=self.output_processor.num_generated_tokens,
-            num_computed_tokens=self.num_computed_tokens_total,
-            num_steps=self.num_steps,
-            step_time=self.timer.snapshot(),
+            num_computed_tokens=self.core.num_computed_tokens,
+            num_steps=self.core.num_steps,
+            step_time=self.core.timer.snapshot(),
             kv_breakdown=sched.kv_breakdown.fractions(),
             **(self.speculator.stats.as_engine_stats() if self.speculator is not None else {}),
         )
 
     def shutdown(self) -> None:
-        self.constraints.shutdown()
-        if self.speculator is not None:
-            self.speculator.shutdown()
         self.core.shutdown()

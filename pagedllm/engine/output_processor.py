@@ -1,14 +1,17 @@
 """After each step: append sampled tokens, fork parallel samples, carry out beam search's
-decisions, detokenize, and check stop conditions."""
+decisions, detokenize, and check stop conditions.
+
+It runs inside `Scheduler.update_from_output` and changes only sequences: the forks and drops
+it decides go back as a `StepUpdate` for the scheduler to apply to the block tables."""
 
 from __future__ import annotations
 
 import logging
 
-from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.model_output import ModelRunnerOutput, SampledToken, TopLogprobs
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core.step_update import StepUpdate
 from pagedllm.engine.beam_search import BeamStep, add_hypothesis, decide_beam_step
 from pagedllm.engine.requests import RequestRegistry
 from pagedllm.outputs import Logprob, PositionLogprobs
@@ -22,26 +25,24 @@ class OutputProcessor:
     def __init__(
         self,
         tokenizer,
-        block_manager: BlockManager,
         requests: RequestRegistry,
         max_model_len: int,
         eos_token_ids: list[int],
-        share_blocks: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
-        self.block_manager = block_manager
         self.requests = requests
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
-        # Off only to measure what sharing saves: forks then copy every block.
-        self.share_blocks = share_blocks
+        self._update = StepUpdate()  # the step being processed
         self._token_texts: dict[int, str] = {}
         self.num_generated_tokens = 0
 
     # --- per step ---------------------------------------------------------------------------
 
-    def process(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
-        """Apply one step's results; returns the groups that changed, in schedule order."""
+    def process(self, output: SchedulerOutput, result: ModelRunnerOutput) -> StepUpdate:
+        """Apply one step's results to the sequences; returns the groups that changed, in
+        schedule order, and the forks and drops for the scheduler."""
+        self._update = update = StepUpdate()
         touched: dict[str, SequenceGroup] = {}
         beam_proposals: dict[str, list[tuple[Sequence, list[SampledToken]]]] = {}
         for item in output.seqs:
@@ -72,7 +73,8 @@ class OutputProcessor:
                 group.beam_state = BeamState()
             max_new_tokens = self.max_tokens(proposals[0][0], group.sampling_params)
             self._apply_beam_step(group, decide_beam_step(group, proposals, max_new_tokens))
-        return list(touched.values())
+        update.touched = list(touched.values())
+        return update
 
     def _fork_samples(self, group: SequenceGroup, parent: Sequence, samples: list[SampledToken]) -> None:
         """A parallel-sampling prompt completed: sample i goes to a new sequence that shares the
@@ -108,20 +110,16 @@ class OutputProcessor:
         group.seqs = live
 
     def _fork(self, parent: Sequence, sample_index: int | None = None) -> Sequence:
-        if not self.block_manager.can_fork(parent, share=self.share_blocks):
-            raise RuntimeError(
-                "Out of KV blocks while copying a sequence with enable_block_sharing=False; "
-                "that measuring mode needs a larger KV cache."
-            )
+        """A copy of `parent` as it is now; the scheduler gives it the parent's blocks."""
         child = parent.fork(self.requests.new_seq_id(), sample_index)
-        self.block_manager.fork(parent, child, share=self.share_blocks)
+        self._update.forks.append((parent, child))
         self.requests.add_seq(child)
         return child
 
     def _free_seq(self, seq: Sequence) -> None:
-        """A beam with no future: free its blocks now."""
+        """A beam with no future: the scheduler frees its blocks."""
         seq.status = SequenceStatus.FINISHED_ABORTED
-        self.block_manager.free(seq)
+        self._update.dropped.append(seq)
         self.requests.remove_seq(seq)
 
     # --- appending and stopping -------------------------------------------------------------

@@ -181,10 +181,10 @@ class Speculator:
             return False  # beam search runs without speculation
         return group.forked or params.best_of == 1
 
-    def propose(self, scheduler: Scheduler) -> None:
-        """Set `draft_token_ids` on the running sequences that will verify proposed tokens."""
+    def propose(self, scheduler: Scheduler, prompt_chunk_limit: int | None = None) -> dict[int, list[int]]:
+        """The proposed tokens each running sequence will verify in the next step, by sequence id
+        (for `Scheduler.update_draft_token_ids`); `prompt_chunk_limit` is the step-time budget's."""
         self._proposals, self._match_lengths = {}, {}
-        seqs: dict[int, Sequence] = {}
         probing = (self.config.adaptive and self.draft is None and not self._verified_last
                    and scheduler.num_running_seqs > 1)
         self._verified_last = False
@@ -192,7 +192,6 @@ class Speculator:
         for group in scheduler.running:
             eligible = self._eligible(group)
             for seq in group.unfinished_seqs():
-                seq.draft_token_ids = []
                 left = seq.num_uncomputed_tokens
                 base_tokens += left
                 if left != 1:
@@ -213,16 +212,15 @@ class Speculator:
                         self._match_lengths[seq.seq_id] = self.proposer.match_lengths[seq.seq_id]
                 if proposal:
                     self._proposals[seq.seq_id] = proposal
-                    seqs[seq.seq_id] = seq
         if not self._proposals:
-            return
+            return {}
         prompt_tokens = self._prompt_work(scheduler, base_tokens - base_outputs)
-        limit = scheduler.prompt_chunk_limit
+        limit = prompt_chunk_limit
         if self.config.adaptive and limit is not None and prompt_tokens > limit:
             # The step-time budget is holding prompts back: verified tokens would lengthen the
             # steps that admit them (measured, 64 grounded requests at once: half as many
             # sequences ran together, 0.89-0.92x the plain engine's rate).
-            return
+            return {}
         budget = self.max_num_batched_tokens
         # Running sequences come first in the scheduler's budget, so without the adaptive choice
         # proposals may take what prompts would have had.
@@ -231,10 +229,9 @@ class Speculator:
         # in the step costs the same with or without it, and counted in the step's time it would
         # make every verified token look cheap.
         chosen = self.controller.choose(self._proposals, base_outputs, base_outputs, False, left, self._match_lengths)
-        for seq_id, k in chosen.items():
-            if k:
-                seqs[seq_id].draft_token_ids = self._proposals[seq_id][:k]
-                self._verified_last = True
+        drafts = {seq_id: self._proposals[seq_id][:k] for seq_id, k in chosen.items() if k}
+        self._verified_last = bool(drafts)
+        return drafts
 
     def _prompt_work(self, scheduler: Scheduler, running_prompt_tokens: int) -> int:
         """Prompt tokens the next step could compute: the running groups' rest of their prompts

@@ -20,6 +20,11 @@ class Executor(ABC):
     # the engine's KV cache manager is built from.
     kv_cache_groups: list[KVCacheGroup]
 
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """The sliding window of each KV cache group (None: full attention)."""
+        return tuple(group.sliding_window for group in self.kv_cache_groups)
+
     @abstractmethod
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) that fit every worker's budgets."""

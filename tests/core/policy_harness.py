@@ -1,28 +1,39 @@
-"""The engine's step loop over the core, for any memory policy, without a model."""
+"""The engine's own `EngineCore` for any memory policy, over a model-free executor."""
 
 from __future__ import annotations
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core import Sequence, SequenceGroup, create_scheduler
-from pagedllm.core.model_output import ModelRunnerOutput, SampledToken, SequenceStepOutput
+from pagedllm.core import SchedulerOutput, SequenceGroup, create_scheduler
+from pagedllm.core.model_output import SampledToken
+from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.requests import RequestRegistry
+from pagedllm.engine.requests import RequestRegistry, make_sequence_group
 from pagedllm.sampling_params import SamplingParams, SamplingType
-from tests.engine.fakes import EOS, FakeTokenizer
+from tests.engine.fakes import EOS, FakeExecutor, FakeTokenizer, samples_of
+
+
+def _sample(item) -> list[SampledToken]:
+    """Every sampled token is 1; beam candidates get distinct log-probabilities."""
+    if item.sampling_params.sampling_type is SamplingType.BEAM:
+        return [SampledToken(k + 1, -0.1 * (k + 1) - 0.01 * item.seq_id) for k in range(2 * item.sampling_params.best_of)]
+    return [SampledToken(1, -1.0)] * item.num_samples
 
 
 class PolicyHarness:
-    """The engine's step loop over the core for any `kv_policy`: every sampled token is 1,
-    beam candidates get distinct log-probabilities; lengths are forced with ignore_eos."""
+    """The engine core for any `kv_policy`, lengths forced with ignore_eos; checks the KV cache
+    manager's invariants after every step."""
 
     def __init__(self, policy: str, block_size: int = 4, num_blocks: int = 32, max_model_len: int = 64, max_num_seqs: int = 16, budget: int = 64):
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, watermark=0.0, kv_policy=policy)
         self.scheduler = create_scheduler(config, block_size, num_blocks, 0, max_model_len, enable_prefix_caching=False)
         self.bm = self.scheduler.block_manager
         self.requests = RequestRegistry()
-        self.processor = OutputProcessor(FakeTokenizer(), self.bm, self.requests, max_model_len, [EOS])
+        processor = OutputProcessor(FakeTokenizer(), self.requests, max_model_len, [EOS])
+        self.core = EngineCore(self.scheduler, FakeExecutor(samples_of(_sample)), processor.process, self.requests,
+                               check_invariants=True)
         self.clock = 0.0
         self.finished: dict[str, int] = {}  # request id -> step it finished in
+        self.failed: list[SequenceGroup] = []  # groups the scheduler gave up on, in order
         self.num_steps = 0
 
     def add(self, request_id: str, prompt_len: int, max_tokens: int, n: int = 1, beam: bool = False) -> SequenceGroup:
@@ -32,35 +43,19 @@ class PolicyHarness:
             params = SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
         else:
             params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        params.all_stop_token_ids = set()
         self.clock += 1
-        seq = Sequence(self.requests.new_seq_id(), list(range(1, prompt_len + 1)))
-        group = SequenceGroup(request_id, [seq], params, arrival_time=self.clock)
-        self.requests.add_group(group)
-        self.scheduler.add(group)
+        group = make_sequence_group(request_id, list(range(1, prompt_len + 1)), params, self.requests, self.clock)
+        self.core.add(group)
         return group
 
-    def step(self):
-        out = self.scheduler.schedule()
-        self.scheduler.on_step_computed(out, self.requests.seqs)
-        outputs = {}
-        for item in out.seqs:
-            if not item.num_samples:
-                continue
-            if item.sampling_params.sampling_type is SamplingType.BEAM:
-                samples = [SampledToken(k + 1, -0.1 * (k + 1) - 0.01 * item.seq_id) for k in range(2 * item.sampling_params.best_of)]
-            else:
-                samples = [SampledToken(1, -1.0)] * item.num_samples
-            outputs[item.seq_id] = SequenceStepOutput(samples=samples)
-        touched = self.processor.process(out, ModelRunnerOutput(outputs))
-        self.scheduler.free_finished()
+    def step(self) -> SchedulerOutput:
+        step = self.core.step()
         self.num_steps += 1
-        for group in touched:
+        self.failed += step.failed
+        for group in step.touched:
             if group.is_finished:
                 self.finished[group.request_id] = self.num_steps
-                self.requests.remove_group(group)
-        self.bm.check_invariants()
-        return out
+        return step.scheduled or SchedulerOutput()
 
     def run(self, max_steps: int = 2000) -> None:
         while self.scheduler.has_unfinished():

@@ -58,13 +58,13 @@ def test_the_four_parts_partition_the_pool_at_every_step(policy, block_size, num
     h = PolicyHarness(policy, block_size=block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, budget=32)
     pending = sorted(enumerate(workload), key=lambda item: item[1][0])
     pool = num_blocks * block_size
-    step = 0
+    step = ran = 0
     while pending or h.scheduler.has_unfinished():
         while pending and pending[0][1][0] <= step:
             i, (_, prompt_len, max_tokens, (n, beam)) = pending.pop(0)
             h.add(f"r{i}", prompt_len, max_tokens, n=n, beam=beam)
         h.step()
-        h.scheduler.take_failed()
+        ran += h.core.last_step.scheduled is not None  # a step with nothing to run samples nothing
         step += 1
         assert step < 500
         parts = h.bm.slot_breakdown(live_seqs(h))
@@ -79,7 +79,7 @@ def test_the_four_parts_partition_the_pool_at_every_step(policy, block_size, num
             assert parts.reservation == 0  # paged memory reserves nothing ahead
             assert parts.internal_fragmentation < block_size * max(1, len(live_seqs(h)))
     fractions = h.scheduler.kv_breakdown.fractions()
-    assert h.scheduler.kv_breakdown.num_steps == step
+    assert h.scheduler.kv_breakdown.num_steps == ran
     assert abs(sum(fractions.values()) - 1.0) < 1e-9
 
 

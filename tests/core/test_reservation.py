@@ -153,8 +153,7 @@ def test_a_request_larger_than_the_pool_fails_instead_of_waiting_forever():
     h = PolicyHarness("orca-max", num_blocks=12)  # the largest run is 8 blocks; Max wants 16
     group = h.add("r", prompt_len=4, max_tokens=4)
     h.step()
-    failed = h.scheduler.take_failed()
-    assert failed == [group] and "reservation" in group.error
+    assert h.failed == [group] and "reservation" in group.error
     assert not h.scheduler.has_unfinished()
 
 

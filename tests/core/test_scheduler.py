@@ -1,47 +1,48 @@
-"""The scheduler alone (no model): FCFS admission, budgets, chunked prefill, preemption by
-recomputation with the latest arrival evicted first, and the control message it emits."""
+"""The scheduler (no model; the engine core over a stand-in executor): FCFS admission, budgets,
+chunked prefill, preemption by recomputation with the latest arrival evicted first, and the
+control message it emits."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core import BlockManager, Scheduler, Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core import BlockManager, Scheduler, SchedulerOutput, Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core.model_output import SampledToken
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.requests import RequestRegistry, make_sequence_group
 from pagedllm.sampling_params import SamplingParams
+from tests.engine.fakes import FakeExecutor, FakeTokenizer, samples_of
 
 
 class Harness:
-    """A stand-in for the engine: every sampled sequence gets token 7; a sequence finishes once
-    it has `max_tokens` outputs."""
+    """The engine's own `EngineCore` over a stand-in model: every sampled sequence gets token 7;
+    a sequence finishes once it has `max_tokens` outputs."""
 
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, cpu_blocks=0, mode="recompute"):
         self.bm = BlockManager(block_size, num_blocks, cpu_blocks, enable_prefix_caching=False, watermark=0.0)
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_per_step, preemption_mode=mode, watermark=0.0)
         self.scheduler = Scheduler(config, self.bm)
-        self.seqs: dict[int, Sequence] = {}
-        self.groups: dict[str, SequenceGroup] = {}
+        self.requests = RequestRegistry()
+        processor = OutputProcessor(FakeTokenizer(), self.requests, max_model_len=10**6, eos_token_ids=[])
+        executor = FakeExecutor(samples_of(lambda item: [SampledToken(7, 0.0)] * item.num_samples))
+        self.core = EngineCore(self.scheduler, executor, processor.process, self.requests)
+        self.groups: dict[str, SequenceGroup] = {}  # every group added, finished or not
         self.clock = 0.0
 
     def add(self, request_id: str, prompt_len: int, max_tokens: int) -> SequenceGroup:
         self.clock += 1
-        seq = Sequence(len(self.seqs), list(range(1, prompt_len + 1)))
-        self.seqs[seq.seq_id] = seq
-        group = SequenceGroup(request_id, [seq], SamplingParams(max_tokens=max_tokens, temperature=0), arrival_time=self.clock)
-        self.groups[request_id] = group
-        self.scheduler.add(group)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        return self.add_group(make_sequence_group(request_id, list(range(1, prompt_len + 1)), params, self.requests, self.clock))
+
+    def add_group(self, group: SequenceGroup) -> SequenceGroup:
+        self.groups[group.request_id] = group
+        self.core.add(group)
         return group
 
-    def step(self):
-        out = self.scheduler.schedule()
-        self.scheduler.on_step_computed(out, self.seqs)
-        for item in out.seqs:
-            seq = self.seqs[item.seq_id]
-            if item.num_samples:
-                seq.append_token(7, 0.0)
-                if seq.num_output_tokens >= self.groups[item.request_id].sampling_params.max_tokens:
-                    seq.status = SequenceStatus.FINISHED_LENGTH
-        self.scheduler.free_finished()
-        return out
+    def step(self) -> SchedulerOutput:
+        return self.core.step().scheduled or SchedulerOutput()
 
     def run(self, max_steps=1000):
         outs = []
@@ -191,12 +192,9 @@ def test_group_of_several_sequences_samples_together(budget):
     """Sequences of one group hold back their last token until all can compute it in one step."""
     h = Harness(max_tokens_per_step=budget, block_size=2)
     seqs = [Sequence(200 + i, [1, 2, 3, 4]) for i in range(2)]
-    for s in seqs:
-        h.seqs[s.seq_id] = s
     group = SequenceGroup("pair", seqs, SamplingParams(n=2, temperature=1.0, max_tokens=2), arrival_time=0.0)
     group.forked = True
-    h.groups["pair"] = group
-    h.scheduler.add(group)
+    h.add_group(group)
     for _ in range(10):
         out = h.step()
         sampled = {s.seq_id for s in out.seqs if s.num_samples}

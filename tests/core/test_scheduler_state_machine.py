@@ -6,6 +6,8 @@ machine, and its findings kept as fixed examples, which belong beside it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -13,7 +15,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from pagedllm.config import SchedulerConfig
 from pagedllm.core import BlockManager, Scheduler, SchedulerOutput, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.core.model_output import ModelRunnerOutput, SampledToken, SequenceStepOutput
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.requests import RequestRegistry, make_sequence_group
 from pagedllm.sampling_params import SamplingParams
+from tests.engine.fakes import FakeTokenizer
 
 # Stepping a drained-down machine this long without any token sampled, request finished or
 # request failed is a hang (the slowest honest progress, a prompt chunked one token a step after
@@ -30,10 +36,10 @@ def sampled_token(seq: Sequence, ahead: int = 0) -> int:
 
 
 class StandInEngine:
-    """The engine's step loop without a model: schedule, carry out the control message on a
-    simulated KV memory (each slot remembers the token written there), advance the sequences,
-    sample (forking a completed parallel-sampling prompt as the output processor does) and free
-    finished sequences. A sequence finishes after its request's max_tokens."""
+    """The engine's own `EngineCore` and output processing over a stand-in model, which carries
+    out the control message on a simulated KV memory (each slot remembers the token written
+    there) and draws `sampled_token`s; a stand-in proposer suggests tokens to verify. A sequence
+    finishes after its request's max_tokens."""
 
     def __init__(
         self,
@@ -71,71 +77,73 @@ class StandInEngine:
         self.block_size = block_size
         self.device = {b: [None] * block_size for b in range(num_blocks)}
         self.cpu = {b: [None] * block_size for b in range(num_cpu_blocks)}
-        self.seqs: dict[int, Sequence] = {}
-        self.groups: dict[str, SequenceGroup] = {}
+        self.requests = RequestRegistry()
+        self.seqs = self.requests.seqs  # the live sequences
+        processor = OutputProcessor(FakeTokenizer(), self.requests, max_model_len=10**6, eos_token_ids=[])
+        speculator = self if num_speculative_tokens else None
+        self.core = EngineCore(self.scheduler, self, processor.process, self.requests, speculator=speculator)
+        self.groups: dict[str, SequenceGroup] = {}  # every request added, finished or not
         self.failed: dict[str, SequenceGroup] = {}
-        self.num_forks = 0
-        self._next_seq_id = 0
+        self._inspect = None
         self._clock = 0.0
-
-    def new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
 
     def add(self, prompt: list[int], max_tokens: int, best_of: int = 1, n: int | None = None) -> SequenceGroup:
         params = SamplingParams(n=best_of if n is None else n, best_of=best_of, temperature=1.0, max_tokens=max_tokens)
         self._clock += 1.0
-        seq = Sequence(self.new_seq_id(), list(prompt))
-        group = SequenceGroup(f"r{len(self.groups)}", [seq], params, arrival_time=self._clock)
-        self.seqs[seq.seq_id] = seq
+        group = make_sequence_group(f"r{len(self.groups)}", prompt, params, self.requests, self._clock)
         self.groups[group.request_id] = group
-        self.scheduler.add(group)
+        self.core.add(group)
         return group
 
     def step(self, inspect=None) -> SchedulerOutput:
         """One engine step; `inspect(output)` sees the control message before anything runs."""
-        self._propose()
-        out = self.scheduler.schedule()
-        for group in self.scheduler.take_failed():
-            self.failed[group.request_id] = group
-        if inspect is not None:
-            inspect(out)
+        self._inspect = inspect
+        step = self.core.step()
+        self.failed.update((group.request_id, group) for group in step.failed)
+        return step.scheduled or SchedulerOutput()
+
+    # --- the stand-in model (the core's executor) --------------------------------------------
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self._inspect is not None:
+            self._inspect(out)
         self._carry_out(out)
         result = ModelRunnerOutput()
         for item in out.seqs:
             self._write(item)
-            if item.draft_token_ids:
-                seq = self.seqs[item.seq_id]
-                accepted = []
-                for j, token in enumerate(item.draft_token_ids):
-                    if token != sampled_token(seq, ahead=j):
-                        break
-                    accepted.append(SampledToken(token, -1.0))
-                result.outputs[item.seq_id] = SequenceStepOutput(accepted=accepted)
-        self.scheduler.on_step_computed(out, self.seqs, result)
-        for item in out.seqs:
-            if item.num_samples:
-                seq = self.seqs[item.seq_id]
-                step = result.outputs.get(item.seq_id)
-                for token in step.accepted if step is not None else []:
-                    assert seq.num_output_tokens < self.groups[item.request_id].sampling_params.max_tokens - 1
-                    seq.append_token(token.token_id, -1.0)
-                    self.num_accepted += 1
-                self._sample(self.groups[item.request_id], seq, item.num_samples)
-        self.scheduler.free_finished()
-        return out
+            if not item.num_samples:
+                continue
+            seq = self.seqs[item.seq_id]
+            accepted = []
+            for j, token in enumerate(item.draft_token_ids):
+                if token != sampled_token(seq, ahead=j):
+                    break
+                accepted.append(SampledToken(token, -1.0))
+            assert seq.num_output_tokens + len(accepted) < self.groups[item.request_id].sampling_params.max_tokens
+            self.num_accepted += len(accepted)
+            # A completed parallel-sampling prompt draws one token per sample stream.
+            samples = [SampledToken((sampled_token(seq, ahead=len(accepted)) + i) % 3, -1.0) for i in range(item.num_samples)]
+            result.outputs[item.seq_id] = SequenceStepOutput(samples=samples, accepted=accepted)
+        return result
 
-    def _propose(self) -> None:
-        k = self.num_speculative_tokens
-        if not k:
-            return
-        for group in self.scheduler.running:
+    # --- the stand-in proposer (the core's speculator) ---------------------------------------
+
+    config = SimpleNamespace(adaptive=False)
+
+    def propose(self, scheduler: Scheduler, prompt_chunk_limit: int | None) -> dict[int, list[int]]:
+        k, drafts = self.num_speculative_tokens, {}
+        for group in scheduler.running:
             for seq in group.unfinished_seqs():
                 room = min(k, group.sampling_params.max_tokens - seq.num_output_tokens - 1)
                 if seq.num_uncomputed_tokens != 1 or room <= 0 or not (group.forked or group.sampling_params.best_of == 1):
                     continue
                 wrong = (seq.seq_id + seq.num_output_tokens) % (k + 1)
-                seq.draft_token_ids = [(sampled_token(seq, j) + (j == wrong)) % 3 for j in range(room)]
+                drafts[seq.seq_id] = [(sampled_token(seq, j) + (j == wrong)) % 3 for j in range(room)]
+        return drafts
+
+    def fill(self, scheduled, seqs) -> None: ...
+
+    def observe(self, scheduled, result, seconds) -> None: ...
 
     def running_ids(self) -> list[str]:
         return [g.request_id for g in self.scheduler.running]
@@ -172,22 +180,6 @@ class StandInEngine:
             assert written is None or written[0] == group, f"position {p} reads another group's keys"
             stored.append(None if written is None else written[1])
         return stored
-
-    def _sample(self, group: SequenceGroup, parent: Sequence, num_samples: int) -> None:
-        seqs = [parent]
-        if num_samples > 1:
-            self.num_forks += 1
-            for index in range(1, num_samples):
-                child = parent.fork(self.new_seq_id(), sample_index=index)
-                self.bm.fork(parent, child)
-                self.seqs[child.seq_id] = child
-                seqs.append(child)
-            group.seqs.extend(seqs[1:])
-            group.forked = True
-        for seq in seqs:
-            seq.append_token(sampled_token(seq), -1.0)
-            if seq.num_output_tokens >= group.sampling_params.max_tokens:
-                seq.status = SequenceStatus.FINISHED_LENGTH
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -256,7 +248,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not self.engine.groups:
             return
         request_id = list(self.engine.groups)[i % len(self.engine.groups)]
-        group = self.sched.abort(request_id)
+        group = self.engine.core.abort(request_id)
         if group is None:
             return
         event("abort of a live request")

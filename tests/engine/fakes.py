@@ -1,8 +1,8 @@
-"""Model-free stand-ins for the engine's collaborators: a tokenizer with one fixed string per token id, and the engine's step loop without a model."""
+"""Model-free stand-ins for the engine's collaborators: a tokenizer with one fixed string per
+token id, and an executor that plays the model for the engine's own `EngineCore`."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Callable
 
@@ -10,8 +10,9 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core import BlockManager, ScheduledSequence, Scheduler, SchedulerOutput, SequenceGroup
 from pagedllm.core.model_output import ModelRunnerOutput, SampledToken, SequenceStepOutput
 from pagedllm.core.sequence import Sequence
+from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.requests import RequestRegistry
+from pagedllm.engine.requests import RequestRegistry, make_sequence_group
 from pagedllm.sampling_params import SamplingParams
 
 EOS = 0
@@ -32,13 +33,31 @@ class FakeTokenizer:
 
 
 Sampler = Callable[[ScheduledSequence], list[SampledToken]]
+Respond = Callable[[SchedulerOutput], ModelRunnerOutput]
+
+
+class FakeExecutor:
+    """The model of a harness: `respond(output)` gives each step's result."""
+
+    def __init__(self, respond: Respond | None = None) -> None:
+        self.respond = respond
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.respond(output)
+
+
+def samples_of(sample: Sampler) -> Respond:
+    """A step's result from `sample(item)`, called for every scheduled sequence that samples."""
+    return lambda out: ModelRunnerOutput(
+        {item.seq_id: SequenceStepOutput(samples=sample(item)) for item in out.seqs if item.num_samples}
+    )
 
 
 class FakeEngine:
-    """`LLMEngine.step` without a model: schedule, advance the computed tokens, hand `sample`'s
-    tokens to the real OutputProcessor, free finished sequences. `sample(item)` is called for
-    every scheduled sequence that samples and returns that sequence's SampledTokens (num_samples
-    of them; for beam search, the beam's candidate continuations)."""
+    """The engine's own `EngineCore` (scheduler, block manager, output processor) over a fake
+    model: each step's sampled tokens come from `sample(item)`, called for every scheduled
+    sequence that samples, returning that sequence's SampledTokens (num_samples of them; for
+    beam search, the beam's candidate continuations)."""
 
     def __init__(
         self,
@@ -53,37 +72,24 @@ class FakeEngine:
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, watermark=0.0)
         self.scheduler = Scheduler(config, self.bm)
         self.requests = RequestRegistry()
-        self.processor = OutputProcessor(FakeTokenizer(), self.bm, self.requests, max_model_len, list(eos_token_ids))
-        self.eos_token_ids = set(eos_token_ids)
+        self.processor = OutputProcessor(FakeTokenizer(), self.requests, max_model_len, list(eos_token_ids))
+        self.executor = FakeExecutor()
+        self.core = EngineCore(self.scheduler, self.executor, self.processor.process, self.requests)
+        self.eos_token_ids = eos_token_ids
         self._clock = itertools.count()
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> SequenceGroup:
-        """As `LLMEngine.add_request`: one sequence; the stop ids include EOS unless ignore_eos."""
-        params = copy.copy(params)
-        params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        seq = Sequence(self.requests.new_seq_id(), list(prompt))
-        group = SequenceGroup(request_id, [seq], params, arrival_time=float(next(self._clock)))
-        self.requests.add_group(group)
-        self.scheduler.add(group)
+        group = make_sequence_group(request_id, prompt, params, self.requests, float(next(self._clock)), self.eos_token_ids)
+        self.core.add(group)
         return group
 
-    def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
-
-    def finish_step(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
-        self.scheduler.on_step_computed(out, self.requests.seqs)
-        touched = self.processor.process(out, result)
-        self.scheduler.free_finished()
-        for group in touched:
-            if group.is_finished:
-                self.requests.remove_group(group)
-        return touched
+    def run_step(self, respond: Respond) -> SchedulerOutput:
+        """One step of the core; `respond(output)` plays the model (and may inspect the step)."""
+        self.executor.respond = respond
+        return self.core.step().scheduled or SchedulerOutput()
 
     def step(self, sample: Sampler) -> SchedulerOutput:
-        out = self.schedule()
-        result = ModelRunnerOutput({item.seq_id: SequenceStepOutput(samples=sample(item)) for item in out.seqs if item.num_samples})
-        self.finish_step(out, result)
-        return out
+        return self.run_step(samples_of(sample))
 
 
 def tokens(*token_ids: int, logprob: float = -1.0) -> list[SampledToken]:

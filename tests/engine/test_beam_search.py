@@ -169,21 +169,22 @@ def test_forked_beams_share_their_parents_blocks():
 def test_dropped_beam_frees_its_blocks_within_the_step_that_drops_it():
     """Step 2: both beams write position 3 in their shared second block, so the parent copies it
     (3 blocks in use). Both survivors descend from the parent (-0.5, -0.75 beat the child's
-    -1.5): the child is dropped and its private block freed by the output processor itself,
-    before the scheduler frees finished sequences; the parent's new fork shares its 2 blocks."""
+    -1.5): the child is dropped, and the scheduler frees its private block in the same step's
+    update; the parent's new fork shares its 2 blocks."""
     engine = FakeEngine(block_size=2, num_blocks=8)
     group = start_beam_search(engine)
     parent, child = group.seqs
-    out = engine.schedule()
-    assert len(out.blocks_to_copy) == 1 and engine.bm.num_free_blocks == 8 - 3
-    result = ModelRunnerOutput(
-        {
-            parent.seq_id: SequenceStepOutput(candidates((20, -0.25), (21, -0.5), (22, -3.0), (23, -4.0))),
-            child.seq_id: SequenceStepOutput(candidates((24, -1.0), (25, -2.0), (26, -3.0), (27, -4.0))),
-        }
-    )
-    engine.scheduler.on_step_computed(out, engine.requests.seqs)
-    engine.processor.process(out, result)
+
+    def respond(out):
+        assert len(out.blocks_to_copy) == 1 and engine.bm.num_free_blocks == 8 - 3
+        return ModelRunnerOutput(
+            {
+                parent.seq_id: SequenceStepOutput(candidates((20, -0.25), (21, -0.5), (22, -3.0), (23, -4.0))),
+                child.seq_id: SequenceStepOutput(candidates((24, -1.0), (25, -2.0), (26, -3.0), (27, -4.0))),
+            }
+        )
+
+    engine.run_step(respond)
     assert not engine.bm.has_blocks(child.seq_id)
     assert engine.bm.num_free_blocks == 8 - 2
     engine.bm.check_invariants()

@@ -121,10 +121,13 @@ def start_parallel_sampling(engine: FakeEngine):
     """A best_of=3 request; one step computes its prompt and draws 3 samples (tokens 1, 2, 3).
     Returns the group and the block table its prompt was computed into."""
     group = engine.add("req", SIX_TOKEN_PROMPT, SamplingParams(n=2, best_of=3, temperature=1.0, max_tokens=5))
-    out = engine.schedule()
-    (item,) = out.seqs
-    assert item.num_samples == 3
-    engine.finish_step(out, ModelRunnerOutput({item.seq_id: SequenceStepOutput(samples=tokens(1, 2, 3))}))
+
+    def respond(out):
+        (item,) = out.seqs
+        assert item.num_samples == 3
+        return ModelRunnerOutput({item.seq_id: SequenceStepOutput(samples=tokens(1, 2, 3))})
+
+    (item,) = engine.run_step(respond).seqs
     return group, item.block_table
 
 
@@ -195,9 +198,10 @@ def test_cumulative_logprob_sums_the_sampled_tokens_logprobs():
 def test_prompt_logprobs_start_with_none_then_one_entry_per_following_prompt_token():
     engine = FakeEngine()
     group = engine.add("req", PROMPT, greedy(prompt_logprobs=1))
-    out = engine.schedule()
-    (item,) = out.seqs
+    (item,) = engine.run_step(
+        lambda out: ModelRunnerOutput(
+            {out.seqs[0].seq_id: SequenceStepOutput(samples=tokens(1), prompt_logprobs=[{2: (-0.5, 1)}, {3: (-1.0, 2)}])}
+        )
+    ).seqs
     assert item.prompt_logprob_targets == [2, 3]
-    step = SequenceStepOutput(samples=tokens(1), prompt_logprobs=[{2: (-0.5, 1)}, {3: (-1.0, 2)}])
-    engine.finish_step(out, ModelRunnerOutput({item.seq_id: step}))
     assert group.prompt_logprobs == [None, {2: Logprob(-0.5, 1, "b")}, {3: Logprob(-1.0, 2, "c")}]

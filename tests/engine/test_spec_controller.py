@@ -156,9 +156,9 @@ def test_prompts_in_the_step_neither_cheapen_verifying_nor_wait_for_it():
             seq.num_computed_tokens = seq.num_tokens - 1
             running.append(SequenceGroup(str(seq_id), [seq], SamplingParams(temperature=0), 0.0))
         waiting = [SequenceGroup("p", [Sequence(9, list(range(waiting_prompt)))], SamplingParams(), 0.0)] if waiting_prompt else []
-        speculator.propose(SimpleNamespace(running=running, waiting=waiting, prompt_chunk_limit=chunk_limit,
-                                           num_running_seqs=4, config=SimpleNamespace(max_num_seqs=max_num_seqs)))
-        return {seq.seq_id: len(seq.draft_token_ids) for g in running for seq in g.seqs}
+        drafts = speculator.propose(SimpleNamespace(running=running, waiting=waiting, num_running_seqs=4,
+                                                    config=SimpleNamespace(max_num_seqs=max_num_seqs)), chunk_limit)
+        return {seq.seq_id: len(drafts.get(seq.seq_id, [])) for g in running for seq in g.seqs}
 
     alone = step_with(0, None)
     assert 0 < sum(alone.values()) < 4 * 8  # the controller verifies some, not all
@@ -258,7 +258,7 @@ def test_while_nothing_is_verified_only_every_fourth_sequence_is_looked_up():
         seq = Sequence(seq_id, [(seq_id * 7919 + i * 104729) % 50000 for i in range(40)])
         seq.num_computed_tokens = seq.num_tokens - 1
         running.append(SequenceGroup(str(seq_id), [seq], SamplingParams(temperature=0), 0.0))
-    scheduler = SimpleNamespace(running=running, waiting=[], prompt_chunk_limit=None, num_running_seqs=8,
+    scheduler = SimpleNamespace(running=running, waiting=[], num_running_seqs=8,
                                 config=SimpleNamespace(max_num_seqs=8))
     speculator.propose(scheduler)
     assert sorted(looked_up) == list(range(8))  # the first step looks every sequence up

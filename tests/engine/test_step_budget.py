@@ -5,6 +5,8 @@ given."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from pagedllm.engine.step_budget import FIRST_CHUNK, MIN_CHUNK, StepBudget
 from tests.core.test_scheduler import Harness
 
@@ -33,7 +35,7 @@ def test_too_few_prompt_tokens_say_nothing_about_their_cost():
 
 def test_the_scheduler_cuts_a_prompt_to_the_limit_only_beside_others():
     h = Harness(num_blocks=256, block_size=4, max_tokens_per_step=512)
-    h.scheduler.prompt_chunk_limit = 32
+    h.core.step_budget = SimpleNamespace(chunk_limit=32, observe=lambda seconds, prompt_tokens: None)  # a fixed limit
     alone = h.add("alone", 200, 2)
     first = h.step()
     assert [len(s.token_ids) for s in first.seqs] == [200]  # alone: the whole token budget

@@ -63,47 +63,20 @@ def use_policy(engine, policy: str) -> None:
     bm = old.block_manager
     scheduler = create_scheduler(
         config, bm.block_size, bm.num_total_blocks, bm.num_cpu_blocks, engine.max_model_len, enable_prefix_caching=False,
-        group_windows=engine.core.group_windows,
+        group_windows=engine.executor.group_windows, share_blocks=old.share_blocks,
     )
     engine.core.scheduler = scheduler
-    engine.core.block_manager = scheduler.block_manager
-    engine.output_processor.block_manager = scheduler.block_manager
 
 
-class StepCapture:
-    """Keeps the control message of the engine's latest step (to price and count it)."""
-
-    def __init__(self) -> None:
-        self.last: SchedulerOutput | None = None
-
-    @classmethod
-    def attach(cls, engine) -> "StepCapture":
-        """The engine's capture, installed around its `schedule` on first use."""
-        existing = getattr(engine.core.schedule, "capture", None)
-        if existing is not None:
-            return existing
-        capture = cls()
-        schedule = engine.core.schedule
-
-        def schedule_and_keep() -> SchedulerOutput:
-            capture.last = schedule()
-            return capture.last
-
-        schedule_and_keep.capture = capture
-        engine.core.schedule = schedule_and_keep
-        return capture
-
-
-def timed_step(engine, capture: StepCapture) -> tuple[list, SchedulerOutput | None, float]:
+def timed_step(engine) -> tuple[list, SchedulerOutput | None, float]:
     """One engine step: (outputs, its control message, seconds): this thread's CPU time when
     torch runs on one thread, else wall time."""
     import torch
 
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    capture.last = None
     start = clock()
     outputs = engine.step()
-    return outputs, capture.last, clock() - start
+    return outputs, engine.core.last_step.scheduled, clock() - start
 
 
 def run_real(
@@ -113,7 +86,6 @@ def run_real(
     and measured time."""
     wall = time.perf_counter()
     use_policy(engine, policy)
-    capture = StepCapture.attach(engine)
     recorder = RunRecorder(trace)
     paged = policy == KVPolicy.PAGED.value
     static = policy == KVPolicy.STATIC.value
@@ -127,7 +99,7 @@ def run_real(
         if not engine.has_unfinished_requests():
             clock = trace[next_index].arrival
             continue
-        outputs, out, seconds = timed_step(engine, capture)
+        outputs, out, seconds = timed_step(engine)
         clock += seconds
         scheduler = engine.scheduler
         if out is not None and out.seqs:

@@ -1,10 +1,10 @@
-"""The simulated clock: the engine's own scheduler, KV cache managers and output processing,
-with the model replaced by a per-step cost.
+"""The simulated clock: the engine's own `EngineCore` (scheduler, KV cache managers, output
+processing), with the model replaced by an executor that charges a per-step cost.
 
 Requests of a trace arrive at their (virtual) times; every step the real `Scheduler` (or
-`ReservationScheduler`) decides the batch, the real `OutputProcessor` appends tokens, forks
-samples and beams and frees finished sequences, and the clock advances by what the profile says
-the step costs. Output lengths are forced (`max_tokens` with `ignore_eos`), so every decision
+`ReservationScheduler`) decides the batch, the real `OutputProcessor` appends tokens and decides
+forks of samples and beams, the scheduler applies them and frees finished sequences, and the
+clock advances by what the profile says the step costs. Output lengths are forced (`max_tokens` with `ignore_eos`), so every decision
 depends only on lengths: sampled token ids are placeholders, and beam candidates get random
 log-probabilities, so beams fork and die as they do in a real search.
 
@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core import KVPolicy, Scheduler, Sequence, SequenceGroup, create_scheduler
+from pagedllm.core import KVPolicy, Scheduler, create_scheduler
 from pagedllm.core.kv_breakdown import KVBreakdownAverage
 from pagedllm.core.model_output import ModelRunnerOutput, SampledToken, SequenceStepOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.requests import RequestRegistry
+from pagedllm.engine.requests import RequestRegistry, make_sequence_group
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
 from pagedllm.bench.paper.costs import Scale, step_work
@@ -183,6 +184,34 @@ def _placeholder_samples(item: ScheduledSequence, rng: random.Random) -> list[Sa
     return [SampledToken(1, -1.0)] * item.num_samples
 
 
+@dataclass
+class SimulatedExecutor:
+    """The model on the simulated clock: each step advances `clock` by what `cost` prices it at
+    and returns placeholder samples."""
+
+    scheduler: Scheduler
+    setup: Setup
+    cost: object  # a profile from costs.py, at the setup's block size
+    recorder: RunRecorder
+    rng: random.Random
+    clock: float = 0.0
+    num_batches: int = 0
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if not out.seqs and not out.has_cache_work:
+            return ModelRunnerOutput()  # only finished ids for the workers: no model time
+        static = self.setup.policy == KVPolicy.STATIC.value
+        batch = self.scheduler.current_batch if static else None
+        if static and self.scheduler.num_batches != self.num_batches:  # a new batch starts
+            self.num_batches = self.scheduler.num_batches
+            for group in batch:
+                self.recorder.batch_of[group.request_id] = self.num_batches
+        paged = self.setup.policy == KVPolicy.PAGED.value
+        self.clock += self.cost.step_seconds(step_work(out, paged, batch if self.setup.pad_static else None))
+        samples = {item.seq_id: _placeholder_samples(item, self.rng) for item in out.seqs if item.num_samples}
+        return ModelRunnerOutput({seq_id: SequenceStepOutput(samples=s) for seq_id, s in samples.items()})
+
+
 def simulate(
     system: str, trace: list[TraceRequest], setup: Setup, cost, rate: float = 0.0, track_sharing: bool = False, seed: int = 0
 ) -> RunResult:
@@ -205,60 +234,36 @@ def simulate(
         scale.num_cpu_blocks(setup.bs),
         scale.max_model_len,
         enable_prefix_caching=setup.enable_prefix_caching,
-    )
-    requests = RequestRegistry()
-    processor = OutputProcessor(
-        _PlaceholderTokenizer(), scheduler.block_manager, requests, scale.max_model_len, [],
         share_blocks=setup.enable_block_sharing,
     )
-    paged = setup.policy == KVPolicy.PAGED.value
-    static = setup.policy == KVPolicy.STATIC.value
+    requests = RequestRegistry()
+    processor = OutputProcessor(_PlaceholderTokenizer(), requests, scale.max_model_len, [])
     recorder = RunRecorder(trace, track_sharing=track_sharing)
-    rng = random.Random(seed)
-    clock, next_index, num_batches = 0.0, 0, 0
-    while next_index < len(trace) or scheduler.has_unfinished():
-        while next_index < len(trace) and trace[next_index].arrival <= clock:
-            _add(scheduler, requests, str(next_index), trace[next_index], setup.enable_block_sharing)
+    executor = SimulatedExecutor(scheduler, setup, cost, recorder, random.Random(seed))
+    core = EngineCore(scheduler, executor, processor.process, requests)
+    next_index = 0
+    while next_index < len(trace) or core.has_unfinished():
+        while next_index < len(trace) and trace[next_index].arrival <= executor.clock:
+            req = trace[next_index]
+            params = sampling_params(req)
+            core.add(make_sequence_group(str(next_index), req.prompt_token_ids, params, requests, req.arrival,
+                                         share_blocks=setup.enable_block_sharing))
             next_index += 1
-        if not scheduler.has_unfinished():
-            clock = trace[next_index].arrival
+        if not core.has_unfinished():
+            executor.clock = trace[next_index].arrival
             continue
-        out = scheduler.schedule()
-        for group in scheduler.take_failed():
-            recorder.num_failed += 1
-            requests.remove_group(group)
-        if not out.seqs and not out.has_cache_work:
-            if not scheduler.has_unfinished():  # what waited has just failed (it can never fit)
+        step = core.step()
+        recorder.num_failed += len(step.failed)
+        out = step.scheduled
+        if out is None or (not out.seqs and not out.has_cache_work):
+            if not core.has_unfinished():  # what waited has just failed (it can never fit)
                 continue
             if next_index >= len(trace):
                 raise RuntimeError("the simulation stalled: requests wait but nothing runs")
-            clock = trace[next_index].arrival
+            executor.clock = trace[next_index].arrival
             continue
-        batch = scheduler.current_batch if static else None
-        if static and scheduler.num_batches != num_batches:  # a new batch starts
-            num_batches = scheduler.num_batches
-            for group in batch:
-                recorder.batch_of[group.request_id] = num_batches
-        clock += cost.step_seconds(step_work(out, paged, batch if setup.pad_static else None))
-        scheduler.on_step_computed(out, requests.seqs)
-        samples = {item.seq_id: _placeholder_samples(item, rng) for item in out.seqs if item.num_samples}
-        result = ModelRunnerOutput({seq_id: SequenceStepOutput(samples=s) for seq_id, s in samples.items()})
-        touched = processor.process(out, result)
-        scheduler.free_finished()
         recorder.on_step(out, scheduler)
-        for group in touched:
+        for group in step.touched:
             if group.is_finished:
-                recorder.finish[group.request_id] = clock
-                requests.remove_group(group)
+                recorder.finish[group.request_id] = executor.clock
     return recorder.result(system, rate, scheduler, "simulated", time.perf_counter() - wall)
-
-
-def _add(scheduler: Scheduler, requests: RequestRegistry, request_id: str, req: TraceRequest, share: bool) -> None:
-    """As `LLMEngine.add_request` does it, minus tokenizing and validation."""
-    params = copy.copy(sampling_params(req))
-    params.all_stop_token_ids = set()
-    num_seqs = params.best_of if params.sampling_type is SamplingType.RANDOM and not share else 1
-    seqs = [Sequence(requests.new_seq_id(), list(req.prompt_token_ids), sample_index=i) for i in range(num_seqs)]
-    group = SequenceGroup(request_id, seqs, params, arrival_time=req.arrival, forked=num_seqs > 1)
-    requests.add_group(group)
-    scheduler.add(group)
