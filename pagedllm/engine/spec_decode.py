@@ -143,7 +143,7 @@ def _allowed_prefix(seq: Sequence, proposal: list[int]) -> list[int]:
 
 
 class Speculator:
-    """Proposes before each step and learns after it (`LLMEngine.step` calls both)."""
+    """Proposes before each step and learns after it (`EngineCore.step` calls both)."""
 
     FORGET_EVERY = 64  # steps between pruning the state of sequences that are gone
     # After a step that verified nothing, with several sequences running, the n-gram lookup runs
@@ -215,8 +215,7 @@ class Speculator:
         if not self._proposals:
             return {}
         prompt_tokens = self._prompt_work(scheduler, base_tokens - base_outputs)
-        limit = prompt_chunk_limit
-        if self.config.adaptive and limit is not None and prompt_tokens > limit:
+        if self.config.adaptive and prompt_chunk_limit is not None and prompt_tokens > prompt_chunk_limit:
             # The step-time budget is holding prompts back: verified tokens would lengthen the
             # steps that admit them (measured, 64 grounded requests at once: half as many
             # sequences ran together, 0.89-0.92x the plain engine's rate).

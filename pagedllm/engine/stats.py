@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class StepTime:
-    """Seconds spent, over all steps, in each part of `LLMEngine.step`."""
+    """Seconds spent, over all steps, in each part of `EngineCore.step`."""
 
     scheduler: float = 0.0  # scheduling and block management (core)
     model: float = 0.0  # the executor: cache copies, model, sampling
