@@ -1,5 +1,5 @@
 """Which class serves each architecture (config.json's `architectures[0]`; a GGUF file's
-`general.architecture` is mapped to one of these by `transformers_utils.gguf_config`)."""
+`general.architecture` is mapped to one of these by its entry in `transformers_utils.families`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pagedllm.model.opt import OPTForCausalLM
 from pagedllm.model.phi3 import Phi3ForCausalLM
 from pagedllm.model.qwen3 import Qwen3ForCausalLM
 from pagedllm.model.qwen3_moe import Qwen3MoeForCausalLM
-from pagedllm.transformers_utils.arch import SUPPORTED_ARCHITECTURES
+from pagedllm.transformers_utils.families import SUPPORTED_ARCHITECTURES
 
 MODELS: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -24,7 +24,7 @@ MODELS: dict[str, type] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
 }
-assert tuple(MODELS) == SUPPORTED_ARCHITECTURES, "every architecture the config readers accept needs a class"
+assert tuple(MODELS) == SUPPORTED_ARCHITECTURES, "every family of transformers_utils.families needs a class"
 
 
 def model_class(architecture: str) -> type:

@@ -3,9 +3,9 @@
 `ModelArchConfig` is one dataclass for every family: the fields all decoders share, and each
 family's own (Gemma's soft-caps and query scale, Qwen3's q/k norms, a mixture of experts, OPT's
 projections and norm placement), left at their neutral defaults by the families without them.
-The readers that fill it live beside it, one function per family: `hf_config` (config.json, with
-each family's transformers defaults) and `gguf_config` (GGUF metadata, as llama.cpp writes it).
-Torch-free, like the rest of `transformers_utils`.
+The readers that fill it live beside it, one function per family: `hf_config` (config.json) and
+`gguf_config` (GGUF metadata, as llama.cpp writes it); `families` names each family's readers,
+defaults, tensor names and shapes. Torch-free, like the rest of `transformers_utils`.
 """
 
 from __future__ import annotations
@@ -23,19 +23,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedllm")
 
-# The architectures pagedllm serves (config.json's `architectures[0]`), in the order errors list them.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "Phi3ForCausalLM",
-    "OPTForCausalLM",
-)
 # Rotary scalings computed (transformers' names); "dynamic" rescales with the sequence length,
 # which a cache of rotated keys cannot follow, so it is refused with the others.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -114,6 +101,8 @@ class ModelArchConfig:
     end_of_turn_tokens: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        from pagedllm.transformers_utils.families import SUPPORTED_ARCHITECTURES  # (its readers import this module)
+
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"Unsupported model architecture {self.architecture!r}. "
