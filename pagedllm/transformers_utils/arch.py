@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.transformers_utils.sizes import count_parameters, sharded_widths
+from pagedllm.transformers_utils.sizes import sharded_widths
 
 if TYPE_CHECKING:
+    from pagedllm.transformers_utils.families import Family
     from pagedllm.transformers_utils.source import ModelSource
 
 logger = logging.getLogger("pagedllm")
@@ -145,6 +146,13 @@ class ModelArchConfig:
                 f"({moe.num_experts})."
             )
 
+    @property
+    def family(self) -> "Family":
+        """The architecture's entry in `families` (its readers, tensor names and shapes)."""
+        from pagedllm.transformers_utils.families import FAMILIES
+
+        return FAMILIES[self.architecture]
+
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window of layer `layer` (tokens each query sees, itself included), or None."""
         if self.sliding_window is None:
@@ -170,13 +178,13 @@ class ModelArchConfig:
         """Parameters that take part in one token's forward pass (a tied LM head counted once):
         of a mixture of experts, the router and the `num_experts_per_tok` experts each token
         runs. `num_total_parameters` counts every stored one."""
-        return count_parameters(self, active_only=True)
+        return self.family.count_parameters(self, active_only=True)
 
     @property
     def num_total_parameters(self) -> int:
         """Every parameter the model stores (a tied LM head once), all experts included: what
         transformers' `num_parameters()` counts."""
-        return count_parameters(self, active_only=False)
+        return self.family.count_parameters(self, active_only=False)
 
     def valid_tensor_parallel_sizes(self) -> list[int]:
         """Sizes that split the query heads and the MLPs (each expert's too) evenly, and split or

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pagedllm.transformers_utils import gguf_config, hf_config
 from pagedllm.transformers_utils.sizes import (
+    count_opt_parameters,
+    count_llama_parameters,
     llama_layer_shapes,
     llama_model_shapes,
     opt_layer_shapes,
@@ -70,10 +73,14 @@ _QWEN_END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
 HFReader = Callable[..., dict[str, Any]]  # (architecture, config.json's fields, generation_config) -> fields
 GGUFReader = Callable[..., dict[str, Any]]  # (get, the shared fields, tensor names, rope factors) -> fields
 ShapeRule = Callable[..., dict[str, tuple[int, ...]]]
+_count_gemma_parameters = partial(count_llama_parameters, norms_per_layer=4)  # its sandwich norms
 
 
 @dataclass(frozen=True)
 class Family:
+    """What pagedllm knows of one architecture outside its model class; the defaults are
+    Llama's (its GGUF tensor names, shapes and parameter count)."""
+
     architecture: str  # config.json's architectures[0]; the model class is registered under it
     read_hf: HFReader  # config.json -> `ModelArchConfig` fields (`hf_config`)
     hf_defaults: Mapping[str, Any]  # transformers' defaults of the fields config.json may leave out
@@ -85,6 +92,7 @@ class Family:
     gguf_layer_tensors: Mapping[str, str] = field(default_factory=lambda: LLAMA_LAYER_TENSORS)
     layer_shapes: ShapeRule = llama_layer_shapes  # (arch, layer) -> a layer's tensor shapes, by name
     model_shapes: ShapeRule = llama_model_shapes  # (arch) -> the shapes outside the layers
+    count_parameters: Callable[..., int] = count_llama_parameters  # (arch, active_only) -> parameters
 
 
 _FAMILIES = (
@@ -121,7 +129,7 @@ _FAMILIES = (
             "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
             "attn_logit_softcapping": 50.0},
            gguf_names=("gemma2",), read_gguf=gguf_config.gemma2, end_of_turn=("<end_of_turn>",),
-           gguf_layer_tensors=GEMMA_LAYER_TENSORS),
+           gguf_layer_tensors=GEMMA_LAYER_TENSORS, count_parameters=_count_gemma_parameters),
     Family("Gemma3ForCausalLM", hf_config.gemma3,
            {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
@@ -130,7 +138,7 @@ _FAMILIES = (
             "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
             "sliding_window_pattern": 6},
            gguf_names=("gemma3",), read_gguf=gguf_config.gemma3, end_of_turn=("<end_of_turn>",),
-           gguf_layer_tensors={**GEMMA_LAYER_TENSORS, **QK_NORM_TENSORS}),
+           gguf_layer_tensors={**GEMMA_LAYER_TENSORS, **QK_NORM_TENSORS}, count_parameters=_count_gemma_parameters),
     # q/k/v and gate/up fused in the checkpoint (and in GGUF: attn_qkv, ffn_up holding both).
     Family("Phi3ForCausalLM", hf_config.phi3,
            {**LLAMA_DEFAULTS, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
@@ -146,7 +154,8 @@ _FAMILIES = (
             "_remove_final_layer_norm": False, "activation_function": "relu", "bos_token_id": 2, "eos_token_id": 2,
             "enable_bias": True, "layer_norm_elementwise_affine": True, "tie_word_embeddings": True,
             "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
-           gguf_layer_tensors={}, layer_shapes=opt_layer_shapes, model_shapes=opt_model_shapes),
+           gguf_layer_tensors={}, layer_shapes=opt_layer_shapes, model_shapes=opt_model_shapes,
+           count_parameters=count_opt_parameters),
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in _FAMILIES}

@@ -26,7 +26,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedllm.transformers_utils.families import FAMILIES, GGUF_TOP_TENSORS
+from pagedllm.transformers_utils.families import GGUF_TOP_TENSORS
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types -> struct formats of the fixed-size ones (8: string, 9: array).
@@ -285,7 +285,7 @@ def _hf_name(name: str, arch) -> tuple[int | None, str]:
     match = _GGUF_LAYER.match(name)
     if match is not None:
         layer, part, expert, kind = match.groups()
-        parts = FAMILIES[arch.architecture].gguf_layer_tensors
+        parts = arch.family.gguf_layer_tensors
         if expert is not None:
             return int(layer), f"mlp.experts.*.{part.removeprefix('ffn_')}_proj.{kind}"
         return int(layer), f"{parts.get(part, part)}.{kind}"
@@ -308,9 +308,8 @@ def check_tensor_shapes(checked: CheckedFiles, arch) -> None:
     naming (GGUF's or Hugging Face's); every layer index is one it has; a GGUF file's 1-D tensors
     are stored as floats. `arch`: the file's `ModelArchConfig`."""
     gguf = any(name.startswith("blk.") or name == "token_embd.weight" for name in checked.tensors)
-    family = FAMILIES[arch.architecture]
-    layers = [family.layer_shapes(arch, layer) for layer in range(arch.num_layers)]
-    top = family.model_shapes(arch)
+    layers = [arch.family.layer_shapes(arch, layer) for layer in range(arch.num_layers)]
+    top = arch.family.model_shapes(arch)
     vocab_rows = ("model.embed_tokens.weight", "lm_head.weight")
     for name, info in checked.tensors.items():
         where = checked.files[name]

@@ -9,21 +9,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pagedllm.transformers_utils.arch import ModelArchConfig
 
-# Norms per decoder layer, where not the two of a pre-norm block (Gemma's sandwich norms).
-_NORMS_PER_LAYER = {"Gemma2ForCausalLM": 4, "Gemma3ForCausalLM": 4}
 
-
-def count_parameters(cfg: "ModelArchConfig", active_only: bool) -> int:
-    """Parameters of the model `cfg` describes (a tied head once): every stored one, or with
-    `active_only` those one token uses (a mixture of experts' router and `num_experts_per_tok`
-    experts)."""
-    if cfg.architecture == "OPTForCausalLM":
-        return _count_opt_parameters(cfg)
+def count_llama_parameters(cfg: "ModelArchConfig", active_only: bool, norms_per_layer: int = 2) -> int:
+    """Parameters of the Llama-shaped model `cfg` describes (a tied head once): every stored one,
+    or with `active_only` those one token uses (a mixture of experts' router and
+    `num_experts_per_tok` experts). `norms_per_layer`: 4 for Gemma's sandwich norms."""
     h, hd = cfg.hidden_size, cfg.head_dim
     attn = h * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     attn += hd * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.attention_bias + h * cfg.attention_out_bias
     attn += 2 * hd * cfg.qk_norm
-    norms = _NORMS_PER_LAYER.get(cfg.architecture, 2) * h
+    norms = norms_per_layer * h
     dense = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h) * cfg.mlp_bias
     total = 0
     for layer in range(cfg.num_layers):
@@ -38,7 +33,9 @@ def count_parameters(cfg: "ModelArchConfig", active_only: bool) -> int:
     return total + embed + h + (0 if cfg.tie_word_embeddings else embed)
 
 
-def _count_opt_parameters(cfg: "ModelArchConfig") -> int:
+def count_opt_parameters(cfg: "ModelArchConfig", active_only: bool) -> int:
+    """OPT's parameters: biases and LayerNorms, learned positions, a narrower embedding's
+    projections (no experts: `active_only` changes nothing)."""
     h, ffn = cfg.hidden_size, cfg.intermediate_size
     width = cfg.word_embed_proj_dim or h
     norm = 2 * h if cfg.layer_norm_elementwise_affine else 0
