@@ -88,6 +88,7 @@ class Family:
     read_gguf: GGUFReader | None = None  # the fields its GGUF metadata sets beyond the shared ones
     # Token texts that end a turn, looked up in a GGUF file's vocabulary (no generation_config.json).
     end_of_turn: tuple[str, ...] = ()
+    gguf_permuted_qk: bool = False  # llama.cpp interleaves each q/k head's rotary halves (its llama converter)
     # llama.cpp's layer tensor names -> ours (`model/` maps GGUF files with them, `file_checks` checks them).
     gguf_layer_tensors: Mapping[str, str] = field(default_factory=lambda: LLAMA_LAYER_TENSORS)
     layer_shapes: ShapeRule = llama_layer_shapes  # (arch, layer) -> a layer's tensor shapes, by name
@@ -97,7 +98,8 @@ class Family:
 
 _FAMILIES = (
     Family("LlamaForCausalLM", hf_config.llama, LLAMA_DEFAULTS,
-           gguf_names=("llama",), read_gguf=gguf_config.llama, end_of_turn=("<|eot_id|>", "<|eom_id|>", "<|im_end|>")),
+           gguf_names=("llama",), read_gguf=gguf_config.llama, end_of_turn=("<|eot_id|>", "<|eom_id|>", "<|im_end|>"),
+           gguf_permuted_qk=True),
     Family("MistralForCausalLM", hf_config.mistral,
            {**LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072,
             "sliding_window": 4096},
@@ -120,7 +122,7 @@ _FAMILIES = (
     Family("MixtralForCausalLM", hf_config.mixtral,
            {**LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072,
             "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2},
-           gguf_layer_tensors={**LLAMA_LAYER_TENSORS, **EXPERT_TENSORS}),
+           gguf_permuted_qk=True, gguf_layer_tensors={**LLAMA_LAYER_TENSORS, **EXPERT_TENSORS}),
     Family("Gemma2ForCausalLM", hf_config.gemma2,
            {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
