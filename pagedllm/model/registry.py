@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedllm.model.granite import GraniteForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.mixtral import MixtralForCausalLM
 from pagedllm.model.opt import OPTForCausalLM
@@ -23,6 +24,7 @@ MODELS: dict[str, type] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
 }
 assert tuple(MODELS) == SUPPORTED_ARCHITECTURES, "every family of transformers_utils.families needs a class"
 

@@ -97,6 +97,11 @@ class ModelArchConfig:
     do_layer_norm_before: bool = True
     layer_norm_elementwise_affine: bool = True
     final_layer_norm: bool = True
+    # Granite: the embeddings scale by embedding_multiplier, each attention and MLP output by
+    # residual_multiplier before its residual add; the logits are divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # Token texts that end a turn, looked up in the tokenizer's vocabulary (GGUF files, which
     # carry no generation_config.json; llama.cpp finds them the same way).
     end_of_turn_tokens: list[str] = field(default_factory=list)

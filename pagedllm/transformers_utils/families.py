@@ -158,6 +158,11 @@ _FAMILIES = (
             "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
            gguf_layer_tensors={}, layer_shapes=opt_layer_shapes, model_shapes=opt_model_shapes,
            count_parameters=count_opt_parameters),
+    # Llama with multipliers (embeddings, residual branches, attention scores, logits).
+    Family("GraniteForCausalLM", hf_config.granite,
+           {**LLAMA_DEFAULTS, "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0,
+            "logits_scaling": 1.0},
+           gguf_names=("granite",), read_gguf=gguf_config.granite, gguf_permuted_qk=True),
 )
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in _FAMILIES}

@@ -91,6 +91,13 @@ def qwen3_moe(get, cfg, tensor_names, rope_factors) -> dict[str, Any]:
     return dict(qk_norm=True, moe=_moe(get, cfg["num_layers"], tensor_names, norm=True, float32=False))
 
 
+def granite(get, cfg, tensor_names, rope_factors) -> dict[str, Any]:
+    """Granite's multipliers, under llama.cpp's names (scores scale by attention.scale)."""
+    return dict(query_pre_attn_scalar=float(get("attention.scale", cfg["head_dim"] ** -0.5)) ** -2,
+                embedding_multiplier=float(get("embedding_scale", 1.0)),
+                residual_multiplier=float(get("residual_scale", 1.0)), logits_scaling=float(get("logit_scale", 1.0)))
+
+
 def _rope_scaling(get) -> dict[str, Any] | None:
     kind = get("rope.scaling.type", "none")
     if kind == "none":

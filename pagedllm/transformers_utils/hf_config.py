@@ -152,6 +152,14 @@ def phi3(arch, f, gen):
     return _common(arch, f, gen, phi3=True, sliding_window=f("sliding_window"))
 
 
+def granite(arch, f, gen):
+    """Llama's fields and Granite's multipliers; its scores scale by attention_multiplier, which is
+    query_pre_attn_scalar = attention_multiplier ** -2."""
+    return llama(arch, f, gen) | dict(
+        query_pre_attn_scalar=float(f("attention_multiplier")) ** -2, logits_scaling=float(f("logits_scaling")),
+        embedding_multiplier=float(f("embedding_multiplier")), residual_multiplier=float(f("residual_multiplier")))
+
+
 def _gemma_common(arch, f, gen, pattern: int, **overrides):
     if f("use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True (Gemma's encoder mode) is not supported: pagedllm "
