@@ -20,8 +20,8 @@ from typing import Any
 
 from pagedllm.transformers_utils import gguf_config, hf_config
 from pagedllm.transformers_utils.sizes import (
-    count_opt_parameters,
     count_llama_parameters,
+    count_opt_parameters,
     llama_layer_shapes,
     llama_model_shapes,
     opt_layer_shapes,
