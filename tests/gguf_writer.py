@@ -23,6 +23,7 @@ GGUF_ARCH = {
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
     "phi3": gguf.MODEL_ARCH.PHI3,
+    "granite": gguf.MODEL_ARCH.GRANITE,
 }
 # Tokenizer keys copied from a real file, so the written one has a working tokenizer.
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
@@ -102,6 +103,11 @@ def write_gguf(folder: Path, family: str, path: Path, tokenizer: dict | None = N
         writer.add_rope_dimension_count(rotary)
         writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", cfg.original_max_position_embeddings))
         writer.add_sliding_window(cfg.sliding_window or 0)
+    if family == "granite":
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
     _add_tokenizer(writer, tokenizer or {})
     if not tokenizer:  # the vocabulary's size is read from its token list
         writer.add_tokenizer_model("gpt2")
@@ -113,7 +119,7 @@ def write_gguf(folder: Path, family: str, path: Path, tokenizer: dict | None = N
     for name, data in _checkpoint_tensors(folder, family, num_layers).items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if family in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if family in ("llama", "mixtral", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _permute(data, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         if family in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1

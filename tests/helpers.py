@@ -9,7 +9,7 @@ import torch
 
 TINY_ARCHS = ("llama", "mistral", "qwen2")
 # The families added with the model registry (tests/test_families.py).
-FAMILY_ARCHS = ("qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "opt")
+FAMILY_ARCHS = ("qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "opt", "granite")
 TINY_VOCAB = 49152  # the default model's tokenizer, so tiny models handle real text
 
 # Each family's tiny shape, over the common one below: GQA everywhere it exists, a head size
@@ -31,6 +31,8 @@ _FAMILY_SHAPES: dict[str, dict] = {
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "phi3": {"pad_token_id": 0},
     "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 1024, "pad_token_id": 1},
+    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+                "logits_scaling": 4.0},
 }
 
 
@@ -40,6 +42,7 @@ def _family_classes(arch: str):
     names = {
         "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
         "mixtral": "Mixtral", "gemma2": "Gemma2", "gemma3": "Gemma3", "phi3": "Phi3", "opt": "OPT",
+        "granite": "Granite",
     }
     config_name = "Gemma3TextConfig" if arch == "gemma3" else f"{names[arch]}Config"
     return getattr(transformers, config_name), getattr(transformers, f"{names[arch]}ForCausalLM")

@@ -46,6 +46,8 @@ CASES = {
     "opt": ("opt", {}),
     "opt-350m-shape": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
     "opt-no-bias-no-affine": ("opt", {"enable_bias": False, "layer_norm_elementwise_affine": False}),
+    "granite": ("granite", {}),
+    "granite-tied-bias": ("granite", {"tie_word_embeddings": True, "attention_bias": True}),
 }
 # The same weights as GGUF: the variants a GGUF file can express (llama.cpp's Gemma assumes
 # query_pre_attn_scalar = head_dim and Gemma 3 five sliding layers to one global).
@@ -58,6 +60,7 @@ GGUF_CASES = {
     "phi3": ("phi3", {}),
     "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.5}),
     "phi3-longrope": ("phi3", LONGROPE),
+    "granite": ("granite", {}),
 }
 
 

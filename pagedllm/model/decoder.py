@@ -5,14 +5,14 @@ A family subclasses `DecoderForCausalLM`, builds the decoder (`build_model`: `se
 the `Attention` layers in layer order; the LM head is made here, tied where the config says),
 and states its checkpoint's names: `stacked_params` (checkpoint projections fused into one of
 our parameters), `checkpoint_targets` for anything else (fused checkpoints split, experts), and
-its GGUF tensor names (`gguf_layer_tensors`, `gguf_top_tensors`; `gguf_weight` for a tensor
-llama.cpp stores transformed).
+its GGUF tensor names (`gguf_layer_tensors`, from its entry in `transformers_utils.families`;
+`gguf_weight` for a tensor llama.cpp stores transformed).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from pagedllm.model.layers import (
 )
 from pagedllm.model.weights import LazyWeight
 from pagedllm.transformers_utils.arch import ModelArchConfig
+from pagedllm.transformers_utils.families import GGUF_TOP_TENSORS, LLAMA_LAYER_TENSORS
 
 # Checkpoint projections that Llama-shaped families fuse: (our parameter, checkpoint name, shard id).
 LLAMA_STACKED_PARAMS = (
@@ -39,24 +40,14 @@ LLAMA_STACKED_PARAMS = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
-# llama.cpp's per-layer tensor names of Llama-shaped families -> ours (after `model.layers.N.`).
-LLAMA_GGUF_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 
 class DecoderForCausalLM(nn.Module):
     stacked_params: tuple[tuple[str, str, Any], ...] = LLAMA_STACKED_PARAMS
-    gguf_layer_tensors: dict[str, str] = LLAMA_GGUF_LAYER_TENSORS
-    gguf_top_tensors = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+    # llama.cpp's names -> ours: a family whose names are not Llama's reads its own from its entry
+    # in `transformers_utils.families` (`FAMILIES[...].gguf_layer_tensors`).
+    gguf_layer_tensors: Mapping[str, str] = LLAMA_LAYER_TENSORS
+    gguf_top_tensors = GGUF_TOP_TENSORS
     # Checkpoint tensors with no parameter (derived buffers some checkpoints save).
     ignored_tensors = ("rotary_emb.inv_freq",)
 

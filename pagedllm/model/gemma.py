@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.model.decoder import LLAMA_GGUF_LAYER_TENSORS, DecoderForCausalLM
+from pagedllm.model.decoder import DecoderForCausalLM
 from pagedllm.model.layers import VocabParallelEmbedding
 from pagedllm.model.llama import LlamaAttention
 from pagedllm.model.mlp import GatedMLP
@@ -29,6 +29,7 @@ from pagedllm.model.norms import GemmaRMSNorm
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.weights import LazyWeight, ShiftedWeight
 from pagedllm.transformers_utils.arch import ModelArchConfig
+from pagedllm.transformers_utils.families import FAMILIES
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -76,16 +77,8 @@ class GemmaModel(nn.Module):
         return self.norm(hidden)
 
 
-GEMMA2_GGUF_LAYER_TENSORS = {
-    **LLAMA_GGUF_LAYER_TENSORS,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-
-
 class Gemma2ForCausalLM(DecoderForCausalLM):
-    gguf_layer_tensors = GEMMA2_GGUF_LAYER_TENSORS
+    gguf_layer_tensors = FAMILIES["Gemma2ForCausalLM"].gguf_layer_tensors
 
     def build_model(self, max_position, backend, tp, dtype) -> GemmaModel:
         return GemmaModel(self.cfg, max_position, backend, tp, dtype)
@@ -102,4 +95,4 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    gguf_layer_tensors = {**GEMMA2_GGUF_LAYER_TENSORS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+    gguf_layer_tensors = FAMILIES["Gemma3ForCausalLM"].gguf_layer_tensors

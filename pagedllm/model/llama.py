@@ -78,13 +78,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    decoder_layer = LlamaDecoderLayer  # (Granite's scales its residual branches)
+
     def __init__(self, cfg: ModelArchConfig, max_position: int, backend, tp, dtype, make_mlp):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype,
                                       cfg.partial_rotary_factor)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, layer, self.rotary, backend, tp, dtype, make_mlp(layer))
+            self.decoder_layer(cfg, layer, self.rotary, backend, tp, dtype, make_mlp(layer))
             for layer in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -92,8 +94,11 @@ class LlamaModel(nn.Module):
         # worker).
         self.fused_layers = None
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids, positions, metadata):
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         if self.fused_layers is not None and self.fused_layers.applies(hidden, metadata):
             hidden, residual = self.fused_layers(positions, hidden, metadata)
         else:

@@ -46,8 +46,7 @@ def _gguf_weights(path: Path, model_cls: type, arch: ModelArchConfig, native: bo
     checkpoint holds them (`gguf_weight`); with `native`, offering their blocks as the kernels
     read them (`GGUFWeight.load_native`)."""
     metadata = gguf_metadata(path)  # read once per process, and cached across runs
-    # llama.cpp permutes the q/k rows of its llama architecture (Llama, Mistral, Mixtral) only.
-    permuted = metadata["fields"].get("general.architecture") == "llama"
+    permuted = arch.family.gguf_permuted_qk  # (the q/k rows of llama.cpp's llama architecture)
     for tensor in gguf_tensors(path, metadata["tensors"], metadata["byte_order"]):
         if tensor.name in ROPE_FACTOR_TENSORS:  # already read into the architecture
             continue

@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import re
 
-from pagedllm.model.decoder import LLAMA_GGUF_LAYER_TENSORS
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.weights import LazyWeight
+from pagedllm.transformers_utils.families import FAMILIES
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    gguf_layer_tensors = {
-        **LLAMA_GGUF_LAYER_TENSORS,
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_exps": "mlp.experts.gate_proj",
-        "ffn_up_exps": "mlp.experts.up_proj",
-        "ffn_down_exps": "mlp.experts.down_proj",
-    }
+    gguf_layer_tensors = FAMILIES["MixtralForCausalLM"].gguf_layer_tensors
 
     @classmethod
     def gguf_to_hf_name(cls, name: str) -> str:

@@ -5,13 +5,13 @@ rotary (`pagedllm.model.rotary`). GGUF: `phi3` (attn_qkv, and ffn_up holding gat
 
 from __future__ import annotations
 
-from pagedllm.model.decoder import LLAMA_GGUF_LAYER_TENSORS
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.weights import LazyWeight
+from pagedllm.transformers_utils.families import FAMILIES
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    gguf_layer_tensors = {**LLAMA_GGUF_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+    gguf_layer_tensors = FAMILIES["Phi3ForCausalLM"].gguf_layer_tensors
 
     def checkpoint_targets(self, name: str, weight: LazyWeight):
         if ".self_attn.qkv_proj." in name:  # [q heads | k heads | v heads] rows

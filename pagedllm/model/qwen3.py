@@ -4,15 +4,9 @@ by max_window_layers where use_sliding_window is set. GGUF: `qwen3`."""
 
 from __future__ import annotations
 
-from pagedllm.model.decoder import LLAMA_GGUF_LAYER_TENSORS
 from pagedllm.model.llama import LlamaForCausalLM
-
-QWEN3_GGUF_LAYER_TENSORS = {
-    **LLAMA_GGUF_LAYER_TENSORS,
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
+from pagedllm.transformers_utils.families import FAMILIES
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    gguf_layer_tensors = QWEN3_GGUF_LAYER_TENSORS
+    gguf_layer_tensors = FAMILIES["Qwen3ForCausalLM"].gguf_layer_tensors

@@ -5,14 +5,9 @@ every stack has a kernel: `quant.experts.GGUFExperts`)."""
 
 from __future__ import annotations
 
-from pagedllm.model.qwen3 import QWEN3_GGUF_LAYER_TENSORS, Qwen3ForCausalLM
+from pagedllm.model.qwen3 import Qwen3ForCausalLM
+from pagedllm.transformers_utils.families import FAMILIES
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    gguf_layer_tensors = {
-        **QWEN3_GGUF_LAYER_TENSORS,
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_exps": "mlp.experts.gate_proj",
-        "ffn_up_exps": "mlp.experts.up_proj",
-        "ffn_down_exps": "mlp.experts.down_proj",
-    }
+    gguf_layer_tensors = FAMILIES["Qwen3MoeForCausalLM"].gguf_layer_tensors

@@ -1,16 +1,17 @@
 """Which class serves each architecture (config.json's `architectures[0]`; a GGUF file's
-`general.architecture` is mapped to one of these by `transformers_utils.gguf_config`)."""
+`general.architecture` is mapped to one of these by its entry in `transformers_utils.families`)."""
 
 from __future__ import annotations
 
 from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedllm.model.granite import GraniteForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.mixtral import MixtralForCausalLM
 from pagedllm.model.opt import OPTForCausalLM
 from pagedllm.model.phi3 import Phi3ForCausalLM
 from pagedllm.model.qwen3 import Qwen3ForCausalLM
 from pagedllm.model.qwen3_moe import Qwen3MoeForCausalLM
-from pagedllm.transformers_utils.arch import SUPPORTED_ARCHITECTURES
+from pagedllm.transformers_utils.families import SUPPORTED_ARCHITECTURES
 
 MODELS: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -23,8 +24,9 @@ MODELS: dict[str, type] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
 }
-assert tuple(MODELS) == SUPPORTED_ARCHITECTURES, "every architecture the config readers accept needs a class"
+assert tuple(MODELS) == SUPPORTED_ARCHITECTURES, "every family of transformers_utils.families needs a class"
 
 
 def model_class(architecture: str) -> type:

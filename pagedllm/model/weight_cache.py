@@ -75,6 +75,7 @@ UNUSED_ENTRY_DAYS = 30
 def _code_digest() -> str:
     """A hash of the code that decides what is saved (reading, dequantizing, fusing, unpacking):
     an entry written by other code is a different entry, never a stale one."""
+    import pagedllm.transformers_utils.families
     import pagedllm.transformers_utils.gguf_config
 
     # Every model family's code (which parameters exist, how GGUF tensors map onto them), the
@@ -83,6 +84,7 @@ def _code_digest() -> str:
     files = sorted(Path(__file__).parent.rglob("*.py"))
     files.append(Path(gguf_kernels.__file__))
     files.append(Path(pagedllm.transformers_utils.gguf_config.__file__))
+    files.append(Path(pagedllm.transformers_utils.families.__file__))  # each family's GGUF tensor names
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.read_bytes())

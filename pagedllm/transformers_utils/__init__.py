@@ -4,8 +4,9 @@ Torch-free, so the engine's front end (requests, detokenizing, stop checks) neve
 `transformers` and `gguf` are imported only when a tokenizer or GGUF file is read.
 """
 
-from pagedllm.transformers_utils.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, load_arch_config
+from pagedllm.transformers_utils.arch import ModelArchConfig, load_arch_config
 from pagedllm.transformers_utils.detokenizer import IncrementalDetokenizer
+from pagedllm.transformers_utils.families import SUPPORTED_ARCHITECTURES
 from pagedllm.transformers_utils.source import ModelSource, default_model_file, resolve_model
 from pagedllm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
 

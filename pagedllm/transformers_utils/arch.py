@@ -3,9 +3,9 @@
 `ModelArchConfig` is one dataclass for every family: the fields all decoders share, and each
 family's own (Gemma's soft-caps and query scale, Qwen3's q/k norms, a mixture of experts, OPT's
 projections and norm placement), left at their neutral defaults by the families without them.
-The readers that fill it live beside it, one function per family: `hf_config` (config.json, with
-each family's transformers defaults) and `gguf_config` (GGUF metadata, as llama.cpp writes it).
-Torch-free, like the rest of `transformers_utils`.
+The readers that fill it live beside it, one function per family: `hf_config` (config.json) and
+`gguf_config` (GGUF metadata, as llama.cpp writes it); `families` names each family's readers,
+defaults, tensor names and shapes. Torch-free, like the rest of `transformers_utils`.
 """
 
 from __future__ import annotations
@@ -16,26 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.transformers_utils.sizes import count_parameters, sharded_widths
+from pagedllm.transformers_utils.sizes import sharded_widths
 
 if TYPE_CHECKING:
+    from pagedllm.transformers_utils.families import Family
     from pagedllm.transformers_utils.source import ModelSource
 
 logger = logging.getLogger("pagedllm")
 
-# The architectures pagedllm serves (config.json's `architectures[0]`), in the order errors list them.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "Phi3ForCausalLM",
-    "OPTForCausalLM",
-)
 # Rotary scalings computed (transformers' names); "dynamic" rescales with the sequence length,
 # which a cache of rotated keys cannot follow, so it is refused with the others.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -109,11 +97,18 @@ class ModelArchConfig:
     do_layer_norm_before: bool = True
     layer_norm_elementwise_affine: bool = True
     final_layer_norm: bool = True
+    # Granite: the embeddings scale by embedding_multiplier, each attention and MLP output by
+    # residual_multiplier before its residual add; the logits are divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # Token texts that end a turn, looked up in the tokenizer's vocabulary (GGUF files, which
     # carry no generation_config.json; llama.cpp finds them the same way).
     end_of_turn_tokens: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        from pagedllm.transformers_utils.families import SUPPORTED_ARCHITECTURES  # (its readers import this module)
+
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"Unsupported model architecture {self.architecture!r}. "
@@ -156,6 +151,13 @@ class ModelArchConfig:
                 f"({moe.num_experts})."
             )
 
+    @property
+    def family(self) -> "Family":
+        """The architecture's entry in `families` (its readers, tensor names and shapes)."""
+        from pagedllm.transformers_utils.families import FAMILIES
+
+        return FAMILIES[self.architecture]
+
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window of layer `layer` (tokens each query sees, itself included), or None."""
         if self.sliding_window is None:
@@ -181,13 +183,13 @@ class ModelArchConfig:
         """Parameters that take part in one token's forward pass (a tied LM head counted once):
         of a mixture of experts, the router and the `num_experts_per_tok` experts each token
         runs. `num_total_parameters` counts every stored one."""
-        return count_parameters(self, active_only=True)
+        return self.family.count_parameters(self, active_only=True)
 
     @property
     def num_total_parameters(self) -> int:
         """Every parameter the model stores (a tied LM head once), all experts included: what
         transformers' `num_parameters()` counts."""
-        return count_parameters(self, active_only=False)
+        return self.family.count_parameters(self, active_only=False)
 
     def valid_tensor_parallel_sizes(self) -> list[int]:
         """Sizes that split the query heads and the MLPs (each expert's too) evenly, and split or

@@ -11,8 +11,8 @@ what is wrong with it, not a library's `IndexError` or `struct.error` from deep 
   byte range against the file's size).
 - Once the architecture is known (`check_tensor_shapes`): the shape of every tensor it fixes
   (embedding, lm_head, each layer's projections, biases, norms, router and experts), in every
-  supported family, under GGUF's names or Hugging Face's; 1-dimensional GGUF tensors (norms,
-  biases) stored in a float type.
+  supported family, under GGUF's names or Hugging Face's (each family's names and shapes are
+  its entry in `families`); 1-dimensional GGUF tensors (norms, biases) stored in a float type.
 
 Torch-free; `gguf` (numpy) only for its table of quantized block sizes.
 """
@@ -25,6 +25,8 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pagedllm.transformers_utils.families import GGUF_TOP_TENSORS
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types -> struct formats of the fixed-size ones (8: string, 9: array).
@@ -272,22 +274,6 @@ def check_model_files(source) -> CheckedFiles:
 
 # --- shapes against the architecture -----------------------------------------------------------
 
-# llama.cpp's names of a layer's tensors -> the Hugging Face checkpoint's, as the model classes map
-# them (`gguf_layer_tensors`); Phi-3's ffn_up holds gate and up (`_PHI3_GGUF_PARTS`). Norms map to
-# any norm of their width: only their shape is checked.
-_GGUF_PARTS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-_PHI3_GGUF_PARTS = {**_GGUF_PARTS, "ffn_up": "mlp.gate_up_proj"}
-_GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-             "output_norm.weight": "model.norm.weight"}
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)$")  # (.E: one expert's, old files)
 _HF_LAYER = re.compile(r"^model\.(?:decoder\.)?layers\.(\d+)\.(.+)$")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -299,12 +285,13 @@ def _hf_name(name: str, arch) -> tuple[int | None, str]:
     match = _GGUF_LAYER.match(name)
     if match is not None:
         layer, part, expert, kind = match.groups()
-        parts = _PHI3_GGUF_PARTS if arch.architecture == "Phi3ForCausalLM" else _GGUF_PARTS
+        parts = arch.family.gguf_layer_tensors
         if expert is not None:
             return int(layer), f"mlp.experts.*.{part.removeprefix('ffn_')}_proj.{kind}"
         return int(layer), f"{parts.get(part, part)}.{kind}"
-    if name in _GGUF_TOP:
-        return None, _GGUF_TOP[name]
+    base, _, kind = name.rpartition(".")
+    if base in GGUF_TOP_TENSORS:
+        return None, f"{GGUF_TOP_TENSORS[base]}.{kind}"
     if name.startswith("decoder."):  # OPT saved from OPTModel
         name = "model." + name
     match = _HF_LAYER.match(name)
@@ -316,64 +303,13 @@ def _hf_name(name: str, arch) -> tuple[int | None, str]:
     return int(match.group(1)), part
 
 
-def _layer_shapes(arch, layer: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor a layer of `arch` may hold (in `_hf_name`'s terms) -> its shape, torch's order."""
-    hidden, head = arch.hidden_size, arch.head_dim
-    q, kv, width = arch.num_heads * head, arch.num_kv_heads * head, arch.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
-        "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
-        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.bias": (hidden,), "self_attn.q_norm.weight": (head,), "self_attn.k_norm.weight": (head,),
-    }
-    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
-        shapes[f"{norm}.weight"] = (hidden,)
-    if arch.architecture == "OPTForCausalLM":  # its own names; biases and LayerNorms everywhere
-        shapes |= {"self_attn.out_proj.weight": (hidden, q), "self_attn.out_proj.bias": (hidden,),
-                   "fc1.weight": (width, hidden), "fc1.bias": (width,), "fc2.weight": (hidden, width), "fc2.bias": (hidden,)}
-        for norm in ("self_attn_layer_norm", "final_layer_norm"):
-            shapes |= {f"{norm}.weight": (hidden,), f"{norm}.bias": (hidden,)}
-        return shapes
-    if arch.architecture == "Phi3ForCausalLM":  # q, k and v fused; gate and up fused
-        return shapes | {"self_attn.qkv_proj.weight": (q + 2 * kv, hidden), "mlp.gate_up_proj.weight": (2 * width, hidden),
-                         "mlp.down_proj.weight": (hidden, width)}
-    if arch.moe is not None and arch.moe.is_sparse(layer):
-        experts, expert_width = arch.moe.num_experts, arch.moe.intermediate_size
-        return shapes | {
-            "mlp.gate.weight": (experts, hidden),
-            "mlp.experts.gate_proj.weight": (experts, expert_width, hidden),  # GGUF: every expert stacked
-            "mlp.experts.up_proj.weight": (experts, expert_width, hidden),
-            "mlp.experts.down_proj.weight": (experts, hidden, expert_width),
-            "mlp.experts.gate_up_proj": (experts, 2 * expert_width, hidden),  # transformers 5: fused, stacked
-            "mlp.experts.down_proj": (experts, hidden, expert_width),
-            "mlp.experts.*.gate_proj.weight": (expert_width, hidden),
-            "mlp.experts.*.up_proj.weight": (expert_width, hidden),
-            "mlp.experts.*.down_proj.weight": (hidden, expert_width),
-        }
-    return shapes | {"mlp.gate_proj.weight": (width, hidden), "mlp.up_proj.weight": (width, hidden),
-                     "mlp.down_proj.weight": (hidden, width), "mlp.gate_proj.bias": (width,),
-                     "mlp.up_proj.bias": (width,), "mlp.down_proj.bias": (hidden,)}
-
-
-def _model_shapes(arch) -> dict[str, tuple[int, ...]]:
-    """The tensors outside the layers with a fixed shape (the embedding and lm_head apart)."""
-    hidden = arch.hidden_size
-    shapes = {"model.norm.weight": (hidden,), "model.final_layer_norm.weight": (hidden,),
-              "model.final_layer_norm.bias": (hidden,)}
-    if arch.architecture == "OPTForCausalLM":
-        width = arch.word_embed_proj_dim or hidden
-        shapes |= {"model.embed_positions.weight": (arch.max_position_embeddings + 2, hidden),
-                   "model.project_in.weight": (hidden, width), "model.project_out.weight": (width, hidden)}
-    return shapes
-
-
 def check_tensor_shapes(checked: CheckedFiles, arch) -> None:
     """Every tensor the architecture fixes has its shape, in every supported family and either
     naming (GGUF's or Hugging Face's); every layer index is one it has; a GGUF file's 1-D tensors
     are stored as floats. `arch`: the file's `ModelArchConfig`."""
     gguf = any(name.startswith("blk.") or name == "token_embd.weight" for name in checked.tensors)
-    layers = [_layer_shapes(arch, layer) for layer in range(arch.num_layers)]
-    top = _model_shapes(arch)
+    layers = [arch.family.layer_shapes(arch, layer) for layer in range(arch.num_layers)]
+    top = arch.family.model_shapes(arch)
     vocab_rows = ("model.embed_tokens.weight", "lm_head.weight")
     for name, info in checked.tensors.items():
         where = checked.files[name]

@@ -1,5 +1,7 @@
-"""GGUF metadata -> `ModelArchConfig`, one reader per `general.architecture`, with the keys and
-conventions llama.cpp's `convert_hf_to_gguf.py` writes and its loader reads (`<arch>.<key>`).
+"""GGUF metadata -> `ModelArchConfig`, with the keys and conventions llama.cpp's
+`convert_hf_to_gguf.py` writes and its loader reads (`<arch>.<key>`): the fields every family
+shares here, and one reader per family for its own (the table of `families` names, per family,
+its `general.architecture` names, its reader and its end-of-turn tokens).
 
 Where a GGUF file carries no value that config.json would (Gemma's query scale, its sliding
 pattern, Gemma 3's local rotary base), the value llama.cpp itself assumes is used, so a file runs
@@ -12,38 +14,9 @@ from typing import Any
 
 from pagedllm.transformers_utils.arch import ModelArchConfig, MoEConfig
 
-# GGUF `general.architecture` -> the Hugging Face architecture it is loaded as (llama files with
-# experts are Mixtral's, as llama.cpp writes them).
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-}
-# Token texts that end a turn, per family (llama.cpp finds its end-of-generation tokens by text
-# the same way; GGUF files carry no generation_config.json).
-_END_OF_TURN = {
-    "llama": ["<|eot_id|>", "<|eom_id|>", "<|im_end|>"],
-    "mistral": [],
-    "qwen2": ["<|im_end|>", "<|endoftext|>"],
-    "qwen3": ["<|im_end|>", "<|endoftext|>"],
-    "qwen3moe": ["<|im_end|>", "<|endoftext|>"],
-    "gemma2": ["<end_of_turn>"],
-    "gemma3": ["<end_of_turn>"],
-    "phi3": ["<|end|>", "<|endoftext|>"],
-}
-# llama.cpp's Gemma layer patterns: layer i slides unless (i + 1) is a multiple of this.
-_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
-# Gemma's 27B models scale queries by (hidden / heads) ** -0.5, the others by head_dim ** -0.5
-# (llama.cpp tells them apart by their layer count; GGUF has no query_pre_attn_scalar).
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-
-
 def arch_config_from_gguf(fields: dict[str, Any], tensor_names: set[str], rope_factors: dict[str, list[float]]) -> ModelArchConfig:
+    from pagedllm.transformers_utils.families import GGUF_ARCHITECTURES, FAMILIES  # (it imports the readers)
+
     arch = fields.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -70,8 +43,9 @@ def arch_config_from_gguf(fields: dict[str, Any], tensor_names: set[str], rope_f
         token = fields.get(f"tokenizer.ggml.{key}")
         if token is not None and token not in eos:
             eos.append(token)
+    family = FAMILIES[GGUF_ARCHITECTURES[arch]]
     cfg: dict[str, Any] = dict(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=family.architecture,
         vocab_size=get("vocab_size") or (tokens if isinstance(tokens, int) else len(tokens)),
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
@@ -84,22 +58,44 @@ def arch_config_from_gguf(fields: dict[str, Any], tensor_names: set[str], rope_f
         rope_scaling=_rope_scaling(get),
         max_position_embeddings=get("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2",
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos,
-        end_of_turn_tokens=list(_END_OF_TURN[arch]),
+        end_of_turn_tokens=list(family.end_of_turn),
     )
-    if arch == "llama" and get("expert_count", 0) > 0:
-        cfg.update(architecture="MixtralForCausalLM", moe=_moe(get, num_layers, tensor_names, norm=True, float32=True))
-    elif arch in ("qwen3", "qwen3moe"):
-        cfg["qk_norm"] = True
-        if arch == "qwen3moe":  # llama.cpp's Qwen3-MoE always renormalises the chosen experts' weights
-            cfg["moe"] = _moe(get, num_layers, tensor_names, norm=True, float32=False)
-    elif arch in _GEMMA_PATTERN:
-        cfg.update(_gemma(arch, get, hidden, num_heads, head_dim, num_layers))
-    elif arch == "phi3":
-        cfg.update(_phi3(get, head_dim, rope_factors))
+    if family.read_gguf is not None:
+        cfg.update(family.read_gguf(get, cfg, tensor_names, rope_factors))
     return ModelArchConfig(**cfg)
+
+
+# --- each family's own fields: (get, the shared fields, tensor names, rope factors) -> fields ---
+
+
+def llama(get, cfg, tensor_names, rope_factors) -> dict[str, Any]:
+    """llama.cpp writes Mixtral as `llama` with experts."""
+    if get("expert_count", 0) > 0:
+        return dict(architecture="MixtralForCausalLM",
+                    moe=_moe(get, cfg["num_layers"], tensor_names, norm=True, float32=True))
+    return {}
+
+
+def qwen2(get, cfg, tensor_names, rope_factors) -> dict[str, Any]:
+    return dict(attention_bias=True)
+
+
+def qwen3(get, cfg, tensor_names, rope_factors) -> dict[str, Any]:
+    return dict(qk_norm=True)
+
+
+def qwen3_moe(get, cfg, tensor_names, rope_factors) -> dict[str, Any]:
+    # llama.cpp's Qwen3-MoE always renormalises the chosen experts' weights.
+    return dict(qk_norm=True, moe=_moe(get, cfg["num_layers"], tensor_names, norm=True, float32=False))
+
+
+def granite(get, cfg, tensor_names, rope_factors) -> dict[str, Any]:
+    """Granite's multipliers, under llama.cpp's names (scores scale by attention.scale)."""
+    return dict(query_pre_attn_scalar=float(get("attention.scale", cfg["head_dim"] ** -0.5)) ** -2,
+                embedding_multiplier=float(get("embedding_scale", 1.0)),
+                residual_multiplier=float(get("residual_scale", 1.0)), logits_scaling=float(get("logit_scale", 1.0)))
 
 
 def _rope_scaling(get) -> dict[str, Any] | None:
@@ -121,29 +117,38 @@ def _moe(get, num_layers: int, tensor_names: set[str], norm: bool, float32: bool
                      get("expert_feed_forward_length") or get("feed_forward_length"), norm, dense, float32)
 
 
-def _gemma(arch: str, get, hidden: int, num_heads: int, head_dim: int, num_layers: int) -> dict[str, Any]:
-    pattern = get("attention.sliding_window_pattern", _GEMMA_PATTERN[arch])
-    window = get("attention.sliding_window")
-    cfg: dict[str, Any] = dict(
+def _gemma(get, cfg, pattern: int, layers_27b: int) -> dict[str, Any]:
+    """Gemma's layer pattern (llama.cpp's default: layer i slides unless (i + 1) is a multiple of
+    `pattern`) and query scale: the 27B models (`layers_27b` layers; GGUF has no
+    query_pre_attn_scalar) scale queries by (hidden / heads) ** -0.5, the others by head_dim ** -0.5."""
+    pattern = get("attention.sliding_window_pattern", pattern)
+    num_layers, hidden, num_heads = cfg["num_layers"], cfg["hidden_size"], cfg["num_heads"]
+    return dict(
         hidden_act="gelu_pytorch_tanh",
-        query_pre_attn_scalar=float(hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim),
+        query_pre_attn_scalar=float(hidden // num_heads if num_layers == layers_27b else cfg["head_dim"]),
         final_logit_softcapping=get("final_logit_softcapping"),
-        sliding_window=window or None,
+        sliding_window=get("attention.sliding_window") or None,
         layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)],
     )
-    if arch == "gemma2":
-        cfg["attn_logit_softcapping"] = get("attn_logit_softcapping")
-    else:  # llama.cpp's Gemma 3 sliding layers turn at base 10000, unscaled
-        cfg.update(qk_norm=True, local_rope_theta=float(get("rope.freq_base_swa", 10000.0)), local_rope_scaling=None)
-    return cfg
 
 
-def _phi3(get, head_dim: int, rope_factors: dict[str, list[float]]) -> dict[str, Any]:
+def gemma2(get, cfg, tensor_names, rope_factors) -> dict[str, Any]:
+    return _gemma(get, cfg, pattern=2, layers_27b=46) | dict(attn_logit_softcapping=get("attn_logit_softcapping"))
+
+
+def gemma3(get, cfg, tensor_names, rope_factors) -> dict[str, Any]:
+    # llama.cpp's Gemma 3 sliding layers turn at base 10000, unscaled.
+    return _gemma(get, cfg, pattern=6, layers_27b=62) | dict(
+        qk_norm=True, local_rope_theta=float(get("rope.freq_base_swa", 10000.0)), local_rope_scaling=None)
+
+
+def phi3(get, cfg, tensor_names, rope_factors) -> dict[str, Any]:
+    head_dim = cfg["head_dim"]
     rotary_dims = get("rope.dimension_count", head_dim)
-    cfg: dict[str, Any] = dict(partial_rotary_factor=rotary_dims / head_dim, sliding_window=get("attention.sliding_window") or None)
+    fields: dict[str, Any] = dict(partial_rotary_factor=rotary_dims / head_dim, sliding_window=get("attention.sliding_window") or None)
     if "rope_factors_long.weight" in rope_factors:
         original = get("rope.scaling.original_context_length", get("context_length"))
-        cfg["rope_scaling"] = {
+        fields["rope_scaling"] = {
             "rope_type": "longrope",
             "long_factor": rope_factors["rope_factors_long.weight"],
             "short_factor": rope_factors["rope_factors_short.weight"],
@@ -151,4 +156,4 @@ def _phi3(get, head_dim: int, rope_factors: dict[str, list[float]]) -> dict[str,
             "factor": get("context_length") / original,
             "attention_factor": get("rope.scaling.attn_factor"),
         }
-    return cfg
+    return fields

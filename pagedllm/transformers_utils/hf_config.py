@@ -1,4 +1,5 @@
-"""config.json -> `ModelArchConfig`, one reader per family.
+"""config.json -> `ModelArchConfig`, one reader per family (the table of `families` names each
+family's reader and its defaults).
 
 Each reader fills a missing (or null) field with that family's own transformers default
 (`configuration_<family>.py` in transformers 5), so a config.json written by an older
@@ -10,58 +11,9 @@ either as `rope_parameters` (transformers 5) or as `rope_theta` plus `rope_scali
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from pagedllm.transformers_utils.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, MoEConfig
-
-# Each family's transformers defaults for the fields its config.json may leave out.
-_LLAMA = {
-    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "rope_theta": 10000.0,
-}
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": _LLAMA,
-    "MistralForCausalLM": {**_LLAMA, "intermediate_size": 14336, "num_key_value_heads": 8,
-                           "max_position_embeddings": 131072, "sliding_window": 4096},
-    "Qwen2ForCausalLM": {**_LLAMA, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
-                         "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
-                         "sliding_window": 4096, "max_window_layers": 28},
-    "Qwen3ForCausalLM": {**_LLAMA, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
-                         "head_dim": 128, "max_position_embeddings": 32768, "bos_token_id": None,
-                         "eos_token_id": None, "sliding_window": 4096, "max_window_layers": 28},
-    "Qwen3MoeForCausalLM": {**_LLAMA, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
-                            "num_hidden_layers": 24, "num_key_value_heads": 4, "max_position_embeddings": 32768,
-                            "bos_token_id": None, "eos_token_id": None, "sliding_window": 4096,
-                            "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                            "norm_topk_prob": False, "decoder_sparse_step": 1},
-    "MixtralForCausalLM": {**_LLAMA, "intermediate_size": 14336, "num_key_value_heads": 8,
-                           "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
-                           "num_local_experts": 8, "num_experts_per_tok": 2},
-    "Gemma2ForCausalLM": {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
-                          "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-                          "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
-                          "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
-                          "rope_theta": 10000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-                          "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
-    "Gemma3ForCausalLM": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
-                          "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-                          "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-                          "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-                          "bos_token_id": 2, "eos_token_id": 1, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
-                          "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6},
-    "Phi3ForCausalLM": {**_LLAMA, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
-                        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
-                        "rms_norm_eps": 1e-5, "eos_token_id": 32000},
-    "OPTForCausalLM": {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
-                       "num_attention_heads": 12, "max_position_embeddings": 2048, "do_layer_norm_before": True,
-                       "_remove_final_layer_norm": False, "activation_function": "relu", "bos_token_id": 2,
-                       "eos_token_id": 2, "enable_bias": True, "layer_norm_elementwise_affine": True,
-                       "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
-}
-assert set(_DEFAULTS) == set(SUPPORTED_ARCHITECTURES)
-
+from pagedllm.transformers_utils.arch import ModelArchConfig, MoEConfig
 
 class _Fields:
     """config.json's value of a field, or the family's default where it is missing or null."""
@@ -119,8 +71,9 @@ def _layer_types_from_max_window_layers(f: _Fields, window: int | None) -> list[
     return ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(f("num_hidden_layers"))]
 
 
-def _common(arch: str, f: _Fields, generation_config: dict | None, **overrides) -> dict[str, Any]:
-    """The fields every decoder family reads the same way."""
+def _common(arch: str, f: _Fields, generation_config: dict | None, phi3: bool = False, **overrides) -> dict[str, Any]:
+    """The fields every decoder family reads the same way (`phi3`: Phi-3's rotary, the only one
+    with older LongRoPE names and a partial rotary)."""
     num_heads = f("num_attention_heads")
     hidden = f("hidden_size")
     eos = _ids(f("eos_token_id"))
@@ -143,38 +96,38 @@ def _common(arch: str, f: _Fields, generation_config: dict | None, **overrides) 
         bos_token_id=f("bos_token_id"),
         eos_token_ids=eos,
     )
-    theta, scaling, partial = _rope(f, _rope_parameters(f.cfg), f("rope_theta"), phi3=arch == "Phi3ForCausalLM")
+    theta, scaling, partial = _rope(f, _rope_parameters(f.cfg), f("rope_theta"), phi3=phi3)
     fields.update(rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial)
     fields.update(overrides)
-    if fields["partial_rotary_factor"] != 1.0 and arch != "Phi3ForCausalLM":
+    if fields["partial_rotary_factor"] != 1.0 and not phi3:
         raise ValueError(f"partial_rotary_factor={partial} is not supported for {arch} (transformers' Phi-3 only).")
     return fields
 
 
-def _llama(arch, f, gen):
+def llama(arch, f, gen):
     # Llama: attention_bias puts biases on all four projections; mlp_bias on the MLP's.
     bias = bool(f("attention_bias", False))
     return _common(arch, f, gen, attention_bias=bias, attention_out_bias=bias, mlp_bias=bool(f("mlp_bias", False)))
 
 
-def _mistral(arch, f, gen):
+def mistral(arch, f, gen):
     return _common(arch, f, gen, sliding_window=f("sliding_window"))  # no biases, whatever the config says
 
 
-def _qwen2(arch, f, gen):
+def qwen2(arch, f, gen):
     window = f("sliding_window") if f("use_sliding_window", False) else None
     return _common(arch, f, gen, attention_bias=True, sliding_window=window,
                    layer_types=_layer_types_from_max_window_layers(f, window))
 
 
-def _qwen3(arch, f, gen):
+def qwen3(arch, f, gen):
     window = f("sliding_window") if f("use_sliding_window", False) else None
     bias = bool(f("attention_bias", False))
     return _common(arch, f, gen, attention_bias=bias, attention_out_bias=bias, qk_norm=True, sliding_window=window,
                    layer_types=_layer_types_from_max_window_layers(f, window))
 
 
-def _qwen3_moe(arch, f, gen):
+def qwen3_moe(arch, f, gen):
     window = f("sliding_window") if f("use_sliding_window", False) else None
     bias = bool(f("attention_bias", False))
     num_experts = f("num_local_experts") or f("num_experts")  # config.json names it either way
@@ -189,14 +142,22 @@ def _qwen3_moe(arch, f, gen):
                    moe=moe)
 
 
-def _mixtral(arch, f, gen):
+def mixtral(arch, f, gen):
     moe = MoEConfig(f("num_local_experts") or f("num_experts"), f("num_experts_per_tok"), f("intermediate_size"),
                     norm_topk_prob=True)
     return _common(arch, f, gen, sliding_window=f("sliding_window"), moe=moe)
 
 
-def _phi3(arch, f, gen):
-    return _common(arch, f, gen, sliding_window=f("sliding_window"))
+def phi3(arch, f, gen):
+    return _common(arch, f, gen, phi3=True, sliding_window=f("sliding_window"))
+
+
+def granite(arch, f, gen):
+    """Llama's fields and Granite's multipliers; its scores scale by attention_multiplier, which is
+    query_pre_attn_scalar = attention_multiplier ** -2."""
+    return llama(arch, f, gen) | dict(
+        query_pre_attn_scalar=float(f("attention_multiplier")) ** -2, logits_scaling=float(f("logits_scaling")),
+        embedding_multiplier=float(f("embedding_multiplier")), residual_multiplier=float(f("residual_multiplier")))
 
 
 def _gemma_common(arch, f, gen, pattern: int, **overrides):
@@ -213,11 +174,11 @@ def _gemma_common(arch, f, gen, pattern: int, **overrides):
                    layer_types=layer_types, **overrides)
 
 
-def _gemma2(arch, f, gen):
+def gemma2(arch, f, gen):
     return _gemma_common(arch, f, gen, pattern=2, attn_logit_softcapping=f("attn_logit_softcapping"))
 
 
-def _gemma3(arch, f, gen):
+def gemma3(arch, f, gen):
     """Gemma 3's rotary per layer type: `rope_parameters` nested by full/sliding attention, or
     the older `rope_theta` + `rope_scaling` (full layers) and `rope_local_base_freq` (sliding).
     Its `attn_logit_softcapping` is ignored, as transformers' Gemma 3 ignores it."""
@@ -234,7 +195,7 @@ def _gemma3(arch, f, gen):
                          rope_scaling=scaling, local_rope_theta=local_theta, local_rope_scaling=local_scaling)
 
 
-def _opt(arch, f, gen):
+def opt(arch, f, gen):
     hidden, bias = f("hidden_size"), bool(f("enable_bias"))
     return _common(
         arch, f, gen, intermediate_size=f("ffn_dim"), num_kv_heads=f("num_attention_heads"),
@@ -246,27 +207,14 @@ def _opt(arch, f, gen):
     )
 
 
-_READERS: dict[str, Callable[..., dict[str, Any]]] = {
-    "LlamaForCausalLM": _llama,
-    "MistralForCausalLM": _mistral,
-    "Qwen2ForCausalLM": _qwen2,
-    "Qwen3ForCausalLM": _qwen3,
-    "Qwen3MoeForCausalLM": _qwen3_moe,
-    "MixtralForCausalLM": _mixtral,
-    "Gemma2ForCausalLM": _gemma2,
-    "Gemma3ForCausalLM": _gemma3,
-    "Phi3ForCausalLM": _phi3,
-    "OPTForCausalLM": _opt,
-}
-assert set(_READERS) == set(SUPPORTED_ARCHITECTURES)
-
-
 def arch_config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelArchConfig:
     architectures = cfg.get("architectures") or []
     if not architectures:
         raise ValueError("config.json names no architecture (the 'architectures' field is empty).")
+    from pagedllm.transformers_utils.families import FAMILIES, SUPPORTED_ARCHITECTURES  # (it imports the readers)
+
     architecture = architectures[0]
-    if architecture not in _READERS:
+    if architecture not in FAMILIES:
         raise ValueError(
             f"Unsupported model architecture {architecture!r}. "
             f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}."
@@ -277,4 +225,5 @@ def arch_config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] |
             f"config.json has a quantization_config ({method}): pagedllm reads plain float safetensors weights, "
             "not pre-quantized checkpoints. Use the unquantized model or a GGUF file."
         )
-    return ModelArchConfig(**_READERS[architecture](architecture, _Fields(cfg, _DEFAULTS[architecture]), generation_config))
+    family = FAMILIES[architecture]
+    return ModelArchConfig(**family.read_hf(architecture, _Fields(cfg, family.hf_defaults), generation_config))
