@@ -385,7 +385,7 @@ class Scheduler:
                     "that measuring mode needs a larger KV cache."
                 )
             bm.fork(parent, child, share=self.share_blocks)
-        self._free_finished()
+        update.finished = self._free_finished()
         return update
 
     def _on_step_computed(self, output: SchedulerOutput, seqs_by_id: dict[int, Sequence], result: ModelRunnerOutput) -> None:
@@ -406,22 +406,24 @@ class Scheduler:
                 seq.num_computed_tokens += len(item.token_ids)
             self.block_manager.commit(seq)
 
-    def _free_finished(self) -> None:
+    def _free_finished(self) -> list[SequenceGroup]:
         """Free the blocks of every finished sequence and take finished groups off the running
         queue. Finished sequences of a still-running group free their blocks at once. Then
-        sample the step's KV memory breakdown."""
-        still_running = []
+        sample the step's KV memory breakdown. Returns the groups that finished."""
+        still_running, finished = [], []
         for group in self.running:
             for seq in group.seqs:
                 if seq.is_finished and self.block_manager.has_blocks(seq.seq_id):
                     self.block_manager.free(seq)
             if group.is_finished:
                 self._finished_request_ids.append(group.request_id)
+                finished.append(group)
             else:
                 still_running.append(group)
         self.running = still_running
         live = (seq for group in still_running for seq in group.seqs if not seq.is_finished)
         self.kv_breakdown.add(self.block_manager.slot_breakdown(live))
+        return finished
 
     def _free_group(self, group: SequenceGroup) -> None:
         for seq in group.seqs:

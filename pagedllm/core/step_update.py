@@ -26,6 +26,8 @@ class StepUpdate:
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
     # Sequences with no future (beams that lost): their blocks are freed at once.
     dropped: list[Sequence] = field(default_factory=list)
+    # Set by the scheduler as it applies the update: the groups that finished in this step.
+    finished: list[SequenceGroup] = field(default_factory=list)
 
 
 # Output processing: (the step's control message, what the model returned) -> the update.

@@ -152,9 +152,8 @@ class EngineCore:
             update = self.scheduler.update_from_output(scheduled, result, self.requests.seqs, self._timed_process)
             if self.check_invariants:
                 self.block_manager.check_invariants()
-            for group in update.touched:
-                if group.is_finished:
-                    self.requests.remove_group(group)
+            for group in update.finished:
+                self.requests.remove_group(group)
         self._observe_step(scheduled, time.perf_counter() - begin)
         return EngineStep(scheduled, update.touched, failed, now)
 
