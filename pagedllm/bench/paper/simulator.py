@@ -13,7 +13,6 @@ The same bookkeeping (`RunRecorder`) measures real-clock runs (`real.py`).
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from dataclasses import dataclass, field
