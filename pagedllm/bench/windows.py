@@ -89,7 +89,7 @@ def keep_every_block(engine) -> None:
     bm = old.block_manager
     scheduler = create_scheduler(
         old.config, bm.block_size, bm.num_total_blocks, bm.num_cpu_blocks, engine.max_model_len,
-        enable_prefix_caching=False, group_windows=(None,) * bm.num_groups,
+        enable_prefix_caching=False, group_windows=(None,) * bm.num_groups, share_blocks=old.share_blocks,
     )
     engine.core.scheduler = scheduler
 

@@ -374,10 +374,12 @@ class Scheduler:
         the accepted proposals), let `process` append the sampled tokens and check stops, apply
         the forks and drops it decided, free what finished."""
         self._on_step_computed(output, seqs_by_id, result)
-        update = process(output, result)
-        bm = self.block_manager
-        for seq in update.dropped:
-            bm.free(seq)
+        update, bm = StepUpdate(), self.block_manager
+        try:
+            process(output, result, update)
+        finally:  # drops decided before a failure too: a dropped beam is in no group to abort
+            for seq in update.dropped:
+                bm.free(seq)
         for parent, child in update.forks:
             if not bm.can_fork(parent, share=self.share_blocks):
                 raise RuntimeError(

@@ -30,5 +30,5 @@ class StepUpdate:
     finished: list[SequenceGroup] = field(default_factory=list)
 
 
-# Output processing: (the step's control message, what the model returned) -> the update.
-ProcessOutput = Callable[[SchedulerOutput, ModelRunnerOutput], StepUpdate]
+# Output processing: (the step's control message, what the model returned, the update to fill).
+ProcessOutput = Callable[[SchedulerOutput, ModelRunnerOutput, StepUpdate], None]

@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.core import Scheduler, SequenceGroup, SequenceStatus
 from pagedllm.core.model_output import ModelRunnerOutput
@@ -49,6 +50,7 @@ class EngineStep:
     touched: list[SequenceGroup] = field(default_factory=list)  # progressed or ended, schedule order
     failed: list[SequenceGroup] = field(default_factory=list)  # ended with an error (`group.error`)
     time: float = 0.0  # time.monotonic() once the model's results were in
+    outputs: Any = None  # what the caller's `make_outputs` made of the step
 
 
 class EngineCore:
@@ -78,7 +80,7 @@ class EngineCore:
         self._process = process
         self.num_steps = 0
         self.num_computed_tokens = 0
-        self.last_step = EngineStep()
+        self.last_scheduled: SchedulerOutput | None = None  # the latest step's message (None: nothing ran)
         self.dead: str | None = None  # why the core can no longer run (a worker died)
 
     @property
@@ -108,13 +110,22 @@ class EngineCore:
 
     # --- the step ---------------------------------------------------------------------------
 
-    def step(self) -> EngineStep:
-        """Run one iteration. Finished and failed groups leave `requests` before it returns."""
-        self.last_step = self._step()
-        return self.last_step
+    def step(self, make_outputs: Callable[[EngineStep], Any] | None = None) -> EngineStep:
+        """Run one iteration. Finished and failed groups leave `requests` before it returns.
+        `make_outputs(step)` (a front end's outputs: texts, metrics) runs inside the step, so
+        its time counts in the step-time budget and the `outputs` part; its result is the
+        step's `outputs`."""
+        begin = time.perf_counter()
+        step = self._step()
+        self.last_scheduled = step.scheduled
+        if make_outputs is not None:
+            with self.timer.part("outputs"):
+                step.outputs = make_outputs(step)
+        if step.scheduled is not None:
+            self._observe_step(step.scheduled, time.perf_counter() - begin)
+        return step
 
     def _step(self) -> EngineStep:
-        begin = time.perf_counter()
         timer = self.timer
         with timer.part("scheduler"):
             failed = self._release_compiled()
@@ -154,12 +165,11 @@ class EngineCore:
                 self.block_manager.check_invariants()
             for group in update.finished:
                 self.requests.remove_group(group)
-        self._observe_step(scheduled, time.perf_counter() - begin)
         return EngineStep(scheduled, update.touched, failed, now)
 
-    def _timed_process(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> StepUpdate:
+    def _timed_process(self, scheduled: SchedulerOutput, result: ModelRunnerOutput, update: StepUpdate) -> None:
         with self.timer.part("outputs"):
-            return self._process(scheduled, result)
+            self._process(scheduled, result, update)
 
     def _observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """A step that ran the model teaches the step-time budget its cost per prompt token.

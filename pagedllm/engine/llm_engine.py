@@ -279,12 +279,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of every request that progressed or ended."""
-        step = self.core.step()
-        with self.core.timer.part("outputs"):
-            outputs = [self._make_output(group) for group in step.failed]
-            for group in step.touched:
-                self._update_metrics(group, step.time)
-                outputs.append(self._make_output(group))
+        return self.core.step(self._outputs).outputs
+
+    def _outputs(self, step) -> list[RequestOutput]:
+        outputs = [self._make_output(group) for group in step.failed]
+        for group in step.touched:
+            self._update_metrics(group, step.time)
+            outputs.append(self._make_output(group))
         return outputs
 
     @staticmethod

@@ -39,10 +39,10 @@ class OutputProcessor:
 
     # --- per step ---------------------------------------------------------------------------
 
-    def process(self, output: SchedulerOutput, result: ModelRunnerOutput) -> StepUpdate:
-        """Apply one step's results to the sequences; returns the groups that changed, in
-        schedule order, and the forks and drops for the scheduler."""
-        self._update = update = StepUpdate()
+    def process(self, output: SchedulerOutput, result: ModelRunnerOutput, update: StepUpdate) -> None:
+        """Apply one step's results to the sequences; `update` receives the forks and drops for
+        the scheduler as they are decided, then the groups that changed, in schedule order."""
+        self._update = update
         touched: dict[str, SequenceGroup] = {}
         beam_proposals: dict[str, list[tuple[Sequence, list[SampledToken]]]] = {}
         for item in output.seqs:
@@ -73,8 +73,9 @@ class OutputProcessor:
                 group.beam_state = BeamState()
             max_new_tokens = self.max_tokens(proposals[0][0], group.sampling_params)
             self._apply_beam_step(group, decide_beam_step(group, proposals, max_new_tokens))
+        for _, child in update.forks:  # (on success only: a failed step's forks hold no blocks)
+            self.requests.add_seq(child)
         update.touched = list(touched.values())
-        return update
 
     def _fork_samples(self, group: SequenceGroup, parent: Sequence, samples: list[SampledToken]) -> None:
         """A parallel-sampling prompt completed: sample i goes to a new sequence that shares the
@@ -113,7 +114,6 @@ class OutputProcessor:
         """A copy of `parent` as it is now; the scheduler gives it the parent's blocks."""
         child = parent.fork(self.requests.new_seq_id(), sample_index)
         self._update.forks.append((parent, child))
-        self.requests.add_seq(child)
         return child
 
     def _free_seq(self, seq: Sequence) -> None:

@@ -64,7 +64,7 @@ def test_the_four_parts_partition_the_pool_at_every_step(policy, block_size, num
             i, (_, prompt_len, max_tokens, (n, beam)) = pending.pop(0)
             h.add(f"r{i}", prompt_len, max_tokens, n=n, beam=beam)
         h.step()
-        ran += h.core.last_step.scheduled is not None  # a step with nothing to run samples nothing
+        ran += h.core.last_scheduled is not None  # a step with nothing to run samples nothing
         step += 1
         assert step < 500
         parts = h.bm.slot_breakdown(live_seqs(h))

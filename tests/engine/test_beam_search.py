@@ -190,6 +190,29 @@ def test_dropped_beam_frees_its_blocks_within_the_step_that_drops_it():
     engine.bm.check_invariants()
 
 
+def test_a_step_whose_output_processing_fails_after_a_drop_still_frees_the_dropped_beam(monkeypatch):
+    """The same step as above, but appending the survivors' tokens raises (after the child was
+    dropped): the dropped beam, already out of its group, still gives its blocks back, and
+    aborting the request (what the server's recovery does) leaves every block free."""
+    engine = FakeEngine(block_size=2, num_blocks=8)
+    group = start_beam_search(engine)
+    parent, child = group.seqs
+
+    def fail(*args):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(engine.processor, "_append_token", fail)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.run_step(lambda out: ModelRunnerOutput({
+            parent.seq_id: SequenceStepOutput(candidates((20, -0.25), (21, -0.5), (22, -3.0), (23, -4.0))),
+            child.seq_id: SequenceStepOutput(candidates((24, -1.0), (25, -2.0), (26, -3.0), (27, -4.0))),
+        }))
+    assert not engine.bm.has_blocks(child.seq_id)
+    engine.core.abort("req")
+    assert engine.bm.live_tables() == {} and engine.bm.num_free_blocks == 8
+    engine.bm.check_invariants()
+
+
 def test_finished_search_leaves_every_block_free_and_reports_beam_width_hypotheses():
     engine = FakeEngine(block_size=2, num_blocks=8)
     group = start_beam_search(engine, max_tokens=4)

@@ -76,7 +76,7 @@ def timed_step(engine) -> tuple[list, SchedulerOutput | None, float]:
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     start = clock()
     outputs = engine.step()
-    return outputs, engine.core.last_step.scheduled, clock() - start
+    return outputs, engine.core.last_scheduled, clock() - start
 
 
 def run_real(
