@@ -11,6 +11,7 @@ import os
 import sys
 
 from pagedllm import __version__
+from pagedllm.utils import ExactArgumentParser
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.bench import register_bench
     from pagedllm.entrypoints import cli_generate
 
-    parser = argparse.ArgumentParser(prog="pagedllm", description="An LLM serving engine built on PagedAttention.")
+    parser = ExactArgumentParser(prog="pagedllm", description="An LLM serving engine built on PagedAttention.")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)

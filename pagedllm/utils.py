@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import platform
 import time
@@ -68,3 +69,20 @@ def cpu_model_and_flags() -> tuple[str, str]:
     except OSError:
         pass
     return found.get("model name", platform.processor() or platform.machine() or "unknown"), found.get("flags", "")
+
+
+class ExactArgumentParser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose options match only as spelled: no abbreviations. argparse expands
+    a prefix to the one option it starts (`--max-num` to `--max-num-seqs`), and even with
+    `allow_abbrev=False` it still expands a single-dash one (`-t 2` became `-tp 2`: two tensor-
+    parallel processes for a llama-server user asking for two threads). Its subcommands' parsers
+    are of this class too (argparse makes them of their parent's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _get_option_tuples(self, option_string: str) -> list:
+        # Keep only an option spelled in full with its value attached (`-n5`); drop the options
+        # that merely start with what was typed.
+        return [match for match in super()._get_option_tuples(option_string) if option_string.startswith(match[1])]

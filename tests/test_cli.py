@@ -165,3 +165,29 @@ def test_bench_throughput_grounded_runs_with_and_without_speculation(tiny_llama,
     # n-gram changed with the code they quote).
     assert rows["pagedllm"]["spec_draft_tokens"] > 0
     assert rows["pagedllm"]["x_vs_pagedllm-nospec"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, unknown",
+    [
+        (["serve", "-t", "2"], "-t"),  # llama-server's threads: once read as -tp 2 (two tensor-parallel processes)
+        (["serve", "--max-num", "4"], "--max-num"),  # an abbreviation of --max-num-seqs
+        (["generate", "hi", "--max-tok", "5"], "--max-tok"),
+        (["bench", "latency", "--batch", "2"], "--batch"),
+    ],
+)
+def test_options_match_only_as_spelled(argv, unknown, capsys):
+    """No argparse prefix matching in any subcommand: a prefix of an option is refused by name."""
+    from pagedllm.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {unknown}" in capsys.readouterr().err
+
+
+def test_options_spelled_in_full_still_parse():
+    from pagedllm.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "-tp", "2", "--max-num-seqs", "4", "--max-model-len=128"])
+    assert (args.tensor_parallel_size, args.max_num_seqs, args.max_model_len) == (2, 4, 128)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.paths import cache_dir
+from pagedllm.utils import ExactArgumentParser
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 TARGETS = ("llama-server", "llama-quantize", "llama-bench", "llama-perplexity")
@@ -386,9 +387,8 @@ def run_llama_bench(binaries: Path, model: Path, threads: int, n_prompt: int = 5
 def serve(argv: list[str] | None = None) -> None:
     """`python -m pagedllm.bench.llama_cpp_peer [--port P] [-np N] [-t T] [--ctx-size C] MODEL`:
     `llama-server` on a GGUF file in the foreground, for `pagedllm bench serve --port P`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m pagedllm.bench.llama_cpp_peer", description=serve.__doc__)
+    
+    parser = ExactArgumentParser(prog="python -m pagedllm.bench.llama_cpp_peer", description=serve.__doc__)
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--port", type=int, default=8002)
     parser.add_argument("-np", "--parallel", type=int, default=16, help="slots (requests decoded together)")

