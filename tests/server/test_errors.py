@@ -70,7 +70,12 @@ def test_a_batch_with_one_bad_prompt_runs_none_of_them(server_url):
 def test_malformed_json_and_unknown_routes_get_openai_errors(server_url, client):
     response = httpx.post(server_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
-    assert httpx.get(server_url + "/v1/nothing").json()["error"]["message"] == "Not Found"
+    unknown = httpx.post(server_url + "/completion", json={"prompt": "hi"})  # llama-server's route
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
+    assert unknown.json()["error"]["message"] == (
+        "This server has no route POST /completion; its routes are listed at /openapi.json."
+    )
+    assert "GET /v1/nothing" in httpx.get(server_url + "/v1/nothing").json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi")
     with pytest.raises(openai.BadRequestError, match="temperature"):

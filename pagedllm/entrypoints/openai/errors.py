@@ -139,12 +139,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(400, message, param, "invalid_value" if param else None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         try:
             phrase = HTTPStatus(exc.status_code).phrase
         except ValueError:
             phrase = "Error"
         message = exc.detail if isinstance(exc.detail, str) else phrase
+        if exc.status_code == 404 and message == phrase:  # no route (or static file) at this path
+            message = (f"This server has no route {request.method} {request.url.path}; "
+                       "its routes are listed at /openapi.json.")
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
 
