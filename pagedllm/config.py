@@ -39,6 +39,12 @@ INERT_ARGS = {
     "disable_log_requests": "requests are not logged",
     "disable_custom_all_reduce": "all-reduce is torch.distributed's",
 }
+# ChatML: the template a GGUF file without one gets, as llama.cpp falls back to it (and the one
+# `--chat-template chatml` names).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 # `generation_config`: "auto" reads the model folder's generation_config.json, "vllm" ignores
 # it, anything else is a folder holding one.
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
@@ -74,6 +80,9 @@ class ModelConfig:
     # counts where a measured trial finds int8 faster) or "on"; None: not chosen, the default
     # (INT8_MODES says which).
     int8_activations: str | None = None
+    # On a CPU, the threads a worker computes with (None: torch's default, OMP_NUM_THREADS or
+    # one per core; llama-server's -t). The thread governor never goes above it.
+    threads: int | None = None
 
 
 @dataclass
@@ -224,6 +233,7 @@ class EngineArgs:
     enforce_eager: bool = False
     adapt_cpu_threads: bool = True
     int8_activations: str | None = None  # None: the default (INT8_MODES)
+    threads: int | None = None  # None: torch's default
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_gpu_blocks: int | None = None
@@ -308,6 +318,7 @@ class EngineArgs:
                 enforce_eager=self.enforce_eager,
                 adapt_cpu_threads=self.adapt_cpu_threads,
                 int8_activations=self.int8_activations,
+                threads=self.threads,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -360,7 +371,7 @@ class EngineArgs:
                 f"structured_outputs_compile_seconds must be a positive number of seconds, got "
                 f"{self.structured_outputs_compile_seconds!r}."
             )
-        for name in ("max_model_len", "num_gpu_blocks", "kv_cache_memory", "max_num_batched_tokens"):
+        for name in ("max_model_len", "num_gpu_blocks", "kv_cache_memory", "max_num_batched_tokens", "threads"):
             value = getattr(self, name)
             if value is not None:
                 positive_int(name, value)

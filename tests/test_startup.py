@@ -392,11 +392,11 @@ def test_the_budget_adds_up(cache, tiny_gguf):
     assert budget.kv_cache_reserved == kv_bytes
     assert 0 < budget.swap_pool <= 2 * 16 * 1024 * 4 + page * (2 + len(swap))
     assert budget.swap_pool_reserved == 2 * (64 << 20)
-    assert budget.weights > 0 and budget.rest > 0
-    assert budget.weights + budget.kv_cache + budget.swap_pool + budget.rest == budget.rss
+    assert budget.weights_resident > 0 and budget.rest > 0
+    assert budget.weights_resident + budget.kv_cache + budget.swap_pool + budget.rest == budget.rss
     assert re.fullmatch(
-        r"Memory: weights [\d.]+ GiB, KV cache [\d.]+ GiB \(of [\d.]+ GiB reserved\), swap pool [\d.]+ GiB \(of [\d.]+ GiB reserved\), "
-        r"rest [\d.]+ GiB \(RSS [\d.]+ GiB\)",
+        r"Memory: weights [\d.]+ [MG]iB \([\d.]+ [MG]iB of it resident\), KV cache [\d.]+ [MG]iB \(of [\d.]+ [MG]iB reserved\), "
+        r"swap pool [\d.]+ [MG]iB \(of [\d.]+ [MG]iB reserved\), rest [\d.]+ [MG]iB \(RSS [\d.]+ [MG]iB\)",
         str(budget),
     )
 
@@ -414,10 +414,11 @@ def test_serve_logs_its_memory_budget_and_time_to_ready(tiny_llama):
         process.terminate()
         process.wait(30)
     log = "".join(lines)
-    budget = re.search(r"Memory: weights ([\d.]+) GiB, KV cache ([\d.]+) GiB \(of [\d.]+ GiB reserved\), "
-                       r"swap pool ([\d.]+) GiB \(of [\d.]+ GiB reserved\), rest ([\d.]+) GiB \(RSS ([\d.]+) GiB\)", log)
+    size = r"([\d.]+ [MG]iB)"
+    budget = re.search(rf"Memory: weights [\d.]+ [MG]iB \({size} of it resident\), KV cache {size} \(of [\d.]+ [MG]iB reserved\), "
+                       rf"swap pool {size} \(of [\d.]+ [MG]iB reserved\), rest {size} \(RSS {size}\)", log)
     assert budget, log
-    *parts, rss = map(float, budget.groups())
-    assert abs(sum(parts) - rss) <= 0.02  # each figure rounded to 0.01 GiB
+    *parts, rss = (float(n) * (1 if unit == "GiB" else 2**-10) for n, unit in (g.split() for g in budget.groups()))
+    assert abs(sum(parts) - rss) <= 0.02  # each figure rounded to 0.01 GiB (or 0.1 MiB)
     ready = re.search(r"Ready in ([\d.]+) s", log)
     assert ready and 0 < float(ready.group(1)) < 600, log

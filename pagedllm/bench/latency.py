@@ -21,6 +21,7 @@ import time
 import torch
 
 from pagedllm.bench.hardware import copy_bandwidth, matrix_rate, roofline_fraction
+from pagedllm.bench.progress import Progress
 from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 
@@ -48,7 +49,8 @@ def _add_batch(engine, batch: int, input_len: int, output_len: int, seed: int) -
         engine.add_request(f"{seed}-{i}", [rng.randint(100, vocab - 1) for _ in range(input_len)], params)
 
 
-def run_once(engine, batch: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:
+def run_once(engine, batch: int, input_len: int, output_len: int, seed: int,
+             progress: Progress | None = None) -> tuple[float, list[float]]:
     """(time to first token, [duration of each decode step]) for one batch."""
     start = time.perf_counter()
     _add_batch(engine, batch, input_len, output_len, seed)
@@ -63,6 +65,8 @@ def run_once(engine, batch: int, input_len: int, output_len: int, seed: int) -> 
                 first_token = now - start
         else:
             steps.append(now - last)
+            if progress is not None:
+                progress.update(len(steps), output_len - 1, "decode steps")
         last = now
     return first_token, steps
 
@@ -76,17 +80,23 @@ def run(args: argparse.Namespace) -> int:
     # would spread a large batch's prompts over steps, and its first sequences would finish
     # before the last began).
     engine_args.max_step_seconds = 0
+    progress = Progress("bench latency")
+    progress.phase("starting the engine")
     engine = LLMEngine.from_engine_args(engine_args)
     worker = getattr(engine.executor, "worker", None)
     dtype = worker.dtype if worker is not None else torch.float32
+    progress.phase("measuring the matrix-product rate")
     flops = matrix_rate(dtype, device=worker.device if worker is not None else "cpu")
     # Distinct prompts per run (seeds >= 0: Random(-1) equals Random(1)), so none hits the prefix cache.
     if args.num_iters:  # --num-iters 0 --profile: the profile alone
+        progress.phase("warm-up")
         run_once(engine, args.batch_size, args.input_len, 4, seed=args.num_iters)  # warm-up
     rows = []
     for i in range(args.num_iters):
+        progress.phase(f"iteration {i + 1}/{args.num_iters}: a batch of {args.batch_size}, {args.input_len} prompt "
+                       f"and {args.output_len} output tokens each")
         before = engine.get_stats().step_time
-        ttft, steps = run_once(engine, args.batch_size, args.input_len, args.output_len, seed=i)
+        ttft, steps = run_once(engine, args.batch_size, args.input_len, args.output_len, seed=i, progress=progress)
         after = engine.get_stats().step_time
         spent = {part: getattr(after, part) - getattr(before, part) for part in ("scheduler", "model", "outputs")}
         if not steps:
@@ -108,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
                 "outputs_pct": 100 * spent["outputs"] / sum(spent.values()),
             }
         )
+    if args.profile:
+        progress.phase(f"profiling {args.profile_steps} decode steps")
     profile = _profile(engine, args, flops) if args.profile else None
     engine.shutdown()
     print(f"matrix products: {flops / 1e9:.0f} GFLOP/s ({dtype}); model: {engine.arch.num_parameters / 1e6:.1f}M parameters")

@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 
 from pagedllm.bench.datasets import sample_requests
+from pagedllm.bench.progress import Progress
 from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 from pagedllm.utils import cdiv
@@ -36,12 +37,17 @@ def run_one(engine_args, requests) -> dict:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.sampling_params import SamplingParams
 
+    progress = Progress("bench preemption")
+    progress.phase(f"block size {engine_args.block_size}, {engine_args.preemption_mode}: starting the engine")
     engine = LLMEngine.from_engine_args(engine_args)
+    progress.phase(f"block size {engine_args.block_size}, {engine_args.preemption_mode}: running {len(requests)} requests")
     start = time.perf_counter()
     for i, req in enumerate(requests):
         engine.add_request(str(i), req.prompt_token_ids, SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True))
+    num_finished = 0
     while engine.has_unfinished_requests():
-        engine.step()
+        num_finished += sum(o.finished for o in engine.step())
+        progress.update(num_finished, len(requests), "requests done")
     elapsed = time.perf_counter() - start
     stats = engine.get_stats()
     needed = sum(len(r.prompt_token_ids) + r.output_len - 1 for r in requests)  # work without preemption

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.bench.datasets import BenchRequest, sample_requests
+from pagedllm.bench.progress import Progress
 from pagedllm.bench.report import format_table, write_json
 
 # Random prompt ids are drawn below this: inside every vocabulary the engine loads, and the
@@ -144,7 +145,18 @@ def summarise(results: list[RequestResult], duration: float) -> dict:
     }
 
 
-async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], args: argparse.Namespace) -> dict:
+async def report_progress(progress: Progress, results: list, total: int) -> None:
+    """Say how many requests are done (and tokens streamed) every second it may (`Progress`
+    keeps it to one line per 10 s), until cancelled."""
+    while True:
+        await asyncio.sleep(1.0)
+        if len(results) < total:  # the last line is the caller's, once all are in
+            tokens = sum(r.output_len for r in results if r.ok)
+            progress.update(len(results), total, "requests done", f"{tokens} output tokens")
+
+
+async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], args: argparse.Namespace,
+                        progress: Progress | None = None) -> dict:
     import httpx
 
     url = base_url + "/v1/completions"
@@ -163,19 +175,30 @@ async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest],
             "stream_options": {"include_usage": True},
         }
         if limit is None:
-            return await send_request(client, url, payload, len(request.prompt_token_ids))
-        async with limit:
-            return await send_request(client, url, payload, len(request.prompt_token_ids))
+            result = await send_request(client, url, payload, len(request.prompt_token_ids))
+        else:
+            async with limit:
+                result = await send_request(client, url, payload, len(request.prompt_token_ids))
+        finished.append(result)
+        return result
 
+    finished: list[RequestResult] = []
+    progress = progress or Progress("bench serve")
+    progress.phase(f"sending {len(requests)} requests")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as client:
         start = time.perf_counter()
-        tasks = []
-        for request, delay in zip(requests, delays):
-            await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(request)))
-        results = await asyncio.gather(*tasks)
+        reporter = asyncio.create_task(report_progress(progress, finished, len(requests)))
+        try:
+            tasks = []
+            for request, delay in zip(requests, delays):
+                await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(request)))
+            results = await asyncio.gather(*tasks)
+        finally:
+            reporter.cancel()
         duration = time.perf_counter() - start
+    progress.update(len(results), len(results), "requests done")
     return summarise(results, duration)
 
 
@@ -193,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    progress = Progress("bench serve")
+    progress.phase(f"asking {base_url} for its model")
     card = _server_model(base_url, args.api_key)
     model = args.model or card["id"]
     max_model_len = card.get("max_model_len") or 2048
@@ -204,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         f"{len(requests)} {args.dataset}-shaped requests to {base_url} ({model}) at "
         f"{args.request_rate} req/s, max concurrency {args.max_concurrency or 'none'}"
     )
-    summary = asyncio.run(run_benchmark(base_url, model, requests, args))
+    summary = asyncio.run(run_benchmark(base_url, model, requests, args, progress))
     columns = ["completed", "failed", "duration_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s",
                "normalized_latency_s_per_token"]
     print(format_table([summary], columns))

@@ -19,6 +19,7 @@ import random
 import time
 
 from pagedllm.bench.datasets import sample_requests
+from pagedllm.bench.progress import Progress
 from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 
@@ -50,8 +51,11 @@ def _blocks_in_use(engine, requests, params_for) -> dict:
     for i, req in enumerate(requests):
         engine.add_request(str(i), req.prompt_token_ids, params_for(req))
     samples = []
+    progress = Progress("bench sharing")
+    num_finished = 0
     while engine.has_unfinished_requests():
-        engine.step()
+        num_finished += sum(o.finished for o in engine.step())
+        progress.update(num_finished, len(requests), "requests done")
         stats = engine.get_stats()
         samples.append(stats.num_total_blocks - stats.num_free_blocks)
     stats = engine.get_stats()
@@ -72,6 +76,7 @@ def memory_rows(engine_args, datasets, num_prompts, widths, max_output_len) -> l
 
                 result = {}
                 for sharing in (True, False):
+                    Progress("bench sharing").phase(f"{dataset}, {method} {width}, block sharing {'on' if sharing else 'off'}")
                     engine = _engine(engine_args, enable_block_sharing=sharing, enable_prefix_caching=False)
                     requests = sample_requests(dataset, num_prompts, engine.max_model_len, engine.arch.vocab_size)
                     if max_output_len:
@@ -102,6 +107,7 @@ def prefix_rows(engine_args, shots_list, num_requests) -> list[dict]:
     for shots in shots_list:
         result = {}
         for caching in (False, True):
+            Progress("bench sharing").phase(f"{shots}-shot prefix, prefix caching {'on' if caching else 'off'}")
             engine = _engine(engine_args, enable_prefix_caching=caching)
             vocab = engine.arch.vocab_size
             # Translation-like few-shot prompts: ~68-token examples, a ~20-token query, short answers.

@@ -25,6 +25,7 @@ import argparse
 import time
 
 from pagedllm.bench.datasets import BenchRequest, sample_requests
+from pagedllm.bench.progress import Progress
 from pagedllm.bench.report import format_table, write_json
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 
@@ -58,14 +59,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run_pagedllm(engine, requests: list[BenchRequest], temperature: float) -> dict:
+def run_pagedllm(engine, requests: list[BenchRequest], temperature: float, progress: Progress | None = None) -> dict:
     from pagedllm.sampling_params import SamplingParams
 
+    progress = progress or Progress("bench throughput")
     start = time.perf_counter()
     for i, req in enumerate(requests):
         params = SamplingParams(temperature=temperature, max_tokens=req.output_len, ignore_eos=True)
         engine.add_request(str(i), req.prompt_token_ids, params)
     num_output = 0
+    num_finished = 0
     peak_usage = 0.0
     batch_sizes = []
     while engine.has_unfinished_requests():
@@ -73,6 +76,8 @@ def run_pagedllm(engine, requests: list[BenchRequest], temperature: float) -> di
         peak_usage = max(peak_usage, engine.block_manager.usage)
         batch_sizes.append(engine.scheduler.num_running_seqs)
         num_output += sum(len(c.token_ids) for o in outputs if o.finished for c in o.outputs)
+        num_finished += sum(o.finished for o in outputs)
+        progress.update(num_finished, len(requests), "requests done", f"{num_output} output tokens")
     elapsed = time.perf_counter() - start
     stats = engine.get_stats()
     return {
@@ -109,9 +114,11 @@ def load_hf_model(model: str, dtype: str, device: str = "auto"):
     return hf.to(device).eval()
 
 
-def run_hf_static(hf, requests: list[BenchRequest], batch_size: int, temperature: float, pad_id: int) -> dict:
+def run_hf_static(hf, requests: list[BenchRequest], batch_size: int, temperature: float, pad_id: int,
+                  progress: Progress | None = None) -> dict:
     import torch
 
+    progress = progress or Progress("bench throughput")
     start = time.perf_counter()
     num_output = 0
     for b in range(0, len(requests), batch_size):
@@ -136,12 +143,15 @@ def run_hf_static(hf, requests: list[BenchRequest], batch_size: int, temperature
                 pad_token_id=pad_id,
             )
         num_output += sum(r.output_len for r in batch)  # the useful tokens only
+        progress.update(b + len(batch), len(requests), "requests done")
     return {"elapsed_s": time.perf_counter() - start, "output_tokens": num_output}
 
 
-def run_hf_continuous(hf, requests: list[BenchRequest], temperature: float) -> dict:
+def run_hf_continuous(hf, requests: list[BenchRequest], temperature: float, progress: Progress | None = None) -> dict:
     import torch
     from transformers import GenerationConfig
+
+    progress = progress or Progress("bench throughput")
 
     config = GenerationConfig(
         max_new_tokens=max(r.output_len for r in requests),
@@ -164,6 +174,7 @@ def run_hf_continuous(hf, requests: list[BenchRequest], temperature: float) -> d
                 result = manager.get_result(timeout=1)
                 if result is not None and result.is_finished():
                     lengths[result.request_id] = len(result.generated_tokens)
+                progress.update(len(lengths), len(requests), "requests done")
         finally:
             manager.stop(block=True)
     return {"elapsed_s": time.perf_counter() - start, "output_tokens": sum(lengths.values())}
@@ -184,8 +195,9 @@ def _summarise(backend: str, raw: dict, requests: list[BenchRequest]) -> dict:
     return row
 
 
-def _run_backend(backend: str, args, engine_args, requests, max_model_len: int) -> dict:
+def _run_backend(backend: str, args, engine_args, requests, max_model_len: int, progress: Progress) -> dict:
     """One backend's raw result (elapsed_s, output_tokens, ...) in `engine_args.dtype`."""
+    dtype = engine_args.dtype
     if backend in ("pagedllm", "pagedllm-invariant", "pagedllm-nospec"):
         import dataclasses
 
@@ -193,10 +205,12 @@ def _run_backend(backend: str, args, engine_args, requests, max_model_len: int) 
 
         invariant = backend == "pagedllm-invariant" or engine_args.batch_invariant
         spec = None if backend == "pagedllm-nospec" else engine_args.speculative_config
+        progress.phase(f"{backend} ({dtype}): starting the engine")
         engine = LLMEngine.from_engine_args(dataclasses.replace(engine_args, batch_invariant=invariant,
                                                                 speculative_config=spec))
+        progress.phase(f"{backend} ({dtype}): running {len(requests)} requests")
         try:
-            return {**run_pagedllm(engine, requests, args.temperature), "batch_invariant": invariant}
+            return {**run_pagedllm(engine, requests, args.temperature, progress), "batch_invariant": invariant}
         finally:
             engine.shutdown()
     if backend == "vllm":
@@ -204,6 +218,8 @@ def _run_backend(backend: str, args, engine_args, requests, max_model_len: int) 
 
         from pagedllm.bench import vllm_peer
 
+        progress.phase(f"vllm ({dtype}): setting up vLLM and running {len(requests)} requests in its own process "
+                       f"(no progress until it ends)")
         python = vllm_peer.ensure_vllm_python(Path(args.vllm_venv) if args.vllm_venv else vllm_peer.default_venv())
         dtype = "float32" if engine_args.dtype == "auto" else engine_args.dtype
         return vllm_peer.run_vllm(
@@ -215,15 +231,19 @@ def _run_backend(backend: str, args, engine_args, requests, max_model_len: int) 
 
         from pagedllm.bench import llama_cpp_peer
 
+        progress.phase(f"llama-cpp: setting up llama-server and running {len(requests)} requests (no progress until "
+                       f"it ends)")
         binaries = llama_cpp_peer.ensure_llama_cpp(Path(args.llama_cpp_dir) if args.llama_cpp_dir else None)
         return llama_cpp_peer.run_llama_server(
             binaries, llama_cpp_peer.gguf_file(engine_args.model), requests, args.temperature, engine_args.seed,
             max_model_len, parallel=args.llama_cpp_parallel, threads=args.llama_cpp_threads,
         )
+    progress.phase(f"{backend} ({dtype}): loading the model in transformers")
     hf = load_hf_model(engine_args.model, engine_args.dtype, engine_args.device)
+    progress.phase(f"{backend} ({dtype}): running {len(requests)} requests")
     if backend == "hf":
-        return run_hf_static(hf, requests, args.hf_batch_size, args.temperature, pad_id=0)
-    return run_hf_continuous(hf, requests, args.temperature)
+        return run_hf_static(hf, requests, args.hf_batch_size, args.temperature, pad_id=0, progress=progress)
+    return run_hf_continuous(hf, requests, args.temperature, progress)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -250,11 +270,12 @@ def run(args: argparse.Namespace) -> int:
 
     rows = []
     failed = False
+    progress = Progress("bench throughput")
     for dtype in args.dtypes or [engine_args.dtype]:
         dtype_args = dataclasses.replace(engine_args, dtype=dtype)
         for backend in args.backend:
             try:
-                raw = _run_backend(backend, args, dtype_args, requests, max_model_len)
+                raw = _run_backend(backend, args, dtype_args, requests, max_model_len, progress)
             except (VLLMPeerError, LlamaCppPeerError) as exc:
                 print(f"{backend} ({dtype}): not measured: {exc}", flush=True)
                 rows.append({"backend": backend, "dtype": dtype, "requests": len(requests), "error": str(exc).splitlines()[0]})

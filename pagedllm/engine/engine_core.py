@@ -249,24 +249,13 @@ def start_executor(config: "EngineConfig", max_model_len: int) -> tuple["Executo
             f"(or num_gpu_blocks to {needed}), or lower max_model_len."
         )
     executor.init_cache(num_device_blocks, num_cpu_blocks)
-    logger.info(
-        "KV cache: %d device blocks of %d tokens (%d tokens, %.2f GiB); %d CPU swap blocks",
-        num_device_blocks,
-        block_size,
-        num_device_blocks * block_size,
-        num_device_blocks * executor.block_bytes / 2**30,
-        num_cpu_blocks,
-    )
+    # The blocks, their bytes and where memory went are in the start-up summary
+    # (`startup_summary`, logged once the engine is ready).
     # The KV memory policy (kv_policy) picks the block manager: blocks on demand, or one of the
     # paper's contiguous-reservation baselines.
     sched_config = config.scheduler
     if sched_config.preemption_mode == "auto" and num_cpu_blocks and sched_config.kv_policy == "paged":
-        swap_cost, recompute_cost = executor.profile_preemption_costs()
-        logger.info(
-            "Preemption costs: %.3g ms to swap a block out and in, %.3g ms to recompute a token",
-            swap_cost * 1e3,
-            recompute_cost * 1e3,
-        )
+        swap_cost, recompute_cost = executor.profile_preemption_costs()  # logged, measured or read (profile_cache)
         sched_config = dataclasses.replace(sched_config, swap_cost_per_block=swap_cost, recompute_cost_per_token=recompute_cost)
     scheduler = create_scheduler(
         sched_config,
@@ -278,7 +267,4 @@ def start_executor(config: "EngineConfig", max_model_len: int) -> tuple["Executo
         group_windows=group_windows,
         share_blocks=config.cache.enable_block_sharing,
     )
-    worker = getattr(executor, "worker", None)  # the driver's worker, in this process
-    if worker is not None:  # where memory goes, once the pools exist and were exercised
-        logger.info("%s", worker.memory_budget())
     return executor, scheduler

@@ -22,6 +22,7 @@ from pagedllm.engine.constraints import RequestConstraints
 from pagedllm.engine.engine_core import EngineCore, start_executor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.requests import RequestRegistry, make_sequence_group
+from pagedllm.engine.startup_summary import log_startup_summary
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_budget import StepBudget
 from pagedllm.executor import Executor, WorkerDiedError
@@ -60,6 +61,7 @@ class LLMEngine:
         self.config = config
         source = resolve_model(config.model.model)
         self.model_name = source.name
+        self.model_path = str(source.path)  # the file or folder the weights came from
         self.arch = load_arch_config(source)
         self.max_model_len = self._resolve_max_model_len()
         self.arch.check_tensor_parallel_size(config.parallel.tensor_parallel_size)
@@ -91,6 +93,7 @@ class LLMEngine:
             check_invariants=os.environ.get(CHECK_INVARIANTS_ENV) == "1",
         )
         self.num_prompt_tokens_total = 0
+        log_startup_summary(self, source)
 
     # The core's parts, for inspection (tests, benchmarks, stats).
     scheduler: Scheduler = _of_core("scheduler")

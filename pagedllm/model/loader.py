@@ -88,13 +88,16 @@ def _load_from_source(model: CausalLM, source: ModelSource, native: bool) -> Non
 
 
 def _log_growth(source: ModelSource, rss_before: int | None) -> None:
-    """Log how much loading grew the process's resident memory, against the file's size."""
+    """Log (at debug level) how much loading grew the process's resident memory, against the
+    file's size. Not a measure of the weights (it counts whatever else loading allocated, and
+    weights mapped from the weight cache are mostly not read in yet): the start-up summary
+    gives their bytes (`memory.weight_bytes`)."""
     rss = process_rss()
     if rss is None or rss_before is None:
         return
     size = source.path.stat().st_size if source.kind == "gguf" else None
     against = f" for a {size / 2**30:.2f} GiB file ({(rss - rss_before) / size:.2f}x)" if size else ""
-    logger.info("Loading the weights grew the process by %.2f GiB%s", (rss - rss_before) / 2**30, against)
+    logger.debug("Loading the weights grew the process by %.2f GiB%s", (rss - rss_before) / 2**30, against)
 
 
 def load_model(
@@ -118,6 +121,9 @@ def load_model(
     checksum = weight_cache.load(model, entry) if entry is not None else None
     from_cache = checksum is not None
     if not from_cache:
+        # Said before: reading (and for a GGUF, converting) a large file takes seconds to minutes.
+        kept = "; kept in the weight cache for the next start" if entry is not None else ""
+        logger.info("Reading the weights from %s%s...", source.path.name, kept)
         _load_from_source(model, source, keeps_gguf_blocks(dtype, device))
     model = model.to(device).eval()
     prepare_linear_weights(model)  # meanwhile, the cache file's checksum runs

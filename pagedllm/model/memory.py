@@ -6,6 +6,12 @@ Anonymous memory is counted page by page with `mincore` (a pool allocated but ne
 takes no memory); the weight cache's file mappings by their resident size in
 `/proc/self/smaps`; oneDNN's packed weights, opaque to both, by their size. Linux only; elsewhere
 every figure is the nominal size and the rest is not known.
+
+The weights have two figures: what they take once read (`weight_bytes`: every tensor at its
+stored size, quantized blocks included) and what of that is resident now. They differ right
+after a warm start, when the weights are mapped from the weight cache's file and paged in on
+first use: a start that reads the preemption profile from the cache runs no forward pass, and
+the resident figure alone read "weights 0.01 GiB" for a 0.09 GiB model.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pagedllm.model.quant import method_layers
 from pagedllm.model.weight_cache import cache_file_mappings
 
 GiB = 1 << 30
+MiB = 1 << 20
 _LINUX = sys.platform.startswith("linux")
 
 
@@ -78,8 +85,10 @@ class PageCounter:
 
 
 def _weight_tensors(model: nn.Module) -> tuple[list[torch.Tensor], int]:
-    """Every weight form's tensor, and the bytes of the opaque (oneDNN-packed) ones."""
+    """Every weight form's tensor (parameters, quantized blocks among them, buffers such as the
+    rotary tables, a method's own tensors), and the bytes of the opaque (oneDNN-packed) ones."""
     tensors = [param.data for param in {id(p): p for p in model.parameters()}.values()]
+    tensors += list(model.buffers())
     methods = {id(m.quant_method): m.quant_method for m in method_layers(model).values()}
     opaque = 0
     for method in methods.values():
@@ -88,11 +97,62 @@ def _weight_tensors(model: nn.Module) -> tuple[list[torch.Tensor], int]:
     return tensors, opaque
 
 
+def _spans(tensors: Iterable[torch.Tensor | None], device: torch.device) -> list[tuple[int, int]]:
+    """The byte ranges of the tensors' storages on `device`, merged: storage shared by views, a
+    tied table or a packed weight's parts counts once."""
+    ranges = sorted(
+        (t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+        for t in tensors
+        if t is not None and t.device == device and t.layout == torch.strided and t.numel()
+    )
+    merged: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _handed_back(model: nn.Module, mappings: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The float weights inside a cache file mapping whose pages went back to the file once
+    oneDNN packed a copy (`weight_cache.release_unread_pages`): nothing reads them again."""
+    spans = []
+    for layer in {id(m.quant_method): m for m in method_layers(model).values()}.values():
+        w = layer.weight.data
+        if getattr(layer.quant_method, "packed", None) is not None and w.device.type == "cpu":
+            lo, hi = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
+            if any(a <= lo and hi <= b for a, b, _ in mappings):
+                spans.append((lo, hi))
+    return spans
+
+
+def weight_bytes(model: nn.Module, mappings: list[tuple[int, int, int]] | None = None) -> int:
+    """The memory the model's weights take once read: every tensor it holds at its stored size
+    (GGUF blocks as packed bytes, not as parameters' element counts of a float model) and
+    oneDNN's packed copies, less the float pages those copies replaced in the weight cache's
+    file. Not what is resident now: weights mapped from the weight cache are read in on first
+    use, so right after start-up most of them are not (see `MemoryBudget.weights_resident`)."""
+    device = next(model.parameters()).device
+    tensors, opaque = _weight_tensors(model)
+    if mappings is None:
+        mappings = cache_file_mappings() if _LINUX else []
+    total = sum(hi - lo for lo, hi in _spans(tensors, device))
+    total -= sum(hi - lo for lo, hi in _handed_back(model, mappings))
+    return total + opaque
+
+
+def format_bytes(n: int) -> str:
+    """GiB from 1 GiB up, else MiB: a small model's 92 MiB of weights, not "0.09 GiB"."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     """Bytes, resident on the host unless `device` says the weights and KV cache live there."""
 
-    weights: int
+    weights: int  # what the weights take once read (`weight_bytes`)
+    weights_resident: int  # of which in memory now (pages of the weight cache's file not read yet are not)
     kv_cache: int
     kv_cache_reserved: int
     swap_pool: int
@@ -105,16 +165,17 @@ class MemoryBudget:
         """The process's other memory: interpreter, libraries, tokenizer, activations."""
         if self.rss is None:
             return None
-        on_host = self.weights + self.kv_cache if self.device == "cpu" else 0
+        on_host = self.weights_resident + self.kv_cache if self.device == "cpu" else 0
         return self.rss - on_host - self.swap_pool
 
     def __str__(self) -> str:
         def gib(n: int | None) -> str:
-            return "?" if n is None else f"{n / GiB:.2f} GiB"
+            return "?" if n is None else format_bytes(n)
 
         where = "" if self.device == "cpu" else f" on {self.device}"
         return (
-            f"Memory: weights {gib(self.weights)}, KV cache {gib(self.kv_cache)}{where} (of {gib(self.kv_cache_reserved)} reserved), "
+            f"Memory: weights {gib(self.weights)} ({gib(self.weights_resident)} of it resident), "
+            f"KV cache {gib(self.kv_cache)}{where} (of {gib(self.kv_cache_reserved)} reserved), "
             f"swap pool {gib(self.swap_pool)} (of {gib(self.swap_pool_reserved)} reserved), "
             f"rest {gib(self.rest)} (RSS {gib(self.rss)})"
         )
@@ -128,13 +189,14 @@ def memory_budget(model: nn.Module, kv_pools: list[torch.Tensor], swap_pools: li
     mapped = sum(rss for _, _, rss in mappings)
     pages = PageCounter(skip=[(lo, hi) for lo, hi, _ in mappings])  # those pages are counted from smaps
     if device.type == "cpu":
-        weights = mapped + pages.resident_bytes(tensors) + opaque
+        resident = mapped + pages.resident_bytes(tensors) + opaque
         kv_cache = pages.resident_bytes(kv_pools)
     else:  # on the device every byte allocated is taken
-        weights = sum(t.numel() * t.element_size() for t in tensors if t is not None and t.device == device)
+        resident = sum(hi - lo for lo, hi in _spans(tensors, device))
         kv_cache = sum(t.numel() * t.element_size() for t in kv_pools)
     return MemoryBudget(
-        weights=weights,
+        weights=weight_bytes(model, mappings),
+        weights_resident=resident,
         kv_cache=kv_cache,
         kv_cache_reserved=sum(t.numel() * t.element_size() for t in kv_pools),
         swap_pool=pages.resident_bytes(swap_pools),

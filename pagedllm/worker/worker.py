@@ -17,6 +17,7 @@ from pagedllm.model import load_model, resolve_dtype
 from pagedllm.model.invariance import make_batch_invariant
 from pagedllm.model.fused_layers import enable_fused_layers
 from pagedllm.model.layers import resolve_int8_activations, use_int8_activations
+from pagedllm.model.describe import kernels_path, weight_forms
 from pagedllm.model.memory import MemoryBudget, memory_budget
 from pagedllm.sampling import Sampler
 from pagedllm.transformers_utils import resolve_model
@@ -127,6 +128,10 @@ class Worker:
         )
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
+        if config.model.threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(config.model.threads)  # before the governor takes it as its ceiling
+        # The threads this worker's thread computes with (OpenMP's count is the calling thread's).
+        self.num_threads = torch.get_num_threads()
         # Tensor-parallel ranks would count each other as the machine's other load.
         adapt = config.model.adapt_cpu_threads and not invariant and tp.size == 1
         self.thread_governor = ThreadGovernor() if adapt and self.device.type == "cpu" else None
@@ -285,6 +290,22 @@ class Worker:
         return memory_budget(
             self.model, cache.key_caches + cache.value_caches, cache.cpu_key_caches + cache.cpu_value_caches
         )
+
+    def describe(self) -> dict:
+        """This worker in words and numbers, plain data for the engine's start-up summary
+        (`engine/startup_summary.py`): how it computes, its weights' forms and bytes, its memory."""
+        budget = self.memory_budget()
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "cache_dtype": str(self.cache_dtype).removeprefix("torch."),
+            "device": self.device.type,
+            "threads": torch.get_num_threads(),
+            "kernels": kernels_path(self.device.type),  # the CPU kernels' instruction-set path
+            "attention": self.backend.name,
+            "weight_forms": weight_forms(self.model),  # "GGUF Q4_1 69%, Q8_0 31%", or "float32"
+            "weight_bytes": budget.weights,  # once read: every tensor, quantized blocks included
+            "memory": str(budget),
+        }
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

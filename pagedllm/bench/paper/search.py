@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from pagedllm.bench.paper.simulator import RunResult, Setup, simulate
+from pagedllm.bench.progress import Progress
 from pagedllm.bench.paper.traces import TraceRequest, make_trace
 
 
@@ -163,10 +164,20 @@ class Pool:
         self.jobs = jobs
 
     def _map(self, fn, tasks: list) -> list:
+        """fn(task) for each, in order; how many are done said on stderr every 10 s or so."""
+        progress = Progress("bench paper")
+        what = "rate searches done" if fn is _search_task else "simulations done"
         if self.jobs <= 1 or len(tasks) <= 1:
-            return [fn(task) for task in tasks]
+            results = []
+            for task in tasks:
+                results.append(fn(task))
+                progress.update(len(results), len(tasks), what)
+            return results
         with ProcessPoolExecutor(max_workers=min(self.jobs, len(tasks))) as pool:
-            return list(pool.map(fn, tasks))
+            futures = [pool.submit(fn, task) for task in tasks]
+            for done, _ in enumerate(as_completed(futures), 1):
+                progress.update(done, len(tasks), what)
+            return [future.result() for future in futures]
 
     def searches(self, tasks: list[tuple]) -> list[SearchResult]:
         """`sustained_rate(*task)` for each task."""

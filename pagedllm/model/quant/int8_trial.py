@@ -207,6 +207,9 @@ def int8_rows_that_pay(qtype: str) -> int:
         logger.info("int8 activations for %s (%s): %s, measured on this CPU and kernel library before (%s; "
                     "delete it to measure again)", qtype, gguf_kernels.isa(), describe(rows), path)
     else:
+        # Said before it starts: the trial takes seconds per type with nothing logged meanwhile.
+        logger.info("Timing int8 against float32 activations for %s on this CPU (a few seconds; kept for the next "
+                    "start in %s)...", qtype, path)
         ways = choose_ways(qtype)  # first: the rows where int8 pays are timed on the chosen ways
         rows = measure(qtype)
         merged = {**_stored(path, conds, quiet=True), qtype: (rows, ways)}  # with what another process stored
