@@ -58,6 +58,7 @@ class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.finished = False
+        self.num_output_tokens = 0  # of every sequence, as of the latest output delivered
         self._loop = loop
         self._latest: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
@@ -82,6 +83,8 @@ class RequestStream:
         if not isinstance(self._latest, BaseException):  # an error is never overwritten
             self._latest = item
             self._ready.set()
+            if isinstance(item, RequestOutput):
+                self.num_output_tokens = sum(len(c.token_ids) for c in item.outputs)
 
     def _resolve(self, error: BaseException | None) -> None:
         if self._accepted.done():
@@ -174,6 +177,10 @@ class AsyncLLMEngine:
     @property
     def model_name(self) -> str:
         return self.engine.model_name
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
 
     @property
     def max_model_len(self) -> int:

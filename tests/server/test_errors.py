@@ -70,10 +70,10 @@ def test_a_batch_with_one_bad_prompt_runs_none_of_them(server_url):
 def test_malformed_json_and_unknown_routes_get_openai_errors(server_url, client):
     response = httpx.post(server_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
-    unknown = httpx.post(server_url + "/completion", json={"prompt": "hi"})  # llama-server's route
+    unknown = httpx.post(server_url + "/infill", json={"prompt": "hi"})  # llama-server's route, not served here
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
     assert unknown.json()["error"]["message"] == (
-        "This server has no route POST /completion; its routes are listed at /openapi.json."
+        "This server has no route POST /infill; its routes are listed at /openapi.json."
     )
     assert "GET /v1/nothing" in httpx.get(server_url + "/v1/nothing").json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):

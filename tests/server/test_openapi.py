@@ -1,6 +1,6 @@
 """The OpenAPI document tells the truth: errors are 400s (never 422) in OpenAI's shape,
-/metrics is text, /health has no body, and empty prompts and message lists are refused by the
-schema, as the server refuses them."""
+/metrics is text, /health answers llama-server's `{"status": "ok"}`, and empty prompts and
+message lists are refused by the schema, as the server refuses them."""
 
 from __future__ import annotations
 
@@ -58,12 +58,13 @@ def test_metrics_is_documented_and_served_as_text(openapi, server_url):
     assert httpx.get(server_url + "/metrics").headers["content-type"].startswith("text/plain")
 
 
-def test_health_is_documented_with_no_body_and_served_with_none(openapi, server_url):
+def test_health_is_documented_and_served_as_json_status_ok(openapi, server_url):
     responses = openapi["paths"]["/health"]["get"]["responses"]
-    assert "content" not in responses["200"]
+    schema = responses["200"]["content"]["application/json"]["schema"]
+    assert schema["properties"]["status"]["enum"] == ["ok"]
     assert "application/json" in responses["503"]["content"]
     response = httpx.get(server_url + "/health")
-    assert response.status_code == 200 and response.content == b""
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
 
 
 def _alternatives(schema):

@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI's `/v1` routes (behind the optional API key), vLLM's `/tokenize`,
-`/detokenize`, `/health`, `/version`, `/metrics`, `/stats` (the engine's counters), and the live
-KV-cache dashboard (`/dashboard`, `/debug/kv`: `dashboard.py`)."""
+`/detokenize`, `/health`, `/version`, `/metrics`, `/stats` (the engine's counters), the live
+KV-cache dashboard (`/dashboard`, `/debug/kv`: `dashboard.py`), and llama-server's `/completion`,
+`/props` and `/slots` (`serving_llama.py`)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from pagedllm.entrypoints.openai.server_options import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_llama import llama_router
 
 logger = logging.getLogger("pagedllm")
 
@@ -91,6 +93,7 @@ def build_app(
         engine.stat_loggers.append(LoggingStatLogger(log_stats_interval_s))
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names)
+    chat.in_flight = completions.in_flight  # one list of requests in flight (llama-server's /slots)
     completions.max_tokens_cap = chat.max_tokens_cap = options.default_sampling.get("max_tokens")
     if options.chat_template is not None:  # the served tokenizers' template, not the engine's
         completions.tokenizer.chat_template = chat.tokenizer.chat_template = options.chat_template
@@ -138,6 +141,7 @@ def build_app(
 
     app.include_router(v1)
     app.include_router(dashboard_router(engine, api_keys))  # /dashboard, its events, /debug/kv
+    app.include_router(llama_router(completions, options.default_sampling, api_keys))  # /completion, /props, /slots
 
     @app.post("/tokenize", responses=documented_errors(400, 404, *_BODY_LIMITS))
     async def tokenize(request: TokenizeRequest) -> dict:
@@ -161,14 +165,22 @@ def build_app(
 
     @app.get(
         "/health",
-        response_class=Response,
-        responses={200: {"description": "The engine runs (no body)."}, **documented_errors(503)},
+        response_class=JSONResponse,
+        responses={
+            200: {
+                "description": "The engine runs: `{\"status\": \"ok\"}`, as llama-server answers.",
+                "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {"status": {"type": "string", "enum": ["ok"]}}, "required": ["status"],
+                }}},
+            },
+            **documented_errors(503),
+        },
     )
     async def health() -> Response:
         if engine.refusing is not None:  # shutting down: take this server out of rotation
             return JSONResponse(error_body(503, engine.refusing), status_code=503)
         if engine.is_healthy:
-            return Response(status_code=200)
+            return JSONResponse({"status": "ok"})
         return JSONResponse(error_body(503, f"The engine is not running: {engine.dead_error!r}"), status_code=503)
 
     @app.get("/version")
@@ -234,12 +246,14 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
 
     from pagedllm.entrypoints.openai.header_timeout import header_timeout_protocol
 
-    from pagedllm.entrypoints.cli_args import engine_args_from
+    from pagedllm.entrypoints.cli_args import engine_args_from, prepare_engine_namespace
+    from pagedllm.entrypoints.openai.cli_serve import served_model_names
 
+    prepare_engine_namespace(args)  # the model named, other engines' flags folded in
     options = server_options_from(args)  # bad option values fail before the model loads
     if engine is None:
         engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
-    names = args.served_model_name or [args.model]
+    names = served_model_names(args)
     app = build_app(
         engine,
         names,
@@ -291,6 +305,7 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
 def server_options_from(args: argparse.Namespace) -> ServerOptions:
     """`pagedllm serve`'s HTTP options; a bad value is a `ValueError` saying which flag."""
     from pagedllm.entrypoints.generation_config import default_sampling
+    from pagedllm.entrypoints.openai.cli_serve import default_sampling_flags
 
     try:
         cors = {name: json_list(value) for name in ("allowed_origins", "allowed_methods", "allowed_headers")
@@ -304,5 +319,6 @@ def server_options_from(args: argparse.Namespace) -> ServerOptions:
         root_path=args.root_path,
         chat_template=load_chat_template(args.chat_template),
         trust_request_chat_template=args.trust_request_chat_template,
-        default_sampling=default_sampling(args.generation_config, args.model),
+        # llama-server's flags (--temp, -n, ...) over the generation config's.
+        default_sampling={**default_sampling(args.generation_config, args.model), **default_sampling_flags(args)},
     )

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
@@ -103,9 +105,52 @@ def ranked_at_end(params: SamplingParams) -> bool:
     return params.use_beam_search or params.best_of > params.n
 
 
+@dataclass(slots=True)
+class InFlightRequest:
+    """A request this server gave the engine and has not yet seen end (llama-server's /slots)."""
+
+    task_id: int  # numbered in the order requests arrived
+    request_id: str
+    num_prompt_tokens: int
+    params: SamplingParams
+    stream: RequestStream  # counts the tokens generated so far
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.stream.num_output_tokens
+
+
+class InFlightRequests:
+    """The requests in flight, shared by the serving objects of one app: each API request's
+    engine requests enter when the engine accepts them and leave when their handler ends
+    (`OpenAIServing.abort_unfinished`, which every route calls however it ends)."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, InFlightRequest] = {}
+        self._task_ids = itertools.count()
+
+    def add(self, streams: list[RequestStream], prompts: list[list[int]], params: SamplingParams) -> None:
+        for stream, prompt in zip(streams, prompts):
+            entry = InFlightRequest(next(self._task_ids), stream.request_id, len(prompt), params, stream)
+            self._requests[stream.request_id] = entry
+
+    def remove(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            self._requests.pop(stream.request_id, None)
+
+    def get(self, request_id: str) -> InFlightRequest | None:
+        return self._requests.get(request_id)
+
+    def snapshot(self) -> list[InFlightRequest]:
+        """Oldest first."""
+        return list(self._requests.values())
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
         self.engine = engine
+        # Replaced by one shared with the app's other serving objects (build_app).
+        self.in_flight = InFlightRequests()
         self.served_model_names = served_model_names
         self.max_model_len = engine.max_model_len
         # The engine thread detokenizes with the engine's tokenizer. Requests are tokenized with
@@ -245,6 +290,7 @@ class OpenAIServing:
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if not errors:
+            self.in_flight.add(results, prompts, params)  # type: ignore[arg-type]
             return results  # type: ignore[return-value]
         for result in results:
             if isinstance(result, RequestStream):
@@ -256,6 +302,8 @@ class OpenAIServing:
         raise errors[0]
 
     def abort_unfinished(self, streams: list[RequestStream]) -> None:
+        """The end of a route's requests, however it ended: those unfinished are aborted."""
+        self.in_flight.remove(streams)
         for stream in streams:
             if not stream.finished:
                 self.engine.abort(stream.request_id)

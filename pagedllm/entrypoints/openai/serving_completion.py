@@ -107,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> Response:
         finals = await self.final_outputs(streams)
         if request.echo_only:
-            finals = [_without_generation(output) for output in finals]
+            finals = [without_generation(output) for output in finals]
         choices = []
         for prompt_index, output in enumerate(finals):
             prefix = await self._echo_text(texts[prompt_index], output) if request.echo else ""
@@ -151,7 +151,7 @@ class OpenAIServingCompletion(OpenAIServing):
         final_only = ranked_at_end(params)
         async for prompt_index, output in merge_streams(streams):
             if request.echo_only:
-                output = _without_generation(output)
+                output = without_generation(output)
             latest[prompt_index] = output
             if final_only and not output.finished:
                 continue
@@ -190,7 +190,7 @@ def _joined(head: dict, tail: dict) -> dict:
     return {key: head.get(key, []) + values for key, values in tail.items()}
 
 
-def _without_generation(output: RequestOutput) -> RequestOutput:
+def without_generation(output: RequestOutput) -> RequestOutput:
     """`output` with its generated tokens taken out (echo with max_tokens 0: the step that
     computed the prompt's logprobs also sampled a token, which nobody asked for)."""
     outputs = [
