@@ -44,6 +44,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every (sub)command's parser by its `prog` ("pagedllm bench latency"), each naming itself
+    in the namespace (`command_prog`: text, so that benchmarks can write their arguments as JSON)."""
+    parser.set_defaults(command_prog=parser.prog)
+    found = {parser.prog: parser}
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for child in action.choices.values():
+            found.update(_commands(child))
+    return found
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command; a flag no command knows is named under its command's usage, with the
+    closest known flags."""
+    import difflib
+
+    from pagedllm.entrypoints.launch_flags import expand_config_file
+
+    commands = _commands(parser)
+    try:
+        argv = expand_config_file(list(sys.argv[1:] if argv is None else argv))
+    except ValueError as exc:
+        parser.error(str(exc))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = commands[args.command_prog]
+        known = [flag for action in command._actions for flag in action.option_strings]
+        hints = [f"for {flag}, did you mean {' or '.join(close)}?" for flag in unknown
+                 if flag.startswith("-") and (close := difflib.get_close_matches(flag, known, 2))]
+        command.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"; {hint}" for hint in hints))
+    return args
+
+
 def _serve_as_torchrun_worker(args: argparse.Namespace) -> None:
     """Under torchrun every rank runs the same command; ranks other than 0 become tensor-parallel
     workers here (building the engine enters the worker loop and exits when the driver stops)."""
@@ -54,17 +87,17 @@ def _serve_as_torchrun_worker(args: argparse.Namespace) -> None:
             from pagedllm.engine.llm_engine import LLMEngine
             from pagedllm.entrypoints.cli_args import engine_args_from
 
-            engine_args = engine_args_from(args)
-            if getattr(args, "model", None):
-                engine_args.model = args.model
-            LLMEngine.from_engine_args(engine_args)  # raises SystemExit when the driver shuts down
+            LLMEngine.from_engine_args(engine_args_from(args))  # raises SystemExit when the driver shuts down
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(build_parser(), argv)
     _setup_logging(args.verbose)
     try:
+        if hasattr(args, "model_flag"):  # a command that builds an engine: its flags settled first
+            from pagedllm.entrypoints.cli_args import prepare_engine_namespace
+
+            prepare_engine_namespace(args)
         _serve_as_torchrun_worker(args)
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as exc:

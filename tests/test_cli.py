@@ -170,7 +170,7 @@ def test_bench_throughput_grounded_runs_with_and_without_speculation(tiny_llama,
 @pytest.mark.parametrize(
     "argv, unknown",
     [
-        (["serve", "-t", "2"], "-t"),  # llama-server's threads: once read as -tp 2 (two tensor-parallel processes)
+        (["serve", "--ctx", "512"], "--ctx"),  # a prefix of llama-server's --ctx-size (-t was once read as -tp)
         (["serve", "--max-num", "4"], "--max-num"),  # an abbreviation of --max-num-seqs
         (["generate", "hi", "--max-tok", "5"], "--max-tok"),
         (["bench", "latency", "--batch", "2"], "--batch"),

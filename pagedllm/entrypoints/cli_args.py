@@ -1,4 +1,6 @@
-"""Engine arguments as command-line flags, named like vLLM's (`--block-size`, `--max-num-seqs`, ...)."""
+"""Engine arguments as command-line flags, named like vLLM's (`--block-size`, `--max-num-seqs`, ...),
+with llama-server's names for the same (`-c`, `-np`, `-t`, `-m`); the flags of both that mean
+nothing here or are not built are in `launch_flags`."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pagedllm.config import (
     PREEMPTION_MODES,
     EngineArgs,
 )
+from pagedllm.entrypoints.launch_flags import add_launch_flags, apply_launch_flags, parse_context, parse_count
 
 logger = logging.getLogger("pagedllm")
 
@@ -61,13 +64,15 @@ _HELP = {
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 8, "
     "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} or {\"method\": \"draft_model\", \"model\": PATH, ...} "
     "(docs/speculative-decoding.md)",
+    "threads": "on a CPU, threads to compute with (default: OMP_NUM_THREADS, else one per core)",
     "generation_config": "default sampling: auto = the model folder's generation_config.json (temperature, top_p, "
     "top_k, repetition_penalty, max_new_tokens), vllm = none, or a folder holding one",
 }
 # Flags of engine arguments that take no value in vLLM (the rest of INERT_ARGS take one).
 _INERT_SWITCHES = ("trust_remote_code", "disable_log_requests", "disable_custom_all_reduce")
 _DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)
-_CHOICES = {"attention_backend": ATTENTION_BACKENDS, "dtype": _DTYPE_CHOICES, "kv_cache_dtype": _DTYPE_CHOICES, "preemption_mode": PREEMPTION_MODES, "kv_policy": KV_POLICIES, "device": ("auto", "cpu", "cuda"), "int8_activations": INT8_MODES}
+# kv_cache_dtype has no choices: a value such as fp8 gets its own message (launch_flags).
+_CHOICES = {"attention_backend": ATTENTION_BACKENDS, "dtype": _DTYPE_CHOICES, "preemption_mode": PREEMPTION_MODES, "kv_policy": KV_POLICIES, "device": ("auto", "cpu", "cuda"), "int8_activations": INT8_MODES}
 
 
 def parse_bytes(text: str) -> int:
@@ -79,10 +84,30 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+# llama-server's flags (and vLLM's short ones) for our engine arguments.
+_SHORT_ALIASES = {
+    "max_model_len": ["-c", "--ctx-size"],
+    "max_num_seqs": ["-np", "--parallel"],
+    "threads": ["-t"],
+    "max_num_batched_tokens": ["-b", "--batch-size"],
+    "seed": ["-s"],
+}
+# Counts written as vLLM reads them (4k, 4K); llama-server's -c takes 0 for the model's own.
+_TYPES = {"max_model_len": parse_context, "max_num_batched_tokens": parse_count,
+          "kv_cache_memory": parse_bytes, "structured_outputs_cache_bytes": parse_bytes}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True, launch: str | None = None) -> None:
+    """The engine's flags on `parser`. Every command takes the model as `--model`/`-m`; those
+    whose positional arguments are not prompts take it as their first one too (`serve MODEL`).
+    `launch` ("serve" or "cli": generate, chat, demo) adds llama-server's short names and the
+    flags of both engines that mean nothing here or are not built (benchmarks have flags of
+    their own, such as `--batch-size`)."""
     group = parser.add_argument_group("engine")
     if with_model:
-        parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model name or path (default: {DEFAULT_MODEL})")
+        parser.add_argument("model", nargs="?", default=None, help=f"model name or path (default: {DEFAULT_MODEL})")
+    group.add_argument("--model", "-m", dest="model_flag", default=None, metavar="MODEL",
+                       help="the model, as vLLM's --model and llama-server's -m (a GGUF file or a model folder)")
     for field in dataclasses.fields(EngineArgs):
         if field.name in ("model", "extra"):
             continue
@@ -94,18 +119,25 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
             kind = {"int | None": int, "int": int, "float": float, "str": str, "str | None": str, "float | None": float}.get(
                 str(field.type), str
             )
-            kwargs["type"] = parse_bytes if field.name in ("kv_cache_memory", "structured_outputs_cache_bytes") else kind
+            kwargs["type"] = _TYPES.get(field.name, kind)
             if field.name in _CHOICES:
                 kwargs["choices"] = _CHOICES[field.name]
-        names = [flag, *_flag_aliases(field.name)]
+        if field.name == "gpu_memory_utilization":
+            kwargs["default"] = None  # given or not: it means nothing on a CPU (one warning)
+        names = [flag, *_flag_aliases(field.name, short=launch is not None)]
         group.add_argument(*names, dest=field.name, **kwargs)
     _add_inert_args(parser)
+    if launch is not None:
+        add_launch_flags(parser, serve=launch == "serve")
 
 
-def _flag_aliases(name: str) -> list[str]:
-    """vLLM's other flags for an engine argument (`--kv-cache-memory-bytes`, `-tp`, ...)."""
+def _flag_aliases(name: str, short: bool) -> list[str]:
+    """vLLM's and llama-server's other flags for an engine argument (`--kv-cache-memory-bytes`,
+    `-tp`; with `short`, `-c`, `-np`, `-t`...)."""
     aliases = ["--" + vllm.replace("_", "-") for vllm, ours in ARG_ALIASES.items() if ours == name]
-    return aliases + (["-tp"] if name == "tensor_parallel_size" else [])
+    if name == "tensor_parallel_size":
+        aliases.append("-tp")
+    return aliases + (_SHORT_ALIASES.get(name, []) if short else [])
 
 
 def _add_inert_args(parser: argparse.ArgumentParser) -> None:
@@ -121,18 +153,64 @@ def _add_inert_args(parser: argparse.ArgumentParser) -> None:
 
 
 def log_inert_args(ns: argparse.Namespace) -> None:
-    """One log line for each flag given that changes nothing here."""
+    """One warning for each flag given that changes nothing here."""
     for name, why in INERT_ARGS.items():
         value = getattr(ns, name, None)
         if value is not None:
-            logger.info("--%s%s changes nothing: %s.", name.replace("_", "-"), "" if value is True else f"={value}", why)
+            logger.warning("Ignoring --%s%s: %s.", name.replace("_", "-"), "" if value is True else f" {value}", why)
+
+
+def prepare_engine_namespace(ns: argparse.Namespace) -> None:
+    """Settle what the command line asked of the engine, once, before anything is built: the
+    model (positional or `--model`/`-m`), vLLM's and llama-server's flags folded into ours
+    (`launch_flags`), a ValueError for a value not served here, one warning per ignored flag."""
+    if getattr(ns, "engine_namespace_prepared", False):
+        return
+    ns.engine_namespace_prepared = True
+    positional, flag = getattr(ns, "model", None), getattr(ns, "model_flag", None)
+    if positional and flag and positional != flag:
+        raise ValueError(f"Two models given: {positional!r} and --model {flag!r}; give one.")
+    ns.model = positional or flag or DEFAULT_MODEL
+    log_inert_args(ns)
+    apply_launch_flags(ns)
+    kv_dtype = ns.kv_cache_dtype
+    if kv_dtype not in _DTYPE_CHOICES:
+        raise ValueError(
+            f"--kv-cache-dtype {kv_dtype} is not supported here: the KV cache holds {', '.join(DTYPES[1:])} "
+            "(auto: the model's dtype); an 8-bit cache is not built yet. Give bfloat16 to halve a float32 cache."
+        )
+    if ns.gpu_memory_utilization is not None and not _has_gpu(ns.device):
+        logger.warning("Ignoring --gpu-memory-utilization %s: on a CPU the KV cache is sized by --kv-cache-memory.",
+                       ns.gpu_memory_utilization)
+
+
+def _has_gpu(device: str) -> bool:
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    log_inert_args(ns)
+    prepare_engine_namespace(ns)
     names = {f.name for f in dataclasses.fields(EngineArgs)} - {"extra"}
-    # `generate --model` left out is None: the default model, as EngineArgs' own default.
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names and not (k == "model" and v is None)})
+    # A flag left out whose default is None (gpu_memory_utilization's here) takes EngineArgs' own.
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names and v is not None})
+
+
+def add_chat_template_arg(parser: argparse.ArgumentParser, optional: bool = False) -> None:
+    """`--chat-template`, alike in generate, chat and serve: a Jinja template, a file holding one,
+    or a named one (chatml), replacing the model's own. With `optional` (generate), the flag alone
+    wraps each prompt in the model's own template."""
+    about = "a Jinja chat template, a file holding one, or chatml, used instead of the model's own"
+    if optional:
+        parser.add_argument("--chat-template", nargs="?", const="", default=None, metavar="TEMPLATE",
+                            help="wrap each prompt in the chat template: the model's own, or " + about)
+    else:
+        parser.add_argument("--chat-template", default=None, metavar="TEMPLATE", help=about)
+    parser.add_argument("--chat-template-file", dest="chat_template", default=None, metavar="FILE",
+                        help="llama-server's flag: a file holding the chat template")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:

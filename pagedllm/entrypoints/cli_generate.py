@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
-from pagedllm.entrypoints.cli_args import add_engine_args, add_sampling_args, engine_args_from, sampling_params_from
+from pagedllm.entrypoints.cli_args import (
+    add_chat_template_arg,
+    add_engine_args,
+    add_sampling_args,
+    engine_args_from,
+    sampling_params_from,
+)
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -17,37 +24,38 @@ DEMO_QUESTIONS = [
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="complete one or more prompts")
+    p = sub.add_parser("generate", help="complete one or more prompts", usage="pagedllm generate PROMPT... [--model MODEL] [options]")
     p.add_argument("prompts", nargs="+", help="prompt text (one or more)")
-    p.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
-    p.add_argument("--chat-template", action="store_true", help="wrap each prompt in the chat template")
-    add_engine_args(p, with_model=False)
+    add_chat_template_arg(p, optional=True)
+    add_engine_args(p, with_model=False, launch="cli")
     add_sampling_args(p)
     p.set_defaults(func=run_generate)
 
-    p = sub.add_parser("chat", help="talk with the model in the terminal")
-    add_engine_args(p)
+    p = sub.add_parser("chat", help="talk with the model in the terminal", usage="pagedllm chat [MODEL] [options]")
+    add_engine_args(p, launch="cli")
     add_sampling_args(p, max_tokens=256)
+    add_chat_template_arg(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=run_chat)
 
-    p = sub.add_parser("demo", help="answer a few questions with the embedded model")
-    add_engine_args(p)
+    p = sub.add_parser("demo", help="answer a few questions with the embedded model", usage="pagedllm demo [MODEL] [options]")
+    add_engine_args(p, launch="cli")
     add_sampling_args(p, max_tokens=96)
     p.set_defaults(func=run_demo)
 
 
 def _make_llm(args: argparse.Namespace):
-    from pagedllm.config import DEFAULT_MODEL
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.entrypoints.openai.server_options import load_chat_template
 
     engine_args = engine_args_from(args)
-    if getattr(args, "model", None):
-        engine_args.model = args.model
-    engine_args.model = engine_args.model or DEFAULT_MODEL
+    template = load_chat_template(getattr(args, "chat_template", None) or None)  # checked before the model loads
     kwargs = {k: v for k, v in vars(engine_args).items() if k not in ("model", "extra")}
-    return LLM(engine_args.model, **kwargs)
+    llm = LLM(engine_args.model, **kwargs)
+    if template is not None:
+        llm.get_tokenizer().chat_template = template
+    return llm
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -55,19 +63,27 @@ def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
     params.n = params.best_of = args.n
     params._verify()
-    if args.chat_template:
+    if args.chat_template is not None:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
     else:
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
     for prompt, out in zip(args.prompts, outputs):
         for completion in out.outputs:
             tag = f"[{completion.index}] " if len(out.outputs) > 1 else ""
-            print(f"{tag}{prompt}{completion.text}" if not args.chat_template else f"{tag}{completion.text}")
+            print(f"{tag}{prompt}{completion.text}" if args.chat_template is None else f"{tag}{completion.text}")
     return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    args.disable_log_stats = True  # no periodic stats inside the answers
     llm = _make_llm(args)
+    if not getattr(llm.get_tokenizer(), "chat_template", None):  # say so before the first message
+        raise ValueError(
+            f"The model {args.model!r} has no chat template; give one with --chat-template (a Jinja template, a "
+            "file holding one, or chatml), or use `pagedllm generate` with plain prompts."
+        )
+    if not args.verbose:  # from here on only warnings reach the terminal, between the answers
+        logging.getLogger("pagedllm").setLevel(logging.WARNING)
     engine = llm.llm_engine
     params = sampling_params_from(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -7,6 +7,7 @@ import logging
 from importlib.metadata import version
 from pathlib import Path
 
+from pagedllm.config import CHATML_TEMPLATE
 from pagedllm.paths import cache_dir, model_cache_enabled
 from pagedllm.transformers_utils.arch import gguf_metadata
 from pagedllm.transformers_utils.file_cache import discard_entry, entry_key, file_digest, read_json, staged_entry
@@ -26,6 +27,21 @@ def get_tokenizer(source: ModelSource):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(source.path))
+    return _with_default_template(_gguf_tokenizer(source), source)
+
+
+def _with_default_template(tokenizer, source: ModelSource):
+    """A GGUF file's tokenizer, given ChatML if the file has no chat template (llama.cpp's
+    fallback), with one warning; `--chat-template` replaces it. (A model folder without one
+    keeps none, as in vLLM: its chat requests are refused naming the way out.)"""
+    if not getattr(tokenizer, "chat_template", None):
+        logger.warning("%s has no chat template; chat uses ChatML (llama.cpp's default). Give --chat-template "
+                       "to use another.", source.path.name)
+        tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def _gguf_tokenizer(source: ModelSource):
     if not model_cache_enabled():
         return _from_gguf(source)
     key = entry_key(file_digest(source.path), f"transformers={version('transformers')}")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
-from pagedllm.entrypoints.cli_args import add_engine_args, parse_bytes
+from pagedllm.entrypoints.cli_args import add_chat_template_arg, add_engine_args, parse_bytes
 
 logger = logging.getLogger("pagedllm")
 
@@ -18,11 +19,12 @@ DEFAULT_BODY_IDLE_TIMEOUT_S = 60.0
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
+        usage="pagedllm serve [MODEL] [options]   (vLLM's and llama-server's flags are taken too: docs/serving.md)",
         help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
         description="Serve a model over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
-        "/tokenize, /detokenize, /health, /version, /metrics.",
+        "/tokenize, /detokenize, /health, /version, /metrics, and llama-server's /completion, /props, /slots.",
     )
-    add_engine_args(p)
+    add_engine_args(p, launch="serve")
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
@@ -31,10 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="require 'Authorization: Bearer <key>' on /v1 routes with one of these keys; give several, or the flag "
         "several times (default: $PAGEDLLM_API_KEY, else none)",
     )
-    server.add_argument(
-        "--chat-template", default=None,
-        help="a Jinja chat template, or a file holding one, used instead of the tokenizer's own",
-    )
+    add_chat_template_arg(server)
     server.add_argument(
         "--trust-request-chat-template", action="store_true",
         help="let requests bring their own chat_template (a template is code run on this server)",
@@ -51,9 +50,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     cors.add_argument("--allowed-headers", default=None, help="headers allowed, a JSON list (default: all)")
     cors.add_argument("--allow-credentials", action="store_true", help="allow credentials (cookies) in CORS requests")
     server.add_argument(
-        "--served-model-name", nargs="+", default=None,
-        help="model name(s) clients use; the first is reported in responses (default: MODEL as given)",
+        "--served-model-name", "-a", "--alias", nargs="+", default=None,
+        help="model name(s) clients use; the first is reported in responses (default: a file's stem, and MODEL "
+        "as given)",
     )
+    sampling = p.add_argument_group("default sampling of requests that leave a field unset (llama-server's flags)")
+    sampling.add_argument("--temp", type=float, default=None, dest="default_temperature", help="temperature")
+    sampling.add_argument("--top-k", type=int, default=None, dest="default_top_k", help="top_k")
+    sampling.add_argument("--top-p", type=float, default=None, dest="default_top_p", help="top_p")
+    sampling.add_argument("--min-p", type=float, default=None, dest="default_min_p", help="min_p")
+    sampling.add_argument("--repeat-penalty", type=float, default=None, dest="default_repetition_penalty",
+                          help="repetition_penalty")
+    sampling.add_argument("-n", "--n-predict", type=int, default=None, dest="default_max_tokens",
+                          help="the most tokens a request may generate (-1: no cap but the context)")
     server.add_argument(
         "--max-body-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES,
         help="refuse request bodies larger than this with 413 (e.g. 16MiB, the default)",
@@ -72,10 +81,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    """`--served-model-name`'s names, else a model file's stem (the name llama-server and
+    clients use) and the model as given (its full path still matches)."""
+    if args.served_model_name:
+        return args.served_model_name
+    path = Path(args.model).expanduser()
+    return [path.stem, args.model] if path.is_file() else [args.model]
+
+
+def default_sampling_flags(args: argparse.Namespace) -> dict:
+    """llama-server's `--temp`, `--top-k`, ... `-n` as SamplingParams fields."""
+    fields = {name.removeprefix("default_"): value for name, value in vars(args).items()
+              if name.startswith("default_") and value is not None}
+    if fields.get("max_tokens") == -1:
+        del fields["max_tokens"]
+    return fields
+
+
 def run(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import create_server
 
     server = create_server(args)
-    logger.info("Serving %s as %s", args.model, ", ".join(args.served_model_name or [args.model]))
+    logger.info("Serving %s as %s", args.model, ", ".join(served_model_names(args)))
     server.run()
     return 1 if server.engine_died else 0  # a supervisor restarts a server whose engine died

@@ -98,6 +98,15 @@ class SamplingRequest(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # vLLM's: the top logprobs of every prompt token
+    # vLLM's older constraint fields and llama.cpp's (GBNF `grammar`, `json_schema`): the same
+    # structured outputs (LEGACY_CONSTRAINTS).
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    json_schema: dict | bool | None = None
+    guided_decoding_backend: str | None = None  # accepted: xgrammar is this server's one backend
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -173,11 +182,19 @@ class SamplingRequest(OpenAIBaseModel):
                 specs.append(StructuredOutputsParams(**self.structured_outputs))
             except (TypeError, ValueError) as exc:
                 raise bad_request(f"structured_outputs is invalid: {exc}", "structured_outputs") from None
+        for name, kind in LEGACY_CONSTRAINTS.items():
+            if (value := getattr(self, name)) is not None:
+                try:
+                    specs.append(StructuredOutputsParams(**{kind: value}, field_name=name))
+                except ValueError as exc:
+                    raise bad_request(str(exc).replace(f"{name}.{kind}", name), name) from None
         specs.extend(self.extra_constraints())
         if len(specs) > 1:
+            given = [spec.field_name for spec in specs]
             raise bad_request(
-                "Give one output constraint: response_format, structured_outputs or a tool_choice that forces a call.",
-                "structured_outputs" if self.structured_outputs is not None else "response_format",
+                f"Give one output constraint, not {len(specs)} ({', '.join(given)}): response_format, "
+                "structured_outputs, a guided_* field, grammar, json_schema, or a tool_choice that forces a call.",
+                given[-1],
             )
         return specs[0] if specs else None
 
@@ -193,6 +210,12 @@ class SamplingRequest(OpenAIBaseModel):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
+
+# Request fields of other servers' constraints -> the StructuredOutputsParams field they fill.
+LEGACY_CONSTRAINTS = {
+    "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+    "grammar": "grammar", "json_schema": "json",
+}
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[int], Field(min_length=1)]

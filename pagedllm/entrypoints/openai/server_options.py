@@ -15,13 +15,28 @@ from pydantic import BaseModel
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pagedllm.config import CHATML_TEMPLATE
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.llama_protocol import sampler_left_on
 
 logger = logging.getLogger("pagedllm")
 
 # The most unknown field names remembered (and logged): a client sending a new name with every
 # request must not grow the server's memory or flood its log.
 MAX_LOGGED_FIELDS = 256
+# Fields other servers take that would change the output and that this server does not
+# implement: refused with a 400 naming them, never silently ignored (llama-server's samplers are
+# refused too unless set to the value that turns them off: llama_protocol.sampler_left_on).
+UNSUPPORTED_FIELDS = {
+    "repeat_penalty": "give repetition_penalty (vLLM's name; llama-server's /completion takes repeat_penalty)",
+    "n_keep": "prompts longer than the context are refused, never shifted; drop it",
+    "guided_whitespace_pattern": "give disable_any_whitespace in structured_outputs instead",
+    "structural_tag": "structural tags are not supported; give a JSON schema or a grammar",
+    "truncate_prompt_tokens": "prompts are never truncated here; shorten the prompt",
+    "logits_processors": "logits processors are not supported; give logit_bias, allowed_token_ids or bad_words",
+    "lora_request": "LoRA adapters are not supported",
+    "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
+}
 
 
 @dataclass
@@ -55,15 +70,17 @@ def json_list(text: str) -> list[str]:
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """`--chat-template`: a file holding a Jinja template, or the template itself."""
+    """`--chat-template`: a file holding a Jinja template, the template itself, or chatml."""
     if value is None:
         return None
+    if value == "chatml":
+        return CHATML_TEMPLATE
     path = Path(value).expanduser()
     if path.is_file():
         return path.read_text()
     if any(mark in value for mark in ("{{", "{%")):
         return value
-    raise ValueError(f"--chat-template {value!r} is neither a readable file nor a Jinja template.")
+    raise ValueError(f"--chat-template {value!r} is neither a readable file, a Jinja template nor chatml.")
 
 
 def api_key_check(api_keys: list[str]):
@@ -111,8 +128,8 @@ class RootPath:
 
 class RequestFields:
     """Fills the sampling fields a request left unset with the generation config's, refuses a
-    request's own chat template unless trusted, and logs each field name this server does not
-    know, once (clients that send newer fields keep working, and the operator learns what is
+    request's own chat template unless trusted and fields that would change the output that this
+    server does not implement, and logs each other field name this server does not know, once (clients that send newer fields keep working, and the operator learns what is
     being ignored)."""
 
     def __init__(self, options: ServerOptions) -> None:
@@ -136,6 +153,12 @@ class RequestFields:
                 setattr(request, name, value)
 
     def _log_unknown(self, request: BaseModel) -> None:
+        for name in request.model_extra or {}:
+            if name in UNSUPPORTED_FIELDS:
+                raise bad_request(f"{name} would change the output and is not supported: {UNSUPPORTED_FIELDS[name]}.", name)
+        if (left_on := sampler_left_on(request.model_extra or {})) is not None:
+            name, off = left_on
+            raise bad_request(f"{name} would change the output and is not supported here; send {off} (off) or drop it.", name)
         for name in request.model_extra or {}:
             if name in self._logged or len(self._logged) > MAX_LOGGED_FIELDS:
                 continue

@@ -1,0 +1,77 @@
+"""Constraints as other servers' clients send them: vLLM's older `guided_json`, `guided_choice`,
+`guided_regex` and `guided_grammar`, and llama.cpp's `grammar` (GBNF) and `json_schema`, on the
+chat and completions endpoints, honoured over several seeds at temperature 1 (the tiny random
+model would write anything unconstrained); two constraints at once, a bad one, and fields of
+samplers this server does not implement are 400s naming them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.server.common import MODEL
+
+SEEDS = range(4)
+# JSON values with little room for whitespace (a random model wanders into runs of it in objects).
+SCHEMA = {"enum": ["cat", "dog", {"pet": "fish"}]}
+GBNF = 'root ::= ("yes" | "no") " " [0-9]'
+
+
+def _completion(url: str, endpoint: str, seed: int, **fields) -> str:
+    body = {"model": MODEL, "max_tokens": 40, "temperature": 1.0, "seed": seed, **fields}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": "Answer."}]
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]["content"]
+    reply = httpx.post(url + "/v1/completions", json={"prompt": "Answer:", **body}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("fields, check", [
+    ({"guided_choice": ["alpha", "beta gamma"]}, lambda text: text in ("alpha", "beta gamma")),
+    ({"guided_regex": "[a-c]{3}-[0-9]{2}"}, lambda text: re.fullmatch("[a-c]{3}-[0-9]{2}", text)),
+    ({"guided_grammar": GBNF}, lambda text: re.fullmatch("(yes|no) [0-9]", text)),
+    ({"grammar": GBNF}, lambda text: re.fullmatch("(yes|no) [0-9]", text)),
+    ({"guided_json": SCHEMA}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+    ({"json_schema": SCHEMA}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+], ids=["guided_choice", "guided_regex", "guided_grammar", "grammar", "guided_json", "json_schema"])
+def test_other_servers_constraint_fields_constrain_the_output(server_url, endpoint, fields, check):
+    outputs = {_completion(server_url, endpoint, seed, **fields) for seed in SEEDS}
+    for text in outputs:
+        assert check(text), (fields, text)
+
+
+def test_without_a_constraint_the_tiny_model_writes_otherwise(server_url):
+    """The constraint is what shapes the outputs above: unconstrained, the same requests differ."""
+    outputs = [_completion(server_url, "completions", seed) for seed in SEEDS]
+    assert not any(re.fullmatch("(yes|no) [0-9]", text) for text in outputs)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"grammar": GBNF, "guided_choice": ["a"]}, "grammar"),  # the message names both
+    ({"grammar": "root ::= (", "max_tokens": 3}, "grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"mirostat": 2}, "mirostat"),
+    ({"typical_p": 0.5}, "typical_p"),
+    ({"repeat_penalty": 1.1}, "repeat_penalty"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+])
+def test_constraints_and_samplers_not_served_are_400s_naming_the_field(server_url, fields, param):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, **fields}
+    reply = httpx.post(server_url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.json()
+    assert httpx.get(server_url + "/health").status_code == 200
+
+
+def test_samplers_sent_switched_off_are_accepted(server_url):
+    """llama.cpp's clients send their samplers' fields with every request, mostly switched off."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0}
+    assert httpx.post(server_url + "/v1/completions", json=body, timeout=60).status_code == 200
