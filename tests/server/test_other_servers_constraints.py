@@ -75,3 +75,15 @@ def test_samplers_sent_switched_off_are_accepted(server_url):
     """llama.cpp's clients send their samplers' fields with every request, mostly switched off."""
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0}
     assert httpx.post(server_url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+    ("/completion", {"prompt": "Hi", "n_predict": 2}),
+])
+def test_a_json_body_sent_as_curl_sends_it_without_a_content_type_is_read(server_url, route, body):
+    """`curl -d '{...}'` labels the body a form: llama-server reads it as JSON, and so does this server."""
+    reply = httpx.post(server_url + route, content=json.dumps(body),
+                       headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert (reply.json().get("usage") or {}).get("completion_tokens", reply.json().get("tokens_predicted")) == 2

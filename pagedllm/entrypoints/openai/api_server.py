@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.server_options import (
+    CurlBodies,
     RequestFields,
     RootPath,
     ServerOptions,
@@ -110,6 +111,7 @@ def build_app(
     install_error_handlers(app)
     app.add_middleware(BodyLimits, max_bytes=max_body_bytes, idle_timeout_s=body_idle_timeout_s)
     app.add_middleware(RootPath, root_path=options.root_path)
+    app.add_middleware(CurlBodies)
     install_cors(app, options)  # outermost: preflights are answered before any other check
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_keys))], responses=documented_errors(401))
 

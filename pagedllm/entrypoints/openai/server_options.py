@@ -126,6 +126,25 @@ class RootPath:
         await self.app(scope, receive, send)
 
 
+class CurlBodies:
+    """A POST body sent as `curl -d '{...}'` sends it without `-H 'Content-Type:
+    application/json'` (as a form, curl's default) is read as the JSON it is, as llama-server and
+    OpenAI's API read it: every POST route of this server takes JSON, none a form."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = scope["headers"]
+            if any(name == b"content-type" and value.split(b";")[0].strip() == _FORM for name, value in headers):
+                scope = dict(scope, headers=[(n, b"application/json" if n == b"content-type" else v) for n, v in headers])
+        await self.app(scope, receive, send)
+
+
+_FORM = b"application/x-www-form-urlencoded"
+
+
 class RequestFields:
     """Fills the sampling fields a request left unset with the generation config's, refuses a
     request's own chat template unless trusted and fields that would change the output that this
