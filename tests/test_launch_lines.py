@@ -196,3 +196,35 @@ def test_a_vllm_config_file_gives_flags_that_the_command_line_overrides(tmp_path
     assert (engine.model, engine.max_model_len, engine.max_num_seqs) == ("/models/x", 2000, 4)
     assert engine.enable_prefix_caching is False and served_model_names(args) == ["a", "b"]
     assert engine.speculative_config == '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+def test_ssl_flags_serve_https(tiny_llama, tmp_path):
+    """vLLM's --ssl-keyfile/--ssl-certfile: the server answers over HTTPS with that certificate."""
+    import shutil
+    import subprocess
+
+    from tests.server.common import SERVE_FLAGS, start_server_thread
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    args = parsed(f"serve {tiny_llama} --port 0 --ssl-keyfile {key} --ssl-certfile {cert} " + " ".join(SERVE_FLAGS))
+    server, thread, url = start_server_thread(args)
+    try:
+        https = url.replace("http://", "https://")
+        assert httpx.get(https + "/health", verify=str(cert)).json() == {"status": "ok"}
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url + "/health")  # plain HTTP is not served
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_override_generation_config_gives_default_sampling():
+    args = parsed("""serve --override-generation-config {"temperature":0.2,"top_k":5,"max_new_tokens":9} --top-k 7""")
+    assert default_sampling_flags(args) == {"temperature": 0.2, "top_k": 7, "max_tokens": 9}  # llama-server's --top-k wins
+    with pytest.raises(ValueError, match="top_k must be an integer"):
+        default_sampling_flags(parsed("""serve --override-generation-config {"top_k":0.5}"""))

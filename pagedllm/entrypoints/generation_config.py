@@ -41,15 +41,21 @@ def default_sampling(generation_config: str, model: str) -> dict:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"generation_config: cannot read {path}: {exc}") from None
+    return sampling_fields(config, f"generation_config: {{key}} in {path}", skip_library_defaults=True)
+
+
+def sampling_fields(config: dict, where: str, skip_library_defaults: bool = False) -> dict:
+    """SamplingParams fields from generation_config.json's keys; `where` names a bad value's
+    place (formatted with `key`)."""
     defaults = {}
     for key, field in _SAMPLING_KEYS.items():
         value = config.get(key) if isinstance(config, dict) else None
-        if value is None or value == _LIBRARY_DEFAULTS.get(key):
+        if value is None or skip_library_defaults and value == _LIBRARY_DEFAULTS.get(key):
             continue
         integral = field in ("top_k", "max_tokens")
         if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
             kind = "an integer" if integral else "a number"
-            raise ValueError(f"generation_config: {key} in {path} must be {kind}, got {value!r}.")
+            raise ValueError(f"{where.format(key=key)} must be {kind}, got {value!r}.")
         defaults[field] = value
     return defaults
 

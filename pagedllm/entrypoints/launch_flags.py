@@ -42,12 +42,35 @@ VLLM_IGNORED = {
     "--enable-expert-parallel": "experts run on every tensor-parallel rank",
     "--async-scheduling": "the step is scheduled and computed in one thread",
     "--model-impl": "pagedllm runs its own model code",
+    "--max-logprobs": "a request may ask for up to 20 logprobs per token",
+    "--logprobs-mode": "logprobs are the model's own (raw) log-probabilities",
+    "--response-role": "a reply's role is always assistant",
+    "--guided-decoding-backend": "structured outputs always run on xgrammar",
+    "--structured-outputs-config": "structured outputs always run on xgrammar",
+    "--enable-sleep-mode": "the engine has no sleep mode; stop the server to free its memory",
+    "--calculate-kv-scales": "the KV cache is not 8-bit, so it has no scales",
+    "--prefix-caching-hash-algo": "prefix blocks are hashed by their tokens' ids",
+    "--long-prefill-token-threshold": "prompt chunks are sized by the step's time budget (--max-step-seconds)",
+    "--max-num-partial-prefills": "prompt chunks are sized by the step's time budget (--max-step-seconds)",
+    "--max-long-partial-prefills": "prompt chunks are sized by the step's time budget (--max-step-seconds)",
+    "--num-scheduler-steps": "one step is scheduled at a time",
+    "--chat-template-content-format": "text parts of a message are joined for the template",
+    "--exclude-tools-when-tool-choice-none": "tools are given to the template as the request sends them",
+    "--enable-log-outputs": "outputs are not logged",
+    "--log-config-file": "the log is Python's logging at INFO (-v: DEBUG)",
+    "--h11-max-incomplete-event-size": "uvicorn's own limits apply (and --max-body-bytes)",
+    "--h11-max-header-count": "uvicorn's own limits apply",
+    "--enable-force-include-usage": "usage is included as the request's stream_options ask",
+    "--enable-tokenizer-info-endpoint": "the tokenizer is served through /tokenize and /detokenize",
+    "--enable-request-id-headers": "responses carry their request's id in the body",
 }
 # vLLM switches (no value) among VLLM_IGNORED.
 _VLLM_IGNORED_SWITCHES = (
     "--disable-frontend-multiprocessing", "--enable-log-requests", "--use-tqdm-on-load", "--disable-cascade-attn",
     "--enable-prompt-tokens-details", "--enable-server-load-tracking", "--disable-fastapi-docs",
-    "--enable-expert-parallel", "--async-scheduling",
+    "--enable-expert-parallel", "--async-scheduling", "--enable-sleep-mode", "--calculate-kv-scales",
+    "--exclude-tools-when-tool-choice-none", "--enable-log-outputs", "--enable-force-include-usage",
+    "--enable-tokenizer-info-endpoint", "--enable-request-id-headers",
 )
 # Flags of features not built here: refused by name, with what to use instead.
 REFUSED = {
@@ -68,6 +91,24 @@ REFUSED = {
     "--hf-repo": "models are never downloaded: give the path of a local GGUF file or model folder",
     "-hf": "models are never downloaded: give the path of a local GGUF file or model folder",
     "--headless": "data parallelism is not supported: run one server per machine behind a load balancer",
+    "--data-parallel-rank": "data parallelism is not supported: run one server per machine behind a load balancer",
+    "--data-parallel-address": "data parallelism is not supported: run one server per machine behind a load balancer",
+    "--disable-sliding-window": "a model's sliding windows are part of the model: serve it as it was trained",
+    "--rope-scaling": "edit rope_scaling in the model's config.json (or serve a GGUF file made with it)",
+    "--rope-theta": "edit rope_theta in the model's config.json (or serve a GGUF file made with it)",
+    "--hf-overrides": "edit the model's config.json",
+    "--return-tokens-as-token-ids": "not supported: logprobs name tokens by their text",
+    "--middleware": "not supported: put a reverse proxy in front of the server",
+    "--tool-parser-plugin": "tool-call parser plugins are not supported; the hermes format is parsed",
+    "--tool-server": "built-in tool servers are not supported: run the tools in your client",
+    "--kv-events-config": "KV cache events are not published; /debug/kv and the dashboard show the cache",
+    "--reasoning-format": "reasoning parsers are not built yet: a model's thinking text stays in the message's content",
+    "--reasoning-budget": "reasoning parsers are not built yet: cap the answer with max_tokens",
+    "--embedding": "embeddings are not built yet: serve a generation model",
+    "--embeddings": "embeddings are not built yet: serve a generation model",
+    "--reranking": "reranking is not built yet: serve a generation model",
+    "--rope-freq-base": "edit the model's rope settings in its file",
+    "--slot-save-path": "slots cannot be saved: prefix caching keeps shared prompts' KV blocks by itself",
 }
 # The tool-call formats parsed in "auto" mode.
 TOOL_CALL_PARSERS = ("hermes",)
@@ -93,9 +134,30 @@ LLAMA_IGNORED = {
     "--no-warmup": "the engine warms up while it measures its costs",
     "--log-disable": "give --uvicorn-log-level warning to quiet the server",
     "--jinja": "chat templates are always Jinja",
+    "-sm": "one device computes the model (-tp splits it across processes)",
+    "--split-mode": "one device computes the model (-tp splits it across processes)",
+    "-ts": "one device computes the model (-tp splits it across processes)",
+    "--tensor-split": "one device computes the model (-tp splits it across processes)",
+    "-mg": "one device computes the model",
+    "--main-gpu": "one device computes the model",
+    "--numa": "the threads are the operating system's to place",
+    "-dt": "the paged KV cache never needs defragmenting",
+    "--defrag-thold": "the paged KV cache never needs defragmenting",
+    "-kvu": "the KV cache is always one pool shared by all requests",
+    "--kv-unified": "the KV cache is always one pool shared by all requests",
+    "--swa-full": "sliding-window layers keep only their window's blocks",
+    "--no-context-shift": "a prompt longer than the context is refused, never shifted",
+    "--context-shift": "a prompt longer than the context is refused, never shifted",
+    "--props": "/props is read-only here",
+    "-to": "a request runs until it finishes or its client disconnects (--body-idle-timeout bounds slow uploads)",
+    "--timeout": "a request runs until it finishes or its client disconnects (--body-idle-timeout bounds slow uploads)",
+    "--threads-http": "the server answers on one event loop",
+    "--log-format": "the log is Python's logging",
+    "--no-webui-mcp": "the server has no web UI",
 }
 _LLAMA_SWITCHES = ("--mlock", "--no-mmap", "-cb", "--cont-batching", "--metrics", "--slots", "--no-webui",
-                   "--no-warmup", "--log-disable", "--jinja")
+                   "--no-warmup", "--log-disable", "--jinja", "-kvu", "--kv-unified", "--swa-full",
+                   "--no-context-shift", "--context-shift", "--props", "--no-webui-mcp")
 # llama-server's KV cache types that this engine's cache holds.
 LLAMA_KV_TYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 # vLLM's `--task`/`--runner` values of the generation this engine does.
@@ -209,6 +271,11 @@ def add_launch_flags(parser: argparse.ArgumentParser, serve: bool) -> None:
     others.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 (give --tensor-parallel-size)")
     others.add_argument("-ctk", "--cache-type-k", default=None, help="llama-server's KV type: f32, f16 or bf16")
     others.add_argument("-ctv", "--cache-type-v", default=None, help="llama-server's KV type: f32, f16 or bf16")
+    others.add_argument("--scheduling-policy", default=None, help="fcfs (first come, first served; priority is not built)")
+    others.add_argument("-md", "--model-draft", default=None, help="llama-server's draft model: speculative decoding")
+    others.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=None,
+                        help="llama-server's tokens proposed per step by the draft model (default 16)")
+    others.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
     if serve:
         others.add_argument("--enable-auto-tool-choice", action="store_true",
                             help="parse the tool calls a model makes on its own (always on with tools)")
@@ -241,6 +308,16 @@ def apply_launch_flags(ns: argparse.Namespace) -> None:
     if getattr(ns, "pipeline_parallel_size", 1) != 1:
         raise ValueError("--pipeline-parallel-size is not supported here: give --tensor-parallel-size instead.")
     _apply_kv_types(ns)
+    if getattr(ns, "scheduling_policy", None) not in (None, "fcfs"):
+        raise ValueError(
+            f"--scheduling-policy {ns.scheduling_policy} is not built yet: requests are served first come, first "
+            "served. Drop --scheduling-policy (or give fcfs)."
+        )
+    if getattr(ns, "model_draft", None) is not None:
+        if getattr(ns, "speculative_config", None) is not None:
+            raise ValueError("Give -md or --speculative-config, not both: they set the same draft model.")
+        ns.speculative_config = {"method": "draft_model", "model": ns.model_draft,
+                                 "num_speculative_tokens": ns.draft_max or 16}
     parser = getattr(ns, "tool_call_parser", None)
     if parser is not None and parser not in TOOL_CALL_PARSERS:
         raise ValueError(

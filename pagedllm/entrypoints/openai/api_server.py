@@ -296,6 +296,9 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
         port=args.port,
         http=header_timeout_protocol(args.body_idle_timeout),  # uvicorn waits for headers forever
         log_level=args.uvicorn_log_level,
+        ssl_keyfile=getattr(args, "ssl_keyfile", None),
+        ssl_certfile=getattr(args, "ssl_certfile", None),
+        ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
         access_log=not args.disable_uvicorn_access_log,
         # Room for the requests in flight to finish or end with their error before uvicorn
         # cancels what is left.

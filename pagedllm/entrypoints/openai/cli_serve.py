@@ -61,6 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sampling.add_argument("--min-p", type=float, default=None, dest="default_min_p", help="min_p")
     sampling.add_argument("--repeat-penalty", type=float, default=None, dest="default_repetition_penalty",
                           help="repetition_penalty")
+    sampling.add_argument("--override-generation-config", default=None, metavar="JSON",
+                          help="vLLM's: generation_config.json keys over the model's, e.g. '{\"temperature\": 0.5}'")
     sampling.add_argument("-n", "--n-predict", type=int, default=None, dest="default_max_tokens",
                           help="the most tokens a request may generate (-1: no cap but the context)")
     server.add_argument(
@@ -76,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--shutdown-timeout", type=float, default=10.0,
         help="on SIGTERM/SIGINT, seconds to let requests in flight finish before ending them with an error",
     )
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    server.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
+    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates to check client certificates against")
     server.add_argument("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every HTTP request")
     p.set_defaults(func=run)
@@ -91,9 +96,21 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 
 
 def default_sampling_flags(args: argparse.Namespace) -> dict:
-    """llama-server's `--temp`, `--top-k`, ... `-n` as SamplingParams fields."""
-    fields = {name.removeprefix("default_"): value for name, value in vars(args).items()
-              if name.startswith("default_") and value is not None}
+    """vLLM's `--override-generation-config` and llama-server's `--temp`, `--top-k`, ... `-n` as
+    SamplingParams fields (llama-server's win where both set one)."""
+    import json
+
+    from pagedllm.entrypoints.generation_config import sampling_fields
+
+    fields = {}
+    if getattr(args, "override_generation_config", None):
+        try:
+            override = json.loads(args.override_generation_config)
+        except ValueError as exc:
+            raise ValueError(f"--override-generation-config must be a JSON object: {exc}") from None
+        fields = sampling_fields(override, "--override-generation-config: {key}")
+    fields |= {name.removeprefix("default_"): value for name, value in vars(args).items()
+               if name.startswith("default_") and value is not None}
     if fields.get("max_tokens") == -1:
         del fields["max_tokens"]
     return fields
