@@ -47,4 +47,4 @@ def test_logprobs_in_openai_shapes(client):
 def test_tokenize_and_detokenize_round_trip(server_url, tokenizer):
     tokens = httpx.post(server_url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()["tokens"]
     assert tokens == tokenizer.encode("Hello world")
-    assert httpx.post(server_url + "/detokenize", json={"tokens": tokens}).json() == {"prompt": "Hello world"}
+    assert httpx.post(server_url + "/detokenize", json={"tokens": tokens}).json() == {"prompt": "Hello world", "content": "Hello world"}

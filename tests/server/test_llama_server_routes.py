@@ -227,3 +227,14 @@ def test_the_api_key_guards_the_llama_routes_but_not_health(keyed_url):
                                  headers={"authorization": "Bearer k1"})
         assert response.status_code == 200, route
     assert httpx.get(keyed_url + "/health").json() == {"status": "ok"}
+
+
+def test_tokenize_and_detokenize_take_llama_servers_names(server_url):
+    """llama-server's /tokenize takes `content` and /detokenize answers `content`."""
+    ours = httpx.post(server_url + "/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    theirs = httpx.post(server_url + "/tokenize", json={"content": "Hello there"}).json()["tokens"]
+    assert theirs == ours and ours
+    text = httpx.post(server_url + "/detokenize", json={"tokens": ours}).json()
+    assert text["content"] == text["prompt"] and "Hello there" in text["content"]
+    both = httpx.post(server_url + "/tokenize", json={"content": "a", "prompt": "b"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"

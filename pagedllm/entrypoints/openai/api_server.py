@@ -148,8 +148,10 @@ def build_app(
     @app.post("/tokenize", responses=documented_errors(400, 404, *_BODY_LIMITS))
     async def tokenize(request: TokenizeRequest) -> dict:
         completions.check_model(request.model)
-        if (request.prompt is None) == (request.messages is None):
-            raise bad_request("Give exactly one of prompt or messages.", "prompt")
+        if request.content is not None and request.prompt is None:  # llama-server's name
+            request.prompt, request.content = request.content, None
+        if (request.prompt is None) == (request.messages is None) or request.content is not None:
+            raise bad_request("Give exactly one of prompt (or llama-server's content) or messages.", "prompt")
         if request.messages is not None:
             tokens = await completions.chat_prompt(request.messages, request.add_generation_prompt)
         else:
@@ -163,7 +165,8 @@ def build_app(
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"Token ids must be in [0, {vocab}); got {bad[:5]}.", "tokens")
-        return {"prompt": await completions.decode(request.tokens)}
+        text = await completions.decode(request.tokens)
+        return {"prompt": text, "content": text}  # vLLM's name and llama-server's
 
     @app.get(
         "/health",

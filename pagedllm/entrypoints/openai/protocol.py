@@ -309,10 +309,12 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    """`POST /tokenize` (vLLM's): a `prompt`, or chat `messages` through the template."""
+    """`POST /tokenize` (vLLM's): a `prompt`, or chat `messages` through the template; or
+    llama-server's `content` (its name of the prompt)."""
 
     model: str | None = None
     prompt: str | None = None
+    content: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
