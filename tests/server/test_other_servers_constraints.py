@@ -60,7 +60,7 @@ def test_without_a_constraint_the_tiny_model_writes_otherwise(server_url):
     ({"guided_choice": []}, "guided_choice"),
     ({"mirostat": 2}, "mirostat"),
     ({"typical_p": 0.5}, "typical_p"),
-    ({"repeat_penalty": 1.1}, "repeat_penalty"),
+    ({"repeat_penalty": 1.1, "repetition_penalty": 1.2}, "repeat_penalty"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
 ])
 def test_constraints_and_samplers_not_served_are_400s_naming_the_field(server_url, fields, param):
@@ -87,3 +87,22 @@ def test_a_json_body_sent_as_curl_sends_it_without_a_content_type_is_read(server
                        headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
     assert reply.status_code == 200, reply.text
     assert (reply.json().get("usage") or {}).get("completion_tokens", reply.json().get("tokens_predicted")) == 2
+
+
+def test_llama_servers_web_ui_request_is_served_as_it_means(server_url, tokenizer):
+    """What llama-server's web UI sends to /v1/chat/completions: its samplers switched off,
+    `max_tokens: -1` (up to the context) and `repeat_penalty` (repetition_penalty's other name)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    ui = {"model": MODEL, "messages": messages, "cache_prompt": True, "samplers": "edkypmxt", "temperature": 0,
+          "dynatemp_range": 0, "dynatemp_exponent": 1, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "typical_p": 1,
+          "xtc_probability": 0, "xtc_threshold": 0.1, "repeat_last_n": 64, "repeat_penalty": 1.3,
+          "presence_penalty": 0, "frequency_penalty": 0, "dry_multiplier": 0, "dry_base": 1.75,
+          "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1, "timings_per_token": False}
+    reply = httpx.post(server_url + "/v1/chat/completions", json=ui, timeout=120)
+    assert reply.status_code == 200, reply.text
+    ours = {"model": MODEL, "messages": messages, "temperature": 0, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+            "repetition_penalty": 1.3}
+    same = httpx.post(server_url + "/v1/chat/completions", json=ours, timeout=120).json()
+    assert reply.json()["choices"][0]["message"] == same["choices"][0]["message"]
+    plain = httpx.post(server_url + "/v1/chat/completions", json={**ours, "repetition_penalty": 1.0}, timeout=120).json()
+    assert plain["choices"][0]["message"] != same["choices"][0]["message"]  # the penalty was applied

@@ -107,8 +107,21 @@ class SamplingRequest(OpenAIBaseModel):
     grammar: str | None = None
     json_schema: dict | bool | None = None
     guided_decoding_backend: str | None = None  # accepted: xgrammar is this server's one backend
+    repeat_penalty: float | None = None  # llama-server's name of repetition_penalty
+
+    @model_validator(mode="after")
+    def _llama_server_habits(self) -> "SamplingRequest":
+        """llama-server's clients send `max_tokens: -1` for "up to the context" (None here) and
+        call the repetition penalty `repeat_penalty`."""
+        if getattr(self, "max_tokens", None) == -1:
+            self.max_tokens = None
+        if self.repeat_penalty is not None and self.repetition_penalty is None:
+            self.repetition_penalty = self.repeat_penalty
+        return self
 
     def check_supported(self) -> None:
+        if self.repeat_penalty not in (None, self.repetition_penalty):
+            raise bad_request("repeat_penalty and repetition_penalty differ; give one.", "repeat_penalty")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
         if self.prompt_logprobs is not None and self.stream:

@@ -28,7 +28,6 @@ MAX_LOGGED_FIELDS = 256
 # implement: refused with a 400 naming them, never silently ignored (llama-server's samplers are
 # refused too unless set to the value that turns them off: llama_protocol.sampler_left_on).
 UNSUPPORTED_FIELDS = {
-    "repeat_penalty": "give repetition_penalty (vLLM's name; llama-server's /completion takes repeat_penalty)",
     "n_keep": "prompts longer than the context are refused, never shifted; drop it",
     "guided_whitespace_pattern": "give disable_any_whitespace in structured_outputs instead",
     "structural_tag": "structural tags are not supported; give a JSON schema or a grammar",
