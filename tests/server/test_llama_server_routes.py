@@ -238,3 +238,11 @@ def test_tokenize_and_detokenize_take_llama_servers_names(server_url):
     assert text["content"] == text["prompt"] and "Hello there" in text["content"]
     both = httpx.post(server_url + "/tokenize", json={"content": "a", "prompt": "b"})
     assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("prompt", [[[5], 7, "x"], [1, -3], [1, 1 << 40], ["a", [2, 10**9]], []])
+def test_a_prompt_of_no_reading_or_with_token_ids_out_of_the_vocabulary_is_a_400(server_url, prompt):
+    """Found by the fuzzer: such prompts were a 500 (a nested list tokenized as text, ids past the vocabulary)."""
+    reply = httpx.post(server_url + "/completion", json={"prompt": prompt, "n_predict": 1})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt", reply.text
+    assert httpx.get(server_url + "/health").status_code == 200

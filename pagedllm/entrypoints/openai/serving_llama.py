@@ -135,6 +135,10 @@ class LlamaServingCompletion:
                 ids.append(piece)
             else:
                 ids.extend(await self.serving.encode(piece, add_special_tokens=index == 0))
+        vocab = self.serving.vocab_size
+        bad = [token for token in ids if not 0 <= token < vocab]
+        if bad:
+            raise bad_request(f"prompt: token ids must be in [0, {vocab}); got {bad[:5]}.", "prompt")
         return ids
 
     async def _logit_bias(self, request: LlamaCompletionRequest) -> dict[int, float] | None:
@@ -232,10 +236,15 @@ class LlamaServingCompletion:
 def _prompt_list(prompt: str | list) -> list[str | list[int | str]]:
     """The request's prompts: a list holding a token id is one prompt, a list of strings and
     lists is several (llama-server's reading)."""
-    if isinstance(prompt, str) or any(isinstance(p, int) for p in prompt):
+    shapes = "prompt: give a string, a list of token ids and strings, or a list of such prompts."
+    if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise bad_request("prompt: give a string, a list of token ids and strings, or a list of such prompts.", "prompt")
+        raise bad_request(shapes, "prompt")
+    if any(isinstance(p, int) for p in prompt):
+        if any(isinstance(p, list) for p in prompt):  # token ids beside a nested list: neither reading
+            raise bad_request(shapes, "prompt")
+        return [prompt]
     return list(prompt)
 
 
@@ -303,7 +312,7 @@ def llama_router(completions: OpenAIServingCompletion, default_sampling: dict, a
     async def set_props() -> Response:
         raise bad_request("This server's properties are read-only: they are set by `pagedllm serve`'s flags.")
 
-    @router.get("/slots", responses=documented_errors(503))
+    @router.get("/slots", responses=documented_errors(400, 503))
     async def get_slots(fail_on_no_slot: int = Query(0, description="1: answer 503 when every slot is busy")) -> Response:
         entries = completions.in_flight.snapshot()
         if fail_on_no_slot and len(entries) >= total_slots:
