@@ -122,8 +122,8 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True, la
             kwargs["type"] = _TYPES.get(field.name, kind)
             if field.name in _CHOICES:
                 kwargs["choices"] = _CHOICES[field.name]
-        if field.name == "gpu_memory_utilization":
-            kwargs["default"] = None  # given or not: it means nothing on a CPU (one warning)
+        if field.name == "gpu_memory_utilization" and launch is not None:
+            kwargs["default"] = None  # to tell whether it was given: on a CPU it means nothing (one warning)
         names = [flag, *_flag_aliases(field.name, short=launch is not None)]
         group.add_argument(*names, dest=field.name, **kwargs)
     _add_inert_args(parser)
