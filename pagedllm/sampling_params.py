@@ -66,6 +66,9 @@ class StructuredOutputsParams:
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # OpenAI's bound on logit_bias values; larger ones are clamped, as OpenAI and vLLM do.
 LOGIT_BIAS_LIMIT = 100.0
+# Seeds are refused outside [0, 2**64): a random stream's seed is 64 bits, and wrapping a larger
+# one (2**64 acting as 0) would give two requests the same stream silently.
+SEED_LIMIT = 1 << 64
 
 
 class SamplingType(Enum):
@@ -183,8 +186,8 @@ class SamplingParams:
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT):
+            raise bad("seed", self.seed, "an integer in [0, 2**64)")  # a random stream's whole seed, never wrapped
         if self.use_beam_search:
             if self.best_of < 2:
                 raise bad("best_of", self.best_of, "the beam width, >= 2, with use_beam_search")
@@ -192,6 +195,9 @@ class SamplingParams:
                 raise bad("temperature", self.temperature, "0 with use_beam_search")
             if self.top_p < 1.0 or self.top_k or self.min_p:
                 raise ValueError("top_p, top_k and min_p cannot be used with use_beam_search.")
+        elif self.temperature < _GREEDY_EPS and self.n > 1:
+            raise bad("n", self.n, "1 with greedy sampling (temperature=0: every sample would be the same); give a "
+                      "temperature above 0, or use_beam_search for several distinct sequences")
         elif self.temperature < _GREEDY_EPS and self.best_of > 1:
             raise bad("best_of", self.best_of, "1 with greedy sampling (temperature=0)")
         if self.early_stopping not in (True, False, "never"):

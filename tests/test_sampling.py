@@ -152,7 +152,10 @@ def test_parallel_prompt_row_expands_into_best_of_seeded_streams():
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
-        ({"temperature": 0, "n": 2}, "best_of"),
+        ({"temperature": 0, "n": 2}, "n"),  # n was sent, not best_of
+        ({"temperature": 0, "best_of": 2}, "best_of"),
+        ({"seed": 2**64}, "seed"),  # never wrapped to 0
+        ({"seed": -1}, "seed"),
         ({"use_beam_search": True, "best_of": 1}, "best_of"),
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),

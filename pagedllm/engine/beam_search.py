@@ -22,6 +22,9 @@ This module only decides (`decide_beam_step`); the output processor carries the 
 
 from __future__ import annotations
 
+import math
+import sys
+
 from dataclasses import dataclass, field
 
 from pagedllm.core.model_output import SampledToken
@@ -52,7 +55,22 @@ class BeamStep:
 
 
 def length_penalized_score(cumulative_logprob: float, length: int, length_penalty: float) -> float:
-    return cumulative_logprob / (length**length_penalty)
+    """transformers' `cumulative_logprob / length**length_penalty`, computed in log space: any
+    finite penalty orders hypotheses (a huge one gives infinite scores) instead of overflowing
+    (`length**400`) or dividing by zero (`length**-1e308`)."""
+    try:
+        return cumulative_logprob / (length**length_penalty)  # transformers' own numbers where they exist
+    except (OverflowError, ZeroDivisionError):
+        pass
+    if cumulative_logprob == 0.0:
+        return 0.0
+    exponent = math.log(abs(cumulative_logprob)) - length_penalty * math.log(length)
+    magnitude = math.inf if exponent > _LARGEST_EXPONENT else math.exp(exponent)
+    return math.copysign(magnitude, cumulative_logprob)
+
+
+# The largest x whose exp(x) is a finite float.
+_LARGEST_EXPONENT = math.log(sys.float_info.max)
 
 
 def ranked_beams(group: SequenceGroup) -> list[Sequence]:
@@ -110,8 +128,10 @@ def decide_beam_step(
     if survivors:  # is improvement still possible? (checked with the new best live beam, as transformers does)
         best = survivors[0][0].cumulative_logprob + survivors[0][1].logprob
         best_length = max_new_tokens if params.early_stopping == "never" and params.length_penalty > 0 else length
-        worst_finished = pool[-1] if len(pool) >= width else float("-inf")
-        step.improvable = state.improvable and length_penalized_score(best, best_length, params.length_penalty) > worst_finished
+        # A pool not yet full can always take a hypothesis (even one scored -inf by a huge penalty).
+        step.improvable = state.improvable and (
+            len(pool) < width or length_penalized_score(best, best_length, params.length_penalty) > pool[-1]
+        )
     step.done = (
         not survivors
         or at_limit

@@ -145,6 +145,8 @@ def install_error_handlers(app: FastAPI) -> None:
         except ValueError:
             phrase = "Error"
         message = exc.detail if isinstance(exc.detail, str) else phrase
+        if isinstance(exc.__cause__, RecursionError):  # the JSON parser's own limit (~1000 levels)
+            message = "The request body nests its objects and lists too deeply to be read; flatten it."
         if exc.status_code == 404 and message == phrase:  # no route (or static file) at this path
             message = (f"This server has no route {request.method} {request.url.path}; "
                        "its routes are listed at /openapi.json.")

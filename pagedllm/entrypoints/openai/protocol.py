@@ -29,33 +29,40 @@ class OpenAIBaseModel(BaseModel):
     @classmethod
     def _field_is_valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
         """Each field's strings, in lists and dicts too (nested models check their own)."""
-        if _has_lone_surrogate(value):
-            raise ValueError(_INVALID_UNICODE.format(info.field_name))
+        _check_text(value, info.field_name)
         return value
 
     @model_validator(mode="after")
     def _extra_fields_are_valid_unicode(self) -> "OpenAIBaseModel":
         for name, value in (self.__pydantic_extra__ or {}).items():
-            if _has_lone_surrogate(name) or _has_lone_surrogate(value):
-                raise ValueError(_INVALID_UNICODE.format("an extra field"))
+            _check_text(name, "an extra field's name")
+            _check_text(value, f"the extra field {name[:40]!r}")
         return self
 
 
 _INVALID_UNICODE = "{} holds invalid Unicode (a lone surrogate such as \\ud800); send valid UTF-8 text"
+# The deepest a request field's JSON may nest (objects and lists): far above any real schema or
+# message, and a body nested deeper is refused by name rather than walked.
+MAX_NESTING = 100
 
 
-def _has_lone_surrogate(value: Any) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, (list, tuple)):
-        return any(_has_lone_surrogate(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    return False
+def _check_text(value: Any, field: str) -> None:
+    """A ValueError naming `field` if its strings (keys included, at any depth) hold a lone
+    surrogate, or if it nests deeper than MAX_NESTING. Walked with a stack of its own: a body
+    nested thousands deep cannot exhaust Python's (it once raised RecursionError, a 500)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(_INVALID_UNICODE.format(field)) from None
+        elif isinstance(item, (list, tuple, dict)):
+            if depth >= MAX_NESTING:
+                raise ValueError(f"{field} nests more than {MAX_NESTING} levels of objects and lists; flatten it")
+            children = [v for pair in item.items() for v in pair] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
 
 
 class StreamOptions(OpenAIBaseModel):

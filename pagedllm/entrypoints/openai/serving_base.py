@@ -240,8 +240,11 @@ class OpenAIServing:
             return message.content or ""
         parts = []
         for part in message.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise bad_request(f"Only text content parts are supported, got type {part.type!r}.", "messages")
+            if part.text is None:
+                raise bad_request("A text content part needs its text: send {\"type\": \"text\", \"text\": \"...\"}.",
+                                  "messages")
             parts.append(part.text)
         return "\n".join(parts)
 

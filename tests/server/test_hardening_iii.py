@@ -1,0 +1,96 @@
+"""Hardening III (issue 51), the parts landed so far: a body nested deeper than the limit is a
+400 naming the field (it was a RecursionError, a 500, at 400-980 levels), beam search takes any
+finite length penalty (it failed the step with OverflowError or ZeroDivisionError), seeds
+outside 64 bits are refused instead of wrapped, and two messages name what was actually sent."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from pagedllm.entrypoints.openai.protocol import MAX_NESTING
+from tests.server.common import MODEL
+
+
+def _nested(depth: int, leaf=1):
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _schema(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, **body}, timeout=60)
+
+
+def _deep_list(depth: int) -> str:
+    """A JSON list nested `depth` deep, as text (httpx's encoder itself recurses past ~900)."""
+    return "[" * depth + "1" + "]" * depth
+
+
+@pytest.mark.parametrize("field, value", [
+    ("anything", _deep_list(500)),  # an unknown field
+    ("anything", _deep_list(980)),
+    ("logit_bias", '{"a": ' + _deep_list(400) + "}"),
+    ("response_format", json.dumps({"type": "json_schema", "json_schema": {"name": "s", "schema": _schema(150)}})),
+    ("structured_outputs", json.dumps({"json": _schema(300)})),
+])
+def test_a_body_nested_past_the_limit_is_a_400_naming_the_field(server_url, field, value):
+    body = '{"model": "%s", "prompt": "Hi", "max_tokens": 2, "%s": %s}' % (MODEL, field, value)
+    reply = httpx.post(server_url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                       timeout=60)
+    assert reply.status_code == 400, reply.text[:500]
+    error = reply.json()["error"]
+    assert field in error["message"] or error["param"] == field or "nests" in error["message"], error
+    assert len(reply.text) < 2000  # no traceback, no echo of the whole body
+    assert httpx.get(server_url + "/health").status_code == 200
+
+
+def test_a_body_nested_within_the_limit_is_served(server_url):
+    assert _post(server_url, {"anything": _nested(MAX_NESTING - 5)}).status_code == 200
+
+
+@pytest.mark.parametrize("penalty", [400.0, 1e308, -1e308, -400.0])
+def test_beam_search_takes_any_finite_length_penalty(server_url, penalty):
+    reply = _post(server_url, {"use_beam_search": True, "n": 2, "best_of": 2, "temperature": 0,
+                               "length_penalty": penalty, "max_tokens": 4})
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"]) == 2
+
+
+def test_length_penalized_scores_order_as_transformers_formula_where_it_is_finite():
+    from pagedllm.engine.beam_search import length_penalized_score as score
+
+    assert score(-3.0, 5, 1.0) == -3.0 / 5
+    assert score(-3.0, 5, 400.0) > score(-3.0, 4, 400.0)  # a longer hypothesis is favoured, as -3/5**400 > -3/4**400
+    assert score(-3.0, 5, -1e308) == float("-inf") and score(-3.0, 5, 1e308) == 0.0
+
+
+@pytest.mark.parametrize("seed, ok", [(2**64, False), (-1, False), (2**64 - 1, True), (0, True)])
+def test_seeds_outside_64_bits_are_refused_not_wrapped(server_url, seed, ok):
+    reply = _post(server_url, {"seed": seed, "temperature": 1.0})
+    assert reply.status_code == (200 if ok else 400), reply.text
+    if not ok:
+        assert reply.json()["error"]["param"] == "seed" and "[0, 2**64)" in reply.json()["error"]["message"]
+
+
+def test_n_above_1_with_greedy_sampling_names_n(server_url):
+    reply = _post(server_url, {"n": 2, "temperature": 0})
+    assert reply.status_code == 400
+    assert "SamplingParams.n must be 1 with greedy sampling" in reply.json()["error"]["message"]
+    assert "best_of" not in reply.json()["error"]["message"]
+
+
+def test_a_text_part_without_text_says_so(server_url):
+    messages = [{"role": "user", "content": [{"type": "text", "text": None}]}]
+    reply = httpx.post(server_url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60)
+    assert reply.status_code == 400 and "needs its text" in reply.json()["error"]["message"], reply.text
