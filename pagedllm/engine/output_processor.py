@@ -130,9 +130,13 @@ class OutputProcessor:
         params = group.sampling_params
         seq.append_token(sample.token_id, sample.logprob)
         self.num_generated_tokens += 1
-        if seq.constraint is not None and not seq.constraint.accept_token(sample.token_id):
-            # Only a row whose every token was masked can draw a forbidden one.
-            logger.warning("Request %s drew token %d, which its constraint forbids", group.request_id, sample.token_id)
+        if seq.constraint is not None and not seq.constraint.accept_token(sample.token_id) and not seq.is_finished:
+            # Only a row whose every token was masked can draw a forbidden one: the grammar allows
+            # nothing more, so the output ends here (once, not a token and a warning per step).
+            logger.warning("Request %s: its constraint allows no token after %d; the output ends there",
+                           group.request_id, seq.num_output_tokens - 1)
+            if not params.use_beam_search:
+                seq.status = SequenceStatus.FINISHED_STOPPED
         if params.logprobs is not None:
             seq.output_logprobs.append(self.to_logprobs(sample.top_logprobs or {}))
         if seq.detokenizer is None:

@@ -63,6 +63,23 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         grammar = parse_spec(spec)
         try:
-            return self._compiler.compile_grammar(grammar)
+            compiled = self._compiler.compile_grammar(grammar)
         except RuntimeError as exc:
             raise InvalidConstraintError(f"{spec.field_name} could not be compiled: {_clean(exc)}", spec.field_name) from None
+        if not _accepts_a_first_token(compiled, self.vocab_size):
+            raise InvalidConstraintError(
+                f"{spec.field_name} accepts no string (no token can start one: a rule such as `root ::= root root` "
+                "never ends); give a grammar that some text satisfies.", spec.field_name,
+            )
+        return compiled
+
+
+def _accepts_a_first_token(compiled: xgr.CompiledGrammar, vocab_size: int) -> bool:
+    """Whether any token may start the output (or the empty output is complete): a grammar
+    whose language is empty would otherwise be sampled from a row with every token masked."""
+    matcher = xgr.GrammarMatcher(compiled)
+    if matcher.is_terminated():
+        return True
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())

@@ -1,7 +1,8 @@
 """Hardening III (issue 51), the parts landed so far: a body nested deeper than the limit is a
 400 naming the field (it was a RecursionError, a 500, at 400-980 levels), beam search takes any
 finite length penalty (it failed the step with OverflowError or ZeroDivisionError), seeds
-outside 64 bits are refused instead of wrapped, and two messages name what was actually sent."""
+outside 64 bits are refused instead of wrapped, two messages name what was actually sent, and a
+grammar no string satisfies is a 400 (it generated forbidden tokens with a warning line each)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,24 @@ def test_a_text_part_without_text_says_so(server_url):
     messages = [{"role": "user", "content": [{"type": "text", "text": None}]}]
     reply = httpx.post(server_url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60)
     assert reply.status_code == 400 and "needs its text" in reply.json()["error"]["message"], reply.text
+
+
+@pytest.mark.parametrize("field, value", [
+    ("grammar", "root ::= root root"),
+    ("structured_outputs", {"grammar": "root ::= a\na ::= a \"x\""}),
+])
+def test_a_grammar_no_string_satisfies_is_a_400_naming_it(server_url, field, value):
+    reply = _post(server_url, {field: value, "max_tokens": 5})
+    assert reply.status_code == 400, reply.text
+    assert "accepts no string" in reply.json()["error"]["message"]
+    assert reply.json()["error"]["param"].startswith(field)
+
+
+def test_an_output_whose_constraints_allow_no_token_ends_there_once(server_url, tokenizer):
+    """A grammar and allowed_token_ids that no token satisfies together: the output ends after the
+    one forbidden draw (it went on to max_tokens, a forbidden token and a warning line each step)."""
+    only = tokenizer.encode("zebra", add_special_tokens=False)[:1]
+    reply = _post(server_url, {"grammar": 'root ::= "yes" | "no"', "allowed_token_ids": only, "max_tokens": 6})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 1
+    assert reply.json()["choices"][0]["finish_reason"] == "stop"
