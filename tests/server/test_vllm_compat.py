@@ -104,7 +104,7 @@ def test_the_chat_template_flag_and_request_fields_shape_the_prompt(compat_url, 
         return len(tokenizer.encode(text, add_special_tokens=False))
 
     assert prompt_tokens() == count("<user>Hello there<assistant>")
-    tokens = httpx.post(compat_url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    tokens = httpx.post(compat_url + "/tokenize", json={"messages": messages}, headers=auth()).json()["tokens"]
     assert tokens == tokenizer.encode("<user>Hello there<assistant>", add_special_tokens=False)
     own = "{{ greeting }}{% for m in messages %}{{ m.content | upper }}{% endfor %}"
     assert prompt_tokens(chat_template=own, chat_template_kwargs={"greeting": "Dear model: "}) == count(
@@ -147,7 +147,7 @@ def test_generation_config_gives_the_defaults_of_fields_a_request_leaves_unset(c
 
 
 def test_num_gpu_blocks_override_sets_the_block_count(compat_url):
-    assert httpx.get(compat_url + "/stats").json()["num_total_blocks"] == NUM_BLOCKS
+    assert httpx.get(compat_url + "/stats", headers=auth()).json()["num_total_blocks"] == NUM_BLOCKS
 
 
 def test_flags_that_change_nothing_are_logged_once_each(compat_url, log):
@@ -214,3 +214,16 @@ def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
     assert "<|im_start|>" in load_chat_template("chatml")  # llama-server's name of one
     with pytest.raises(ValueError, match="neither a readable file, a Jinja template nor chatml"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.parametrize("method, route, body", [
+    ("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/stats", None),
+    ("GET", "/version", None), ("GET", "/props", None),
+])
+def test_every_route_but_health_and_metrics_needs_the_key(compat_url, method, route, body):
+    """Issue 51: /tokenize and /stats were open with --api-key set, so anyone could make the
+    server tokenize for them or read its load."""
+    assert httpx.request(method, compat_url + route, json=body).status_code == 401
+    assert httpx.request(method, compat_url + route, json=body, headers=auth()).status_code == 200
+    for open_route in ("/health", "/metrics"):
+        assert httpx.get(compat_url + open_route).status_code == 200

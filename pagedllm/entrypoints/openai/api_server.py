@@ -145,7 +145,11 @@ def build_app(
     app.include_router(dashboard_router(engine, api_keys))  # /dashboard, its events, /debug/kv
     app.include_router(llama_router(completions, options.default_sampling, api_keys))  # /completion, /props, /slots
 
-    @app.post("/tokenize", responses=documented_errors(400, 404, *_BODY_LIMITS))
+    # Every route but /health and /metrics (a load balancer's and a scraper's) needs the key
+    # when keys are set: /tokenize, /detokenize and /stats spend or reveal the server's work.
+    keyed = [Depends(api_key_check(api_keys))]
+
+    @app.post("/tokenize", responses=documented_errors(400, 401, 404, *_BODY_LIMITS), dependencies=keyed)
     async def tokenize(request: TokenizeRequest) -> dict:
         completions.check_model(request.model)
         if request.content is not None and request.prompt is None:  # llama-server's name
@@ -158,7 +162,7 @@ def build_app(
             tokens = await completions.encode(request.prompt, request.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize", responses=documented_errors(400, 404, *_BODY_LIMITS))
+    @app.post("/detokenize", responses=documented_errors(400, 401, 404, *_BODY_LIMITS), dependencies=keyed)
     async def detokenize(request: DetokenizeRequest) -> dict:
         completions.check_model(request.model)
         vocab = completions.vocab_size
@@ -188,11 +192,11 @@ def build_app(
             return JSONResponse({"status": "ok"})
         return JSONResponse(error_body(503, f"The engine is not running: {engine.dead_error!r}"), status_code=503)
 
-    @app.get("/version")
+    @app.get("/version", responses=documented_errors(401), dependencies=keyed)
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/stats")
+    @app.get("/stats", responses=documented_errors(401), dependencies=keyed)
     async def stats() -> dict:
         # Tasks alive on the server's event loop (this request's own included) and threads: a
         # leak of either shows as growth between two idle moments.
