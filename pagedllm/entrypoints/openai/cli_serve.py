@@ -30,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     server.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     server.add_argument(
         "--api-key", nargs="+", action="extend", default=None,
-        help="require 'Authorization: Bearer <key>' with one of these keys on every route but /health and /metrics; give several, or the flag "
-        "several times (default: $PAGEDLLM_API_KEY, else none)",
+        help="require 'Authorization: Bearer <key>' with one of these keys on every route but /health and "
+        "/metrics; give several, or the flag several times (default: $PAGEDLLM_API_KEY, else none)",
     )
     add_chat_template_arg(server)
     server.add_argument(
