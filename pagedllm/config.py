@@ -128,6 +128,9 @@ class RequestLimits:
 
     max_n: int = 16  # n and best_of (parallel samples)
     max_beam_width: int = 16  # best_of with use_beam_search
+    # The most sequences one server request may start (prompts x best_of or beam width): a
+    # request of thousands of prompts would otherwise take every slot before later requests.
+    max_seqs_per_request: int = 256
     # The compiled-grammar cache's byte budget; a grammar larger than it alone is refused.
     structured_outputs_cache_bytes: int = 256 << 20
     # The longest a grammar may take to compile before its request is refused.
@@ -249,6 +252,7 @@ class EngineArgs:
     max_step_seconds: float | None = 0.5
     max_n: int = 16
     max_beam_width: int = 16
+    max_seqs_per_request: int = 256
     structured_outputs_cache_bytes: int = 256 << 20
     structured_outputs_compile_seconds: float = 30.0
     tensor_parallel_size: int = 1
@@ -345,6 +349,7 @@ class EngineArgs:
             limits=RequestLimits(
                 max_n=self.max_n,
                 max_beam_width=self.max_beam_width,
+                max_seqs_per_request=self.max_seqs_per_request,
                 structured_outputs_cache_bytes=self.structured_outputs_cache_bytes,
                 structured_outputs_compile_seconds=self.structured_outputs_compile_seconds,
             ),
@@ -371,7 +376,8 @@ class EngineArgs:
                 f"structured_outputs_compile_seconds must be a positive number of seconds, got "
                 f"{self.structured_outputs_compile_seconds!r}."
             )
-        for name in ("max_model_len", "num_gpu_blocks", "kv_cache_memory", "max_num_batched_tokens", "threads"):
+        for name in ("max_model_len", "num_gpu_blocks", "kv_cache_memory", "max_num_batched_tokens", "threads",
+                     "max_seqs_per_request"):
             value = getattr(self, name)
             if value is not None:
                 positive_int(name, value)

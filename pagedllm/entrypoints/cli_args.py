@@ -54,6 +54,8 @@ _HELP = {
     "max_step_seconds": "time budget of one engine step: prompt chunks are sized from the measured cost per token so "
     "that a long prompt never stalls the other streams longer (0: no budget, chunks of --max-num-batched-tokens)",
     "max_n": "most parallel samples (n, best_of) one request may ask for; above it the request is refused",
+    "max_seqs_per_request": "most sequences one server request may start (its prompts x n, best_of or beam width); "
+    "above it the request is refused, so that one request cannot take every slot before the others",
     "max_beam_width": "widest beam search one request may ask for; above it the request is refused",
     "structured_outputs_cache_bytes": "byte budget of the compiled-grammar cache (least recently used dropped "
     "first); a grammar larger than it alone is refused",

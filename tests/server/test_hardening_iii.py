@@ -116,3 +116,17 @@ def test_an_output_whose_constraints_allow_no_token_ends_there_once(server_url, 
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 1
     assert reply.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_request_starting_more_sequences_than_the_limit_is_refused_before_any_work(server_url):
+    """Issue 51 item 3: one request of 1,000 prompts x n=16 made a later stream wait 95 s."""
+    import time
+
+    over = _post(server_url, {"prompt": ["Hi"] * 17, "n": 16, "temperature": 1.0, "max_tokens": 1})
+    assert over.status_code == 400 and "--max-seqs-per-request" in over.json()["error"]["message"], over.text
+    assert "272 sequences (17 prompts x 16 each)" in over.json()["error"]["message"]
+    start = time.monotonic()
+    huge = _post(server_url, {"prompt": ["Hi there"] * 50_000, "max_tokens": 1})
+    assert huge.status_code == 400 and time.monotonic() - start < 5  # refused before tokenizing 50,000 prompts
+    at = _post(server_url, {"prompt": ["Hi"] * 16, "n": 16, "temperature": 1.0, "max_tokens": 1})
+    assert at.status_code == 200 and len(at.json()["choices"]) == 256, at.text[:300]

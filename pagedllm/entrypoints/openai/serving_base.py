@@ -277,11 +277,25 @@ class OpenAIServing:
     def created() -> int:
         return int(time.time())
 
+    def check_request_size(self, num_prompts: int, params: SamplingParams, prompt_param: str) -> None:
+        """A request starting more sequences than `--max-seqs-per-request` is refused before any
+        work (its prompts are not even tokenized)."""
+        limit = self.engine.engine.config.limits.max_seqs_per_request
+        per_prompt = params.best_of or params.n
+        # One prompt's samples are bounded by --max-n and --max-beam-width, whose messages say more.
+        if num_prompts > 1 and num_prompts * per_prompt > limit:
+            raise bad_request(
+                f"This request asks for {num_prompts * per_prompt:,} sequences ({num_prompts:,} prompts x {per_prompt} "
+                f"each); this server starts at most {limit:,} per request (--max-seqs-per-request). Split it into "
+                "several requests.", prompt_param,
+            )
+
     async def submit(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str
     ) -> list[RequestStream]:
         """Add one engine request per prompt, all in the same engine iteration; if any is
         refused, none stays in the engine. (A cancelled add aborts its own request.)"""
+        self.check_request_size(len(prompts), params, prompt_param)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         if params.needs_token_mask or params.logit_bias:
             try:  # a bad schema, regex or grammar is refused before any work starts

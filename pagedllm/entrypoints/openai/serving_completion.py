@@ -69,6 +69,7 @@ class OpenAIServingCompletion(OpenAIServing):
         # Echoing only the prompt still runs one step: the prompt's logprobs come with its first token.
         max_tokens = 1 if request.echo_only else request.max_tokens
         params = request.to_sampling_params(max_tokens, request.logprobs, "prompt", request.num_prompt_logprobs)
+        self.check_request_size(len(self._prompt_items(request)), params, "prompt")  # before tokenizing them
         texts, prompts = await self._prompts(request)
         for prompt_ids in prompts:
             self.check_length(prompt_ids, params, "prompt")
@@ -81,14 +82,18 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _prompts(self, request: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
         """(prompt texts, None where given as ids; token ids) of each prompt of the request."""
-        prompt = request.prompt
-        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-            items = [prompt]
-        else:
-            items = list(prompt) or [[]]  # an empty list is one empty prompt (refused as such)
+        items = self._prompt_items(request)
         texts = [item if isinstance(item, str) else None for item in items]
         prompts = [await self.encode(item, request.add_special_tokens) if isinstance(item, str) else list(item) for item in items]
         return texts, prompts
+
+    @staticmethod
+    def _prompt_items(request: CompletionRequest) -> list:
+        """The request's prompts, each a text or a list of token ids."""
+        prompt = request.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            return [prompt]
+        return list(prompt) or [[]]  # an empty list is one empty prompt (refused as such)
 
     async def _echo_text(self, text: str | None, output: RequestOutput) -> str:
         return text if text is not None else await self.decode(output.prompt_token_ids)
