@@ -300,7 +300,8 @@ def test_rows_alone_is_the_same_int8_product(qtype, isa):
     row) multiplies the same quantized activations: the float64 product of them, within float32
     accumulation, at every row count, for the bucket it is set on only."""
     if "avx2_rows" not in kernels.int8_ways(qtype):
-        pytest.skip("the portable path has one int8 way")
+        pytest.skip(f"{qtype} on the {isa} path has no avx2_rows int8 way to compare (the portable path and some "
+                    "types have only one)")
     w = weight(qtype, seed=21)
     w64 = gguf_dense(w).astype(np.float64)
     x = torch.randn(100, w.in_features, generator=torch.Generator().manual_seed(22))
