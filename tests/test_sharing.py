@@ -153,6 +153,34 @@ def test_beam_search_through_sampling_params_and_block_accounting(tiny_llama, hf
     assert engine.get_stats().num_free_blocks == engine.get_stats().num_total_blocks
 
 
+def test_beam_search_logprobs_are_the_models_own(tiny_llama, hf):
+    """Each returned beam's tokens carry their log-probability, rank and the top k under the
+    model's distribution at that position (transformers' logits on the beam's own prefix), as a
+    sampled token does; they were placeholders (no entries: "" tokens, null and -9999 values)."""
+    llm = make_llm(tiny_llama)
+    prompt = random_prompts(1, [11], seed=14)[0]
+    k = 3
+    params = SamplingParams(n=3, best_of=3, use_beam_search=True, temperature=0, max_tokens=5, ignore_eos=True, logprobs=k)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        tokens = completion.token_ids
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(logits, dim=-1)
+        assert len(completion.logprobs) == len(tokens)
+        for position, (token, entry) in enumerate(zip(tokens, completion.logprobs)):
+            row = expected[position]
+            top_values, top_ids = torch.topk(row, k)
+            assert set(top_ids.tolist()) <= set(entry) and token in entry
+            for rank, (t, v) in enumerate(zip(top_ids.tolist(), top_values.tolist()), start=1):
+                assert entry[t].rank == rank and entry[t].logprob == pytest.approx(v, abs=1e-4)
+            assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            assert entry[token].decoded_token == llm.get_tokenizer().decode([token])
+        assert completion.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(tokens, completion.logprobs)), abs=1e-3)
+
+
 # --- prefix caching ----------------------------------------------------------------------------
 
 

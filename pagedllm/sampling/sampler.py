@@ -118,10 +118,8 @@ class Sampler:
         beam_picks = self._beam_picks(raw, expanded, beam_rows)
         if controls is not None:
             controls.restore(raw)
-        beam_candidates = {
-            r: [SampledToken(t, v) for t, v in zip(ids.tolist(), (raw[r][ids] - log_norm[r]).tolist())]
-            for r, ids in beam_picks.items()
-        }
+        beam_candidates = {r: beam_samples(raw[r], log_norm[r], ids, expanded[r].sampling_params.logprobs)
+                           for r, ids in beam_picks.items()}
         chosen_logprob = (raw.gather(1, chosen.unsqueeze(1)) - log_norm).squeeze(1)
         # One device-to-host copy for the step (float64 holds every token id exactly).
         host = torch.stack([chosen.to(torch.float64), chosen_logprob.to(torch.float64)]).cpu()
@@ -285,6 +283,24 @@ def top_logprobs(raw_row: torch.Tensor, log_norm: torch.Tensor, chosen: int, k: 
         value = logprobs[chosen]
         result[chosen] = (value.item(), int((logprobs > value).sum()) + 1)
     return result
+
+
+def beam_samples(raw_row: torch.Tensor, log_norm: torch.Tensor, ids: torch.Tensor, k: int | None) -> list[SampledToken]:
+    """A beam's candidate tokens with their raw log-probabilities and, if `logprobs` was asked
+    for, the row's top k and each candidate's own rank (as a sampled token has)."""
+    logprobs = raw_row - log_norm
+    values = logprobs[ids]
+    if k is None:
+        return [SampledToken(t, v) for t, v in zip(ids.tolist(), values.tolist())]
+    top: TopLogprobs = {}
+    if k > 0:
+        top_values, top_ids = torch.topk(logprobs, k)
+        top = {t: (v, rank) for rank, (t, v) in enumerate(zip(top_ids.tolist(), top_values.tolist()), start=1)}
+    ranks = (logprobs.unsqueeze(0) > values.unsqueeze(1)).sum(dim=1) + 1
+    return [
+        SampledToken(t, v, top if t in top else {**top, t: (v, rank)})
+        for t, v, rank in zip(ids.tolist(), values.tolist(), ranks.tolist())
+    ]
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TopLogprobs]:

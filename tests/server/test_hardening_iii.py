@@ -130,3 +130,30 @@ def test_a_request_starting_more_sequences_than_the_limit_is_refused_before_any_
     assert huge.status_code == 400 and time.monotonic() - start < 5  # refused before tokenizing 50,000 prompts
     at = _post(server_url, {"prompt": ["Hi"] * 16, "n": 16, "temperature": 1.0, "max_tokens": 1})
     assert at.status_code == 200 and len(at.json()["choices"]) == 256, at.text[:300]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_beam_search_logprobs_are_real_in_completions_and_chat(server_url, stream):
+    """Issue 51 item 4: beam search with logprobs answered placeholders (tokens "", token_logprobs
+    null, chat logprob -9999.0) on every model, streamed or not."""
+    beam = {"use_beam_search": True, "n": 2, "best_of": 2, "temperature": 0, "max_tokens": 4, "ignore_eos": True,
+            "stream": stream}
+    completion = httpx.post(server_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 2, **beam},
+                            timeout=60)
+    chat = httpx.post(server_url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2, **beam})
+    assert completion.status_code == chat.status_code == 200, (completion.text, chat.text)
+    if stream:
+        events = [json.loads(line[6:]) for line in completion.text.splitlines() if line.startswith("data: {")]
+        choices = [c for e in events for c in e["choices"] if c.get("logprobs")]
+        chat_events = [json.loads(line[6:]) for line in chat.text.splitlines() if line.startswith("data: {")]
+        chat_choices = [c for e in chat_events for c in e["choices"] if c.get("logprobs")]
+    else:
+        choices, chat_choices = completion.json()["choices"], chat.json()["choices"]
+    tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+    values = [v for c in choices for v in c["logprobs"]["token_logprobs"]]
+    assert len(tokens) == 8 and all(t != "" for t in tokens), choices
+    assert all(v is not None and -50 < v <= 0 for v in values), values
+    assert all(len(top) >= 2 for c in choices for top in c["logprobs"]["top_logprobs"])
+    content = [entry for c in chat_choices for entry in c["logprobs"]["content"]]
+    assert len(content) == 8 and all(-50 < e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 for e in content), content
