@@ -55,6 +55,8 @@ logger = logging.getLogger("pagedllm")
 # After the shutdown timeout has ended the last requests, the seconds their handlers get to send
 # the error and close.
 SHUTDOWN_GRACE_S = 3.0
+# The same after a second signal, which must exit at once.
+FORCED_EXIT_GRACE_S = 1.0
 
 
 
@@ -211,25 +213,55 @@ def build_app(
 
 
 class GracefulShutdown:
-    """What `pagedllm serve` does on SIGTERM or SIGINT: stop admitting new requests (503), let
-    those in flight finish for `shutdown_timeout` seconds, then end the rest with an error in
-    OpenAI's shape (an error event and `[DONE]` for a stream), before uvicorn closes anything.
-    A second signal exits at once."""
+    """What `pagedllm serve` does on SIGTERM or SIGINT. New requests get 503 (/health included)
+    from the signal on, while the listening socket stays open, so a load balancer sees the
+    server leave rotation rather than refuse connections. The requests in flight get
+    `shutdown_timeout` seconds to finish; then the engine shuts down, which ends the rest with
+    an error in OpenAI's shape (an error event and `[DONE]` for a stream), and they get
+    SHUTDOWN_GRACE_S to send it. Only then does uvicorn close the socket and the connections.
+    (A second signal exits at once: `create_server`'s `Server`.)"""
 
     def __init__(self, engine: AsyncLLMEngine, shutdown_timeout: float) -> None:
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
-        self.draining = False
+        self.began_at: float | None = None  # time.monotonic() at the first signal
+        self.ended_at: float | None = None  # when the engine was shut down to end the rest
+        self._announced = False
+        self._ending: asyncio.Task | None = None
+
+    @property
+    def began(self) -> bool:
+        return self.began_at is not None
 
     def begin(self) -> None:
-        if self.draining:
-            return
-        self.draining = True
-        logger.info("Shutting down: finishing requests in flight for up to %.0f s", self.shutdown_timeout)
-        self.engine.stop_admitting("The server is shutting down; retry on another server or later.")
-        timer = threading.Timer(self.shutdown_timeout, self.engine.shutdown)
-        timer.daemon = True
-        timer.start()
+        """Called in the signal handler, so it only sets attributes: new requests are refused
+        from here on. `is_over`, on uvicorn's loop, does the rest."""
+        if self.began_at is None:
+            self.began_at = time.monotonic()
+            self.engine.stop_admitting("The server is shutting down; retry on another server or later.")
+
+    async def is_over(self, num_in_flight: int) -> bool:
+        """Whether the server may close, asked on each tick of uvicorn's loop (every 0.1 s)
+        once the signal came; `num_in_flight`: the HTTP requests still running."""
+        now = time.monotonic()
+        if not self._announced:
+            self._announced = True
+            logger.info(
+                "Shutting down: new requests get 503; those in flight (%d) get up to %g s to finish",
+                num_in_flight, self.shutdown_timeout,
+            )
+        if num_in_flight == 0 or self.engine.dead_error is not None:
+            return True
+        if self.ended_at is None and now - self.began_at >= self.shutdown_timeout:
+            logger.info("Shutdown timeout passed; ending the requests still in flight (%d)", num_in_flight)
+            self.ended_at = now
+            self._ending = asyncio.create_task(self.end_requests())  # held: the loop keeps only weak references
+        return self.ended_at is not None and now - self.ended_at >= SHUTDOWN_GRACE_S
+
+    async def end_requests(self) -> None:
+        """Shut the engine down: every request still in flight gets its error (a stream its
+        error event and `[DONE]`). The engine's thread finishes its step first."""
+        await asyncio.to_thread(self.engine.shutdown)
 
 
 def seconds_since_process_start() -> float:
@@ -274,16 +306,26 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
     drain = GracefulShutdown(engine, args.shutdown_timeout)
 
     class Server(uvicorn.Server):
-        """uvicorn's server, draining on a signal, and exiting once the engine is dead: a
-        server that can only answer 503 is better restarted by its supervisor (`pagedllm serve`
-        then exits with status 1). The requests in flight have had their error by then, and
-        /health answers 503 until the listening socket closes, within uvicorn's 0.1 s tick."""
+        """uvicorn's server, draining on a signal (`GracefulShutdown`), exiting at once on a
+        second one, and exiting once the engine is dead: a server that can only answer 503 is
+        better restarted by its supervisor (`pagedllm serve` then exits with status 1). The
+        requests in flight have had their error by then, and /health answers 503 until the
+        listening socket closes, within uvicorn's 0.1 s tick.
+
+        uvicorn's own handling would close the listening socket on the first signal (new
+        clients refused, not answered 503), take only a second SIGINT as a forced exit, and
+        on a forced exit skip the app's shutdown, so that the event loop's end cancels the
+        requests in flight: streams cut without `[DONE]`, a traceback for each."""
 
         engine_died = False
+        ended_at_once = False
 
         def handle_exit(self, sig, frame) -> None:
+            # A signal handler: it only sets flags, which uvicorn's loop acts on (on_tick, shutdown).
+            if drain.began:
+                self.force_exit = True  # any second signal, SIGTERM or SIGINT
             drain.begin()
-            super().handle_exit(sig, frame)
+            super().handle_exit(sig, frame)  # should_exit; the signal is re-raised once shut down
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
@@ -295,7 +337,34 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
                 self.engine_died = True
                 self.should_exit = True
                 logger.error("The engine stopped (%s); the server exits", engine.dead_error)
-            return await super().on_tick(counter)
+            leave = await super().on_tick(counter)
+            if leave and drain.began and not self.force_exit:
+                return await drain.is_over(len(self.server_state.tasks))  # listening meanwhile
+            return leave
+
+        async def shutdown(self, sockets=None) -> None:
+            if self.force_exit:
+                await self._end_requests_at_once()
+            await super().shutdown(sockets)
+            if self.force_exit:
+                await self._end_requests_at_once()  # if the second signal came during uvicorn's wait
+                await self.lifespan.shutdown()  # uvicorn skips it on a forced exit; ours only joins the engine
+
+        async def _end_requests_at_once(self) -> None:
+            """The engine shuts down, so every request in flight gets its error (a stream its
+            error event and `[DONE]`); they get FORCED_EXIT_GRACE_S to send it, then their
+            connections close (quietly: a cancelled task would log a traceback)."""
+            if self.ended_at_once:
+                return
+            self.ended_at_once = True
+            num_in_flight = len(self.server_state.tasks)
+            logger.warning("Second signal: exiting now; ending the requests in flight (%d)", num_in_flight)
+            await drain.end_requests()
+            deadline = time.monotonic() + FORCED_EXIT_GRACE_S
+            while self.server_state.tasks and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            for connection in list(self.server_state.connections):
+                connection.transport.close()
 
     config = uvicorn.Config(
         app,
@@ -307,9 +376,9 @@ def create_server(args: argparse.Namespace, engine: AsyncLLMEngine | None = None
         ssl_certfile=getattr(args, "ssl_certfile", None),
         ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
         access_log=not args.disable_uvicorn_access_log,
-        # Room for the requests in flight to finish or end with their error before uvicorn
-        # cancels what is left.
-        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
+        # uvicorn's wait comes after the drain (Server.on_tick): the requests left by then have
+        # had their error and only need to send it.
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     return Server(config)
 
