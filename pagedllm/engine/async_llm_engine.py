@@ -20,6 +20,7 @@ dies or the health check raises, the engine is dead: every request in flight fai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -288,6 +289,7 @@ class AsyncLLMEngine:
             while not self._stopping.is_set():
                 iteration = IterationStats(now=time.monotonic())
                 self._take_inbox(iteration)
+                outputs: list[RequestOutput] = []
                 if self.engine.has_unfinished_requests():
                     try:
                         outputs = self.engine.step()
@@ -298,10 +300,12 @@ class AsyncLLMEngine:
                         raise EngineDeadError(self.engine.dead)
                     iteration.now = time.monotonic()
                     self._timing.observe(outputs, iteration)
-                    self._deliver(outputs)
-                self.engine.check_health()  # raises once a worker is gone
+                # Stats before outputs: once a client sees its request finished (or a token),
+                # /metrics and /stats already show the step that did it, never the one before.
                 self.stats = self.engine.get_stats()
                 self._record(iteration)
+                self._deliver(outputs)
+                self.engine.check_health()  # raises once a worker is gone
                 if not self.engine.has_unfinished_requests() and self._inbox.empty():
                     # Any request queued after the check above has set the event already.
                     self._wake.wait(self.IDLE_POLL_S)
@@ -309,7 +313,9 @@ class AsyncLLMEngine:
         except BaseException as exc:  # a dead worker or a bug: fail loudly, not silently hang
             logger.exception("The engine loop stopped")
             self.dead_error = exc
+            failed = list(self._streams)
             self._fail_everything(EngineDeadError(f"The engine stopped: {exc}"))
+            self._record_death(failed)
 
     def _drain_inbox(self) -> list[_Add | _Abort]:
         commands = []
@@ -408,6 +414,20 @@ class AsyncLLMEngine:
                 stat_logger.record(self.stats, iteration)
             except Exception:  # metrics must never take the engine down
                 logger.exception("Stat logger %r failed", stat_logger)
+
+    def _record_death(self, failed: list[str]) -> None:
+        """The loop died and every request in flight failed: the stat loggers see that last
+        (each one finished by error, no request running or waiting), so /metrics does not show
+        them running for as long as the process lives."""
+        iteration = IterationStats(now=time.monotonic())
+        iteration.finished.extend(FinishedRequest("error", None, 0, 0) for _ in failed)
+        try:
+            self.engine.abort_request(list(self.engine.requests.groups))  # their blocks, freed where it can
+            stats = self.engine.get_stats()
+        except Exception:  # the engine may be too broken to tell: what it held stays as last seen
+            stats = self.stats
+        self.stats = dataclasses.replace(stats, num_running=0, num_running_seqs=0, num_waiting=0, num_swapped=0)
+        self._record(iteration)
 
     def _fail_everything(self, error: EngineDeadError) -> None:
         with self._lock:

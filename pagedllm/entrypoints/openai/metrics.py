@@ -1,8 +1,10 @@
 """Prometheus metrics at `GET /metrics`, named like vLLM's with a `pagedllm:` prefix.
 
 Each server has its own `CollectorRegistry` (tests run several servers in one process). The
-async engine calls `record` on its own thread after every loop iteration; prometheus_client's
-metrics are thread-safe, and `/metrics` renders whatever was recorded last.
+async engine calls `record` on its own thread after every loop iteration, before it hands that
+iteration's outputs to the clients (so a client that has its answer never reads its request as
+running), and once more if its loop dies (its failed requests leave the gauges);
+prometheus_client's metrics are thread-safe, and `/metrics` renders whatever was recorded last.
 """
 
 from __future__ import annotations
