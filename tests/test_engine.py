@@ -187,6 +187,30 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, hf, prompts):
         assert math.isclose(entry[prompt[pos]].logprob, ref[pos - 1, prompt[pos]].item(), abs_tol=1e-4)
 
 
+def test_prompt_logprobs_compute_their_logits_a_bounded_piece_at_a_time(llm, hf, prompts, monkeypatch):
+    """Issue 51 item 6: a prompt chunk's logits for prompt_logprobs were computed at once (2 GiB
+    of float32 for 2,048 tokens of a 262k vocabulary, and its log-softmax as much again). Under
+    a bound of 5 rows' bytes, every head call holds at most 5 rows, and the values are
+    transformers'."""
+    from pagedllm.worker import model_runner
+
+    runner = llm.llm_engine.executor.worker.runner
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_BYTES", 5 * 4 * runner.vocab_size + 3)
+    rows_per_call = []
+    compute = runner.model.compute_logits
+    monkeypatch.setattr(runner.model, "compute_logits", lambda hidden: rows_per_call.append(len(hidden)) or compute(hidden))
+    prompt = prompts[6]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=4), use_tqdm=False)[0]
+    assert max(rows_per_call) == 5 and sum(rows_per_call) == len(prompt) - 1 + 1  # the pieces, then the sample row
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    for pos in range(1, len(prompt)):
+        entry, row = out.prompt_logprobs[pos], ref[pos - 1]
+        assert math.isclose(entry[prompt[pos]].logprob, row[prompt[pos]].item(), abs_tol=1e-4)
+        assert entry[prompt[pos]].rank == int((row > row[prompt[pos]]).sum()) + 1
+        assert [t for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)][:4] == row.topk(4).indices.tolist()
+
+
 def test_bad_requests_raise_clear_errors_and_leave_the_engine_working(llm, prompts, expected):
     with pytest.raises(ValueError, match="max_model_len is 256"):
         llm.generate([prompts[0], list(range(100, 400))], GREEDY, use_tqdm=False)

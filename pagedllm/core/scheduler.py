@@ -8,9 +8,11 @@ Every step, in this order:
    net: the engine refuses at admission any request whose sequences could outgrow the cache).
 2. Swapped-out groups come back, oldest first, if nothing was preempted in this step.
 3. Waiting groups (new prompts, and groups preempted by recomputation, which rejoin the queue's
-   front) are admitted oldest first, while the token budget, `max_num_seqs` and the free blocks
-   (minus a small watermark) allow. A prompt longer than the remaining budget is computed in
-   chunks over several steps.
+   front) are admitted in queue order, while the token budget, `max_num_seqs` and the free
+   blocks (minus a small watermark) allow. The queue is first come, first served, except that
+   the prompts of one API request of many take turns with other requests and hold at most a
+   share of the seats (`pagedllm.core.turns`). A prompt longer than the remaining budget is
+   computed in chunks over several steps.
 
 A group of several sequences (parallel samples, beams) is gang-scheduled: its sequences are
 preempted and resumed together, and they sample in the same step. After the step,
@@ -20,6 +22,7 @@ preempted and resumed together, and they sample in the same step. After the step
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -31,6 +34,7 @@ from pagedllm.core.preemption import PreemptionMode, choose_preemption_mode
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.core.step_update import ProcessOutput, StepUpdate
+from pagedllm.core.turns import PREEMPTED_TURN, over_share, queue_in_turn
 from pagedllm.sampling_params import SamplingType
 
 
@@ -50,8 +54,15 @@ class _Step:
     budget: int  # tokens still allowed this step
     # Prompt (prefill) tokens still allowed this step under the step-time budget (None: no cap).
     prompt_budget: int | None = None
+    # Plain prompt tokens of `prompt_budget` that one prompt token with log-probabilities takes
+    # (its row of the LM head and a pass over the vocabulary cost more).
+    logprob_price: float = 1.0
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: bool = False  # a running group was preempted: nothing else is admitted
+
+
+def _wants_prompt_logprobs(group: SequenceGroup, seq: Sequence) -> bool:
+    return group.sampling_params.prompt_logprobs is not None and seq.num_output_tokens == 0
 
 
 def _has_drafts(group: SequenceGroup) -> bool:
@@ -80,8 +91,9 @@ class Scheduler:
     # --- request lifecycle ------------------------------------------------------------------
 
     def add(self, group: SequenceGroup) -> None:
+        """Queue a new group, in turn with the other API requests' (`pagedllm.core.turns`)."""
         group.set_status(SequenceStatus.WAITING)
-        self.waiting.append(group)
+        queue_in_turn(self.waiting, group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Stop a request wherever it is and free its blocks at once."""
@@ -120,11 +132,12 @@ class Scheduler:
 
     # --- scheduling -------------------------------------------------------------------------
 
-    def schedule(self, prompt_chunk_limit: int | None = None) -> SchedulerOutput:
+    def schedule(self, prompt_chunk_limit: int | None = None, logprob_price: float = 1.0) -> SchedulerOutput:
         """Decide the next step, in the three phases of the module docstring.
         `prompt_chunk_limit`: the most prompt tokens the step computes while other requests share
-        the engine (the step-time budget, `pagedllm.engine.step_budget`); None: no cap."""
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        the engine (the step-time budget, `pagedllm.engine.step_budget`); None: no cap. A prompt
+        token whose log-probabilities are computed counts `logprob_price` tokens of it."""
+        step = _Step(budget=self.config.max_num_batched_tokens, logprob_price=max(1.0, logprob_price))
         if prompt_chunk_limit is not None and len(self.running) + len(self.waiting) + len(self.swapped) > 1:
             step.prompt_budget = prompt_chunk_limit  # alone, a request holds nobody up
         self._schedule_running(step)
@@ -152,7 +165,7 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             group = self.running[index]
-            plan = self._plan_tokens(group, step.budget, prompt_budget=step.prompt_budget, speculate=True)
+            plan = self._plan_tokens(group, step.budget, prompt_budget=self._prompt_budget(group, step), speculate=True)
             if plan is None:
                 index += 1
                 continue
@@ -196,29 +209,33 @@ class Scheduler:
             self.stats.num_blocks_swapped_in += bm.swap_in(seqs)
             group.set_status(SequenceStatus.RUNNING)
             self._insert_by_arrival(self.running, group)
-            self._allocate_and_emit(group, self._plan_tokens(group, step.budget, prompt_budget=step.prompt_budget), step)
+            self._allocate_and_emit(group, self._plan_tokens(group, step.budget, prompt_budget=self._prompt_budget(group, step)), step)
 
     def _schedule_waiting(self, step: _Step) -> None:
-        """Waiting groups, oldest first, while the budget, `max_num_seqs` and the free blocks
+        """Waiting groups, in queue order, while the budget, `max_num_seqs` and the free blocks
         (minus the watermark) allow. Each sequence first adopts its cached prefix."""
         bm = self.block_manager
-        while self.waiting and step.budget > 0:
-            group = self.waiting[0]
+        index = 0  # groups before it wait for their API request's share of the seats
+        while index < len(self.waiting) and step.budget > 0:
+            group = self.waiting[index]
+            if over_share(group, self.running, self._seats, self.config.max_num_seqs):
+                index += 1
+                continue
             if self._num_seats_taken() + self._seats(group) > self.config.max_num_seqs:
                 return
             prefixes = {seq.seq_id: self._cached_prefix(group, seq) for seq in group.unfinished_seqs()}
             cached = {seq_id: len(p) * bm.block_size for seq_id, p in prefixes.items()}
-            plan = self._plan_tokens(group, step.budget, cached, step.prompt_budget)
+            plan = self._plan_tokens(group, step.budget, cached, self._prompt_budget(group, step))
             if plan is None:
                 return
             needed = bm.blocks_needed_together(plan, prefixes)
             if not bm.can_allocate(needed, keep_watermark=True):
                 if not self.running and not self._can_ever_fit(group):
-                    self.waiting.popleft()
+                    del self.waiting[index]
                     self._fail(group, "it needs more KV cache blocks than the device has")
                     continue
                 return
-            self.waiting.popleft()
+            del self.waiting[index]
             for seq, _ in plan:
                 seq.num_computed_tokens = bm.adopt_cached_prefix(seq, prefixes[seq.seq_id])
             if group.num_cached_tokens is None:  # first admission
@@ -268,8 +285,19 @@ class Scheduler:
                 budget -= n
         return plan or None
 
+    @staticmethod
+    def _prompt_budget(group: SequenceGroup, step: _Step) -> int | None:
+        """The step-time budget's prompt tokens left for this group's chunk: fewer for a prompt
+        whose log-probabilities are computed (at least one while any is left)."""
+        left = step.prompt_budget
+        if left is None or step.logprob_price == 1.0 or not left:
+            return left
+        if not any(_wants_prompt_logprobs(group, seq) for seq in group.unfinished_seqs()):
+            return left
+        return max(1, int(left / step.logprob_price))
+
     def _cached_prefix(self, group: SequenceGroup, seq: Sequence):
-        if group.sampling_params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+        if _wants_prompt_logprobs(group, seq):
             return []  # prompt log-probabilities need every prompt position computed
         return self.block_manager.find_cached_prefix(seq)
 
@@ -279,7 +307,8 @@ class Scheduler:
         penalties = params.needs_penalties
         for seq, n in plan:
             if step.prompt_budget is not None and seq.num_uncomputed_tokens > 1:
-                step.prompt_budget = max(0, step.prompt_budget - n)
+                price = step.logprob_price if _wants_prompt_logprobs(group, seq) else 1.0
+                step.prompt_budget = max(0, step.prompt_budget - math.ceil(n * price))
             self.block_manager.allocate(seq, n)
             start = seq.num_computed_tokens
             end = min(start + n, seq.num_tokens)  # the tokens past the sequence's own are proposals
@@ -292,7 +321,7 @@ class Scheduler:
                 num_samples = 1
             tables = self.block_manager.block_tables(seq.seq_id)
             targets = None
-            if params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+            if _wants_prompt_logprobs(group, seq):
                 targets = seq.token_ids[start + 1 : min(end + 1, seq.num_prompt_tokens)]
             step.scheduled.append(
                 ScheduledSequence(
@@ -331,7 +360,8 @@ class Scheduler:
             self.block_manager.free(seq, keep_hashes=True)
             seq.num_computed_tokens = 0
         group.set_status(SequenceStatus.WAITING)
-        # Preempted groups arrived before every waiting one (admission is first-come-first-served).
+        # Preempted groups were admitted before every waiting one: they go first again.
+        group.turn = PREEMPTED_TURN
         self.waiting.appendleft(group)
 
     @staticmethod

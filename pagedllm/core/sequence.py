@@ -169,6 +169,11 @@ class SequenceGroup:
     forked: bool = False
     # Beam search bookkeeping (finished hypotheses and the stop heuristic); None for other requests.
     beam_state: BeamState | None = None
+    # The API request this group is one prompt of (None: a request of its own), and its turn in
+    # the waiting queue: the number of that API request's prompts waiting ahead of it when it
+    # was queued (-1 once preempted: it goes before every new prompt).
+    api_request_id: str | None = None
+    turn: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -126,6 +126,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float | None
     stream: RequestStream
+    api_request_id: str | None = None
 
 
 @dataclass
@@ -225,10 +226,12 @@ class AsyncLLMEngine:
     # --- requests (any event loop) ----------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None,
+        api_request_id: str | None = None,
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it. Raises the
-        engine's `ValueError` for bad input and `EngineDeadError` when the engine is gone."""
+        engine's `ValueError` for bad input and `EngineDeadError` when the engine is gone.
+        `api_request_id`: the API request it is one prompt of (`LLMEngine.add_request`)."""
         self.start()
         stream = RequestStream(request_id, asyncio.get_running_loop())
         with self._lock:
@@ -236,7 +239,7 @@ class AsyncLLMEngine:
                 raise self._dead_error()
             if self.refusing is not None:
                 raise EngineDeadError(self.refusing)
-            self._inbox.put(_Add(request_id, prompt, params, arrival_time or time.monotonic(), stream))
+            self._inbox.put(_Add(request_id, prompt, params, arrival_time or time.monotonic(), stream, api_request_id))
         self._wake.set()
         try:
             await stream.wait_accepted()
@@ -336,7 +339,8 @@ class AsyncLLMEngine:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time,
+                                    command.api_request_id)
         except Exception as exc:  # bad input (ValueError): the engine is untouched
             command.stream.resolve(exc)
             return

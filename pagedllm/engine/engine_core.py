@@ -132,7 +132,8 @@ class EngineCore:
             limit = self.step_budget.chunk_limit if self.step_budget is not None else None
             if self.speculator is not None:
                 self.scheduler.update_draft_token_ids(self.speculator.propose(self.scheduler, limit))
-            scheduled = self.scheduler.schedule(limit)
+            price = self.step_budget.logprob_price if self.step_budget is not None else 1.0
+            scheduled = self.scheduler.schedule(limit, price)
             for group in self.scheduler.take_failed():
                 logger.warning("%s", group.error)
                 self.requests.remove_group(group)
@@ -182,7 +183,8 @@ class EngineCore:
         if adaptive and any(item.draft_token_ids for item in scheduled.seqs):
             return
         prompt_tokens = sum(len(item.token_ids) for item in scheduled.seqs if len(item.token_ids) > 1)
-        self.step_budget.observe(seconds, prompt_tokens)
+        logprob_tokens = sum(len(item.prompt_logprob_targets or ()) for item in scheduled.seqs)
+        self.step_budget.observe(seconds, prompt_tokens, logprob_tokens)
 
     def _release_compiled(self) -> list[SequenceGroup]:
         """Schedule the requests whose grammar is compiled now; fail those whose grammar failed.

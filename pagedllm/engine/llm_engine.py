@@ -153,8 +153,12 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        api_request_id: str | None = None,
     ) -> None:
-        """Queue a request. Bad input raises `ValueError` and leaves the engine untouched."""
+        """Queue a request. Bad input raises `ValueError` and leaves the engine untouched.
+        `api_request_id` names the API request it is one prompt of: the waiting prompts of
+        different API requests are admitted in turn (`Scheduler.add`), so that one request of
+        many prompts does not go wholly before a request that arrived just after it."""
         if self.dead is not None:
             raise RuntimeError(f"The engine has stopped: {self.dead}")
         params = params or SamplingParams()
@@ -175,6 +179,7 @@ class LLMEngine:
             share_blocks=self.config.cache.enable_block_sharing,
             prompt=prompt if isinstance(prompt, str) else None,
         )
+        group.api_request_id = api_request_id
         self.core.add(group)
         self.num_prompt_tokens_total += len(token_ids)
 

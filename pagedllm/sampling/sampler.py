@@ -304,7 +304,18 @@ def beam_samples(raw_row: torch.Tensor, log_norm: torch.Tensor, ids: torch.Tenso
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TopLogprobs]:
-    """Log-probability of each prompt token given its prefix. logits: [len(targets), vocab]."""
-    logits = logits.float()
-    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return [top_logprobs(logits[i], log_norm[i], t, k) for i, t in enumerate(targets)]
+    """Log-probability of each prompt token given its prefix, with its rank and the top k.
+    logits: [len(targets), vocab]; every row at once (one log-softmax, one top-k)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target_ids = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
+    values = logprobs.gather(1, target_ids)
+    ranks = (logprobs > values).sum(dim=1) + 1
+    top_values, top_ids = torch.topk(logprobs, k, dim=-1) if k > 0 else (values[:, :0], target_ids[:, :0])
+    out: list[TopLogprobs] = []
+    for target, value, rank, ids, tops in zip(
+        targets, values.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()
+    ):
+        entry = {t: (v, r) for r, (t, v) in enumerate(zip(ids, tops), start=1)}
+        entry.setdefault(target, (value, rank))
+        out.append(entry)
+    return out

@@ -18,6 +18,9 @@ from pagedllm.utils import cdiv
 from pagedllm.worker.block_tables import block_table_array
 from pagedllm.worker.cuda_graphs import DecodeGraphs
 
+# The float32 logits computed at once for prompt log-probabilities (as many rows as fit).
+PROMPT_LOGPROBS_BYTES = 64 << 20
+
 
 def build_attention_metadata(
     items: list[ScheduledSequence], block_size: int, device: torch.device
@@ -69,6 +72,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler  # only the driver samples
         self.graphs = graphs  # decode and verify steps replay CUDA graphs where they apply
+        self.vocab_size = model.cfg.vocab_size
 
     @torch.inference_mode()
     def time_prefill(self, num_tokens: int, repeats: int = 1) -> list[float]:
@@ -109,40 +113,45 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, metadata)
             query_lens = metadata.query_lens
 
-        # Rows that need logits: each sampling sequence's last token, and prompt positions
-        # whose log-probabilities were asked for.
+        # Rows that need logits: each sampling sequence's last token (a speculating sequence's
+        # last 1 + k positions), then prompt positions whose log-probabilities were asked for.
         starts = [0, *itertools.accumulate(query_lens)]  # host-side: no device sync
         rows: list[int] = []
         sampling = [(i, item) for i, item in enumerate(items) if item.num_samples > 0]
-        for i, item in sampling:  # a speculating sequence: its last 1 + k positions
+        for i, item in sampling:
             rows.extend(range(starts[i + 1] - 1 - len(item.draft_token_ids), starts[i + 1]))
-        prompt_rows = []
-        for i, item in enumerate(items):
-            if item.prompt_logprob_targets:
-                first = len(rows)
-                rows.extend(range(starts[i], starts[i] + len(item.prompt_logprob_targets)))
-                prompt_rows.append((item, first))
-        if not rows:
+        prompt_items = [(i, item) for i, item in enumerate(items) if item.prompt_logprob_targets]
+        if not rows and not prompt_items:
             return ModelRunnerOutput() if self.sampler is not None else None
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        if logits is None or self.sampler is None:
-            return None
-        # The sampler runs where the logits are: on a GPU only the chosen tokens come back.
-        logits = logits.float()
-
         result = ModelRunnerOutput()
-        if sampling:
-            num_sampling_rows = len(sampling) + sum(len(item.draft_token_ids) for _, item in sampling)
-            samples = self.sampler(logits[:num_sampling_rows], [item for _, item in sampling])
-            for (_, item), seq_samples in zip(sampling, samples):
-                if item.draft_token_ids:  # the accepted proposed tokens, then the target's own
-                    result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples[-1:], accepted=seq_samples[:-1])
-                else:
-                    result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples)
-        for item, first in prompt_rows:
-            n = len(item.prompt_logprob_targets)
-            entry = result.outputs.setdefault(item.seq_id, SequenceStepOutput())
-            entry.prompt_logprobs = prompt_logprobs(
-                logits[first : first + n], item.prompt_logprob_targets, item.sampling_params.prompt_logprobs
-            )
-        return result
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            if logits is not None and self.sampler is not None:
+                # The sampler runs where the logits are: on a GPU only the chosen tokens come back.
+                samples = self.sampler(logits.float(), [item for _, item in sampling])
+                for (_, item), seq_samples in zip(sampling, samples):
+                    if item.draft_token_ids:  # the accepted proposed tokens, then the target's own
+                        result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples[-1:], accepted=seq_samples[:-1])
+                    else:
+                        result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples)
+        for i, item in prompt_items:
+            position_logprobs = self._prompt_logprobs(hidden, starts[i], item)
+            if position_logprobs is not None:
+                result.outputs.setdefault(item.seq_id, SequenceStepOutput()).prompt_logprobs = position_logprobs
+        return result if self.sampler is not None else None
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, first_row: int, item: ScheduledSequence):
+        """The log-probabilities of a prompt chunk's next tokens, their logits computed a piece
+        of PROMPT_LOGPROBS_BYTES at a time: a 2,048-token chunk of a 262k vocabulary is 2 GiB of
+        float32 logits at once, and its log-softmax as much again. (Every tensor-parallel rank
+        computes the same pieces: the head's collectives run in step.)"""
+        targets = item.prompt_logprob_targets
+        rows_per_piece = max(1, PROMPT_LOGPROBS_BYTES // (4 * self.vocab_size))
+        out = []
+        for begin in range(0, len(targets), rows_per_piece):
+            piece = targets[begin : begin + rows_per_piece]
+            logits = self.model.compute_logits(hidden[first_row + begin : first_row + begin + len(piece)])
+            if logits is None or self.sampler is None:
+                continue
+            out.extend(prompt_logprobs(logits, piece, item.sampling_params.prompt_logprobs))
+        return out if self.sampler is not None else None

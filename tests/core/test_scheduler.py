@@ -66,6 +66,54 @@ def test_first_step_admits_prompts_in_arrival_order_within_max_num_seqs():
     assert [s.request_id for s in out.seqs] == ["r2"]
 
 
+def test_the_prompts_of_one_api_request_take_turns_with_later_requests():
+    """Issue 51 item 3: one request's 16,000 sequences went wholly before a stream that arrived
+    2 s later (its first token after 95 s). A request of many prompts now takes turns: a request
+    arriving after it waits for its first prompt, not all of them; requests of one prompt keep
+    their arrival order, and a preempted group still goes first."""
+    h = Harness(max_num_seqs=1, max_tokens_per_step=64)
+    for i in range(5):
+        group = make_sequence_group(f"big-{i}", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0), h.requests, 1.0)
+        group.api_request_id = "big"
+        h.add_group(group)
+    h.add("late", prompt_len=3, max_tokens=1)
+    h.add("later", prompt_len=3, max_tokens=1)
+    assert [g.request_id for g in h.scheduler.waiting] == ["big-0", "late", "later", "big-1", "big-2", "big-3", "big-4"]
+    admitted = [out.seqs[0].request_id for out in h.run() if out.seqs]
+    assert admitted == ["big-0", "late", "later", "big-1", "big-2", "big-3", "big-4"]
+    h2 = Harness(max_num_seqs=4)
+    for i in range(3):
+        group = make_sequence_group(f"a-{i}", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0), h2.requests, 1.0)
+        group.api_request_id = "a"
+        h2.add_group(group)
+    preempted = make_sequence_group("back", [1, 2], SamplingParams(max_tokens=1, temperature=0), h2.requests, 0.5)
+    h2.scheduler.waiting.appendleft(preempted)
+    preempted.turn = -1  # as _preempt leaves it
+    h2.add("new", prompt_len=3, max_tokens=1)
+    assert [g.request_id for g in h2.scheduler.waiting] == ["back", "a-0", "new", "a-1", "a-2"]
+
+
+def test_an_api_request_of_many_prompts_leaves_a_seat_for_a_later_request():
+    """However long its prompts decode, an API request of many prompts holds at most all but an
+    eighth of max_num_seqs: a request arriving later is admitted in the next step, not after
+    one of them finishes. A request of one prompt with many samples is not limited."""
+    h = Harness(max_num_seqs=8, max_tokens_per_step=256)
+    for i in range(8):
+        group = make_sequence_group(f"big-{i}", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0), h.requests, 1.0)
+        group.api_request_id = "big"
+        h.add_group(group)
+    first = h.step()
+    assert sorted(s.request_id for s in first.seqs) == [f"big-{i}" for i in range(7)]
+    h.add("late", prompt_len=3, max_tokens=2)
+    assert "late" in [s.request_id for s in h.step().seqs]
+    alone = Harness(max_num_seqs=8)
+    alone.add_group(make_sequence_group("n8", [1, 2, 3], SamplingParams(n=8, max_tokens=5, temperature=1.0, seed=1),
+                                        alone.requests, 1.0))
+    alone.step()
+    alone.step()
+    assert len(alone.groups["n8"].unfinished_seqs()) == 8
+
+
 def test_running_decodes_and_new_prompts_share_a_step():
     h = Harness()
     h.add("a", prompt_len=5, max_tokens=10)
