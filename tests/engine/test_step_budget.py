@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pagedllm.engine.requests import make_sequence_group
-from pagedllm.engine.step_budget import FIRST_CHUNK, MIN_CHUNK, StepBudget
+from pagedllm.engine.step_budget import FIRST_CHUNK, MIN_CHUNK, UNMEASURED_LOGPROB_PRICE, StepBudget
 from pagedllm.sampling_params import SamplingParams
 from tests.core.test_scheduler import Harness
 
@@ -62,7 +62,7 @@ def test_a_token_with_prompt_logprobs_is_priced_from_its_own_measured_cost():
     pass over a vocabulary of up to 262k); priced as plain tokens, their first chunk overran the
     budget (a victim's gap 1.27-2.39 s for a 0.5 s budget)."""
     budget = StepBudget(0.5, max_chunk=2048)
-    assert budget.logprob_price == 1.0  # nothing known yet
+    assert budget.logprob_price == UNMEASURED_LOGPROB_PRICE  # nothing known yet: a first chunk a quarter the size
     budget.observe(0.05, prompt_tokens=0)
     budget.observe(0.05 + 100 * 0.002, prompt_tokens=100, logprob_tokens=100)  # before any plain chunk: all as cost
     assert budget.cost == 0.002 and budget.extra is None
