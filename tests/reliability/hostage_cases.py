@@ -69,7 +69,23 @@ CASES = [
         structured_outputs={"choice": words(30000 if long else 10000, 6)}, temperature=0)),
     Case("a choice of 100,000 strings", lambda long: _completion(structured_outputs={"choice": words(100000, 7)}, temperature=0),
          long_only=True),
+    # Issue 51's cases.
+    Case("a field nested 150 deep", lambda long: _completion(anything=_nested(150)), refused_by="nests more than", param="anything"),
+    Case("1,000 prompts x n=16", lambda long: _completion(prompt=["Once upon a time"] * 1000, n=16, temperature=1.0),
+         refused_by="--max-seqs-per-request", param="prompt"),
+    Case("beam width 16 with logprobs=20 and length_penalty 1e308", lambda long: _completion(
+        n=16, best_of=16, use_beam_search=True, temperature=0, logprobs=20, length_penalty=1e308)),
+    Case("a grammar no string satisfies", lambda long: _completion(grammar="root ::= root root"),
+         refused_by="accepts no string", param="grammar"),
+    Case("seed 2**64", lambda long: _completion(seed=2**64, temperature=1.0), refused_by="[0, 2**64)", param="seed"),
 ]
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
 def heavy_grammar(index: int, long: bool) -> dict:

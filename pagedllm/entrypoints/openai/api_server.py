@@ -161,7 +161,7 @@ def build_app(
         if request.messages is not None:
             tokens = await completions.chat_prompt(request.messages, request.add_generation_prompt)
         else:
-            tokens = await completions.encode(request.prompt, request.add_special_tokens)
+            tokens = await completions.encode(request.prompt, request.add_special_tokens, within_context=False)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", responses=documented_errors(400, 401, 404, *_BODY_LIMITS), dependencies=keyed)

@@ -98,6 +98,8 @@ def invalid_input(exc: ValueError, prompt_param: str) -> OpenAIError:
     return bad_request(message, param)
 
 
+# The body-wide check of extra fields (protocol.OpenAIBaseModel) names the field in its message.
+_EXTRA_FIELD = re.compile(r"the extra field '([^']+)'")
 # Fields that accept several forms: what to send, instead of why each form failed.
 _FORMS = {"prompt": "give a non-empty string, a non-empty list of token ids, or a non-empty list of either"}
 
@@ -113,7 +115,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         # field's own name is what a client must change.
         loc = [str(p) for p in error.get("loc", ())]
         loc = loc[1:] if loc[:1] in (["body"], ["query"], ["path"], ["header"]) else loc
-        first_param = first_param or (loc[0] if loc else None)
+        named = _EXTRA_FIELD.search(error.get("msg", "")) if not loc else None  # the body's own check names it
+        first_param = first_param or (loc[0] if loc else named.group(1) if named else None)
         if loc and loc[0] in _FORMS:  # one line for a field of several forms, not one per form
             part = f"{loc[0]}: {_FORMS[loc[0]]}"
         else:

@@ -33,6 +33,14 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 # A text longer than max_model_len tokens of the longest token, times this margin (for tokenizers
 # whose normalisation drops characters), cannot fit the context: it is refused untokenized.
 PROMPT_CHARS_MARGIN = 2
+# A text above this many characters is tokenized on a thread of its own (one client's huge input
+# never queues the others' behind it), and counted a piece at a time first: once its pieces hold
+# more tokens than the context, it is refused there (a 5 MB text of 2.4M tokens was tokenized
+# whole before being refused, for 12 s and 1.5 GiB).
+LARGE_TEXT_CHARS = 32_768
+COUNT_PIECE_CHARS = 16_384
+# Tokens a cut between two pieces can add to their count (a word split, a leading-space marker).
+COUNT_SLACK_PER_CUT = 4
 
 T = TypeVar("T")
 
@@ -160,12 +168,22 @@ class OpenAIServing:
         self.vocab_size = len(self.tokenizer)
         self.max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer) * PROMPT_CHARS_MARGIN
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
+        self._large_text_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer-large")
         # The generation config's max_new_tokens: a cap on every request's max_tokens, as vLLM has it.
         self.max_tokens_cap: int | None = None
 
     async def _on_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
+
+    @functools.cached_property
+    def _large_tokenizer(self):
+        """The large texts' thread's own copy, made when the first large text comes."""
+        return copy.deepcopy(self.tokenizer)
+
+    async def _on_large_text_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._large_text_thread, functools.partial(fn, *args, **kwargs))
 
     # --- checks and prompts -----------------------------------------------------------------
 
@@ -177,16 +195,47 @@ class OpenAIServing:
             raise model_not_found(model)
         return model
 
-    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt", within_context: bool = True) -> list[int]:
         """Token ids of `text`; a text too long to fit the context in any tokenization is refused
-        before the work."""
+        before the work, and a large one (LARGE_TEXT_CHARS) on its own thread as soon as its
+        pieces count more tokens than the context (unless not `within_context`: /tokenize)."""
         if len(text) > self.max_prompt_chars:
             raise bad_request(
                 f"The {param} has {len(text):,} characters, more than the {self.max_model_len} tokens of this "
                 f"model's context can hold ({self.max_prompt_chars:,} characters at most); shorten it.",
                 param,
             )
-        return await self._on_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        if len(text) <= LARGE_TEXT_CHARS:
+            return await self._on_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await self._on_large_text_thread(self._encode_large, text, add_special_tokens, param, within_context)
+
+    def _encode_large(self, text: str, add_special_tokens: bool, param: str, within_context: bool) -> list[int]:
+        if within_context:
+            counted = self._count_past_context(text)
+            if counted is not None:
+                tokens, chars = counted
+                raise bad_request(
+                    f"The {param} has more tokens than this model's context of {self.max_model_len} ({tokens:,} in "
+                    f"its first {chars:,} of {len(text):,} characters); shorten it.", param,
+                )
+        return self._large_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _count_past_context(self, text: str) -> tuple[int, int] | None:
+        """Count `text`'s tokens a piece at a time, cut at spaces; (tokens, characters counted)
+        once the count, less what the cuts can add, reaches the context: the whole cannot fit.
+        None if it may fit."""
+        tokens, start, cuts = 0, 0, 0
+        while start < len(text):
+            end = min(len(text), start + COUNT_PIECE_CHARS)
+            if end < len(text):
+                space = text.rfind(" ", start + COUNT_PIECE_CHARS // 2, end)
+                end = space if space > start else end
+                cuts += 1
+            tokens += len(self._large_tokenizer.encode(text[start:end], add_special_tokens=False))
+            start = end
+            if tokens - COUNT_SLACK_PER_CUT * cuts >= self.max_model_len:
+                return tokens, start
+        return None
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._on_tokenizer_thread(self.tokenizer.decode, token_ids, skip_special_tokens=False)
@@ -216,17 +265,20 @@ class OpenAIServing:
                 f"can hold ({self.max_prompt_chars:,} at most); shorten them.",
                 "messages",
             )
-        text = await self._on_tokenizer_thread(
-            self._apply_chat_template, conversation, add_generation_prompt, chat_template, template_kwargs or {}
+        large = sum(len(turn["content"]) for turn in conversation) > LARGE_TEXT_CHARS
+        text = await (self._on_large_text_thread if large else self._on_tokenizer_thread)(
+            self._apply_chat_template, self._large_tokenizer if large else self.tokenizer, conversation,
+            add_generation_prompt, chat_template, template_kwargs or {},
         )
         # The template already holds any special tokens (BOS) the model expects.
         return await self.encode(text, add_special_tokens=False, param="messages")
 
+    @staticmethod
     def _apply_chat_template(
-        self, conversation: list[dict], add_generation_prompt: bool, chat_template: str | None, template_kwargs: dict
+        tokenizer, conversation: list[dict], add_generation_prompt: bool, chat_template: str | None, template_kwargs: dict
     ) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
+            return tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
                 chat_template=chat_template, **template_kwargs,
             )
@@ -303,7 +355,10 @@ class OpenAIServing:
             except ValueError as exc:
                 raise invalid_input(exc, prompt_param) from None
         results = await asyncio.gather(
-            *(self.engine.add_request(i, p, params) for i, p in zip(ids, prompts)), return_exceptions=True
+            # The prompts of one request take turns with other requests' in the waiting queue.
+            *(self.engine.add_request(i, p, params, api_request_id=request_id if len(prompts) > 1 else None)
+              for i, p in zip(ids, prompts)),
+            return_exceptions=True,
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if not errors:
