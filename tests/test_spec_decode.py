@@ -116,7 +116,7 @@ def test_steps_that_verify_do_not_teach_the_step_time_budget(small_vocab_model, 
                   speculative_config={**NGRAM, "adaptive": adaptive})
         engine = llm.llm_engine
         taught = []
-        monkeypatch.setattr(engine.step_budget, "observe", lambda seconds, tokens: taught.append(tokens))
+        monkeypatch.setattr(engine.step_budget, "observe", lambda seconds, tokens, logprob_tokens=0: taught.append(tokens))
         llm.generate(prompt, params, use_tqdm=False)
         stats = engine.get_stats()
         assert stats.spec_decode_num_drafts > 0  # one sequence: the steps that verified
