@@ -6,7 +6,8 @@
 """
 
 from pagedllm.config import EngineArgs
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolerConfig, PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
@@ -15,8 +16,12 @@ __all__ = [
     "LLM",
     "BeamSearchParams",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LLMEngine",
+    "PoolerConfig",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
     "__version__",

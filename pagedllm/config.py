@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from pagedllm.field_types import check_field_types
+from pagedllm.pooling_params import PoolerConfig
 
 logger = logging.getLogger("pagedllm")
 
@@ -27,7 +28,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's other names for the same dtypes.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # vLLM's names of engine arguments that pagedllm names otherwise (vLLM's name -> ours).
-ARG_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory", "num_gpu_blocks_override": "num_gpu_blocks"}
+ARG_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory", "num_gpu_blocks_override": "num_gpu_blocks",
+               "override_pooler_config": "pooler_config"}
 # vLLM engine arguments that change nothing here, and why; accepted with one log line each.
 INERT_ARGS = {
     "trust_remote_code": "pagedllm runs its own model code, never a model folder's",
@@ -219,6 +221,7 @@ class EngineConfig:
     disable_log_stats: bool = False
     limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
     speculative: SpeculativeConfig | None = None
+    pooler: PoolerConfig = dataclasses.field(default_factory=PoolerConfig)  # pooling requests' defaults
 
 
 @dataclass
@@ -263,6 +266,9 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     # Default sampling from a generation_config.json (used by the entry points, not the engine).
     generation_config: str = "auto"
+    # The defaults of pooling (embedding) requests: vLLM's PoolerConfig, a dict or its JSON text
+    # ({"pooling_type": "MEAN", "normalize": false}); None: the last token, normalized.
+    pooler_config: dict | str | PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):  # a path object names a folder as well as its text
@@ -297,6 +303,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         self._verify()
         speculative = SpeculativeConfig.parse(self.speculative_config)
+        pooler = PoolerConfig.parse(self.pooler_config)
         if speculative is not None and self.batch_invariant:
             raise ValueError(
                 "speculative_config and batch_invariant do not combine: verifying proposed tokens computes a "
@@ -354,6 +361,7 @@ class EngineArgs:
                 structured_outputs_compile_seconds=self.structured_outputs_compile_seconds,
             ),
             speculative=speculative,
+            pooler=pooler,
         )
 
     def _verify(self) -> None:

@@ -1,4 +1,5 @@
-"""What the engine hands back to users: `RequestOutput` and its `CompletionOutput`s (vLLM's shapes).
+"""What the engine hands back to users: `RequestOutput` and its `CompletionOutput`s, and for
+pooling requests `PoolingRequestOutput` (vLLM's shapes).
 
 Plain data; imports nothing from the package.
 """
@@ -6,6 +7,7 @@ Plain data; imports nothing from the package.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -66,3 +68,64 @@ class RequestOutput:
     def __repr__(self) -> str:
         texts = [o.text for o in self.outputs]
         return f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, outputs={texts!r})"
+
+
+@dataclass
+class PoolingOutput:
+    """The vector of one pooling request (vLLM's `PoolingOutput`)."""
+
+    data: Any  # a float32 torch tensor [dimensions or hidden_size], on the CPU
+
+    @property
+    def embedding(self) -> list[float]:
+        """The vector as a list (vLLM's `EmbeddingOutput.embedding`)."""
+        return self.data.tolist()
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.data)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The state of one pooling request after an engine step (vLLM's `PoolingRequestOutput`):
+    `outputs` is None until the request finishes with its vector."""
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine had to fail this request
+
+    def __repr__(self) -> str:
+        size = None if self.outputs is None else self.outputs.hidden_size
+        return f"PoolingRequestOutput(request_id={self.request_id!r}, finished={self.finished}, size={size})"
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's `EmbeddingOutput`: the vector as a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's `EmbeddingRequestOutput`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(output.outputs.embedding), output.prompt_token_ids,
+                   output.finished)

@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Modules every layer may import; they import only each other.
-LEAVES = {"config", "sampling_params", "outputs", "utils", "paths", "kv_spec", "field_types"}
+LEAVES = {"config", "sampling_params", "pooling_params", "outputs", "utils", "paths", "kv_spec", "field_types"}
 # The control messages between the engine and the workers: plain data that lives in core/ and
 # that the layers below the engine may read (nothing else of core/).
 MESSAGES = {"pagedllm.core.scheduler_output", "pagedllm.core.model_output"}

@@ -26,6 +26,10 @@ class SequenceStepOutput:
     # Speculative decoding: the leading proposed tokens the target model accepted, in order; they
     # come before samples[0] (the target's own token after them: a correction or the bonus).
     accepted: list[SampledToken] = field(default_factory=list)
+    # A pooling request's chunk (`ScheduledSequence.pooling_type`): its pooled final hidden state,
+    # a float32 CPU tensor [hidden_size] (opaque here); None where the chunk adds nothing (a CLS
+    # pool past the first chunk).
+    pooled: object | None = None
 
 
 @dataclass

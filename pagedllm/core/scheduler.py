@@ -17,6 +17,14 @@ Every step, in this order:
 A group of several sequences (parallel samples, beams) is gang-scheduled: its sequences are
 preempted and resumed together, and they sample in the same step. After the step,
 `update_from_output` applies its outcome; nothing else writes the block tables.
+
+A pooling (embedding) request is a prompt-only group: its chunks are scheduled as any prompt's
+(chunked, preempted, swapped alike) but sample nothing (`num_samples` 0) and carry the pooling
+type for the driver; output processing ends it in the step its prompt completes, and its blocks
+are freed in that same step. It takes its cached prefix only when pooling the last token: MEAN
+and CLS need every prompt position's hidden state, as prompt log-probabilities do. Its full
+blocks are published to the prefix cache either way (they hold the same keys and values as a
+generation request's would), so later requests with the same prefix reuse them.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.core.step_update import ProcessOutput, StepUpdate
 from pagedllm.core.turns import PREEMPTED_TURN, over_share, queue_in_turn
+from pagedllm.pooling_params import PoolingType
 from pagedllm.sampling_params import SamplingType
 
 
@@ -63,6 +72,12 @@ class _Step:
 
 def _wants_prompt_logprobs(group: SequenceGroup, seq: Sequence) -> bool:
     return group.sampling_params.prompt_logprobs is not None and seq.num_output_tokens == 0
+
+
+def _needs_every_position(group: SequenceGroup) -> bool:
+    """A pooling request whose vector reads every prompt position (MEAN), or the first (CLS)."""
+    pooling = group.pooling_params
+    return pooling is not None and pooling.pooling_type is not PoolingType.LAST
 
 
 def _has_drafts(group: SequenceGroup) -> bool:
@@ -297,14 +312,15 @@ class Scheduler:
         return max(1, int(left / step.logprob_price))
 
     def _cached_prefix(self, group: SequenceGroup, seq: Sequence):
-        if _wants_prompt_logprobs(group, seq):
-            return []  # prompt log-probabilities need every prompt position computed
+        if _wants_prompt_logprobs(group, seq) or _needs_every_position(group):
+            return []  # prompt log-probabilities (and mean or first-token pools) need every prompt position computed
         return self.block_manager.find_cached_prefix(seq)
 
     def _allocate_and_emit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: _Step) -> None:
         """Take the blocks the plan needs and add its sequences to the step's control message."""
         params = group.sampling_params
         penalties = params.needs_penalties
+        pooling = group.pooling_params
         for seq, n in plan:
             if step.prompt_budget is not None and seq.num_uncomputed_tokens > 1:
                 price = step.logprob_price if _wants_prompt_logprobs(group, seq) else 1.0
@@ -313,7 +329,7 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = min(start + n, seq.num_tokens)  # the tokens past the sequence's own are proposals
             seq.draft_token_ids = drafts = seq.draft_token_ids[: start + n - end]
-            if end < seq.num_tokens:
+            if end < seq.num_tokens or pooling is not None:
                 num_samples = 0
             elif params.best_of > 1 and params.sampling_type is not SamplingType.BEAM and not group.forked:
                 num_samples = params.best_of
@@ -339,6 +355,7 @@ class Scheduler:
                     output_token_ids=seq.output_token_ids if penalties else None,
                     prompt_logprob_targets=targets,
                     draft_token_ids=drafts,
+                    pooling_type=pooling.pooling_type if pooling is not None else None,
                 )
             )
             step.budget -= n

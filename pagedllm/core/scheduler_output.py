@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.pooling_params import PoolingType
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -24,7 +25,8 @@ class ScheduledSequence:
     block_table: list[int | None]
     sampling_params: SamplingParams
     # How many tokens to draw from this step's last position: 0 for a prompt chunk that does not
-    # reach the end, best_of when a parallel-sampling prompt completes, else 1.
+    # reach the end and for every chunk of a pooling request, best_of when a parallel-sampling
+    # prompt completes, else 1.
     num_samples: int = 1
     sample_index: int = 0  # which of the request's seeded streams this sequence uses
     num_output_tokens: int = 0  # for min_tokens
@@ -48,6 +50,10 @@ class ScheduledSequence:
     # For a speculating sequence with token constraints: the bitmask (as `token_bitmask`) of each
     # verified position after the first, the constraint advanced past the proposed tokens before it.
     draft_token_bitmasks: list[object] | None = None
+    # A pooling request's prompt chunk: the driver pools the chunk's final hidden states this way
+    # (the sum of its rows for MEAN, its last row for LAST, its first for CLS when the chunk
+    # starts the prompt) and returns that vector (`SequenceStepOutput.pooled`); None otherwise.
+    pooling_type: PoolingType | None = None
 
     @property
     def block_tables(self) -> list[list[int | None]]:

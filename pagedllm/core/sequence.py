@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedllm.outputs import PositionLogprobs, RequestMetrics
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -174,6 +175,11 @@ class SequenceGroup:
     # was queued (-1 once preempted: it goes before every new prompt).
     api_request_id: str | None = None
     turn: int = 0
+    # A pooling (embedding) request: its prompt is computed and pooled, nothing is generated, and
+    # it finishes (its blocks freed) in the step that completes the prompt. `pooled` holds the
+    # engine's pool of the chunks computed so far and then the vector (opaque here).
+    pooling_params: PoolingParams | None = None
+    pooled: object | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

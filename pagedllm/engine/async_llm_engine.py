@@ -33,7 +33,8 @@ from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.iteration_stats import FinishedRequest, IterationStats, RequestTimingTracker, StatLogger
 from pagedllm.engine.llm_engine import LLMEngine, Prompt
 from pagedllm.engine.stats import EngineStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -84,7 +85,7 @@ class RequestStream:
         if not isinstance(self._latest, BaseException):  # an error is never overwritten
             self._latest = item
             self._ready.set()
-            if isinstance(item, RequestOutput):
+            if isinstance(item, RequestOutput):  # (a pooling request's output generates nothing)
                 self.num_output_tokens = sum(len(c.token_ids) for c in item.outputs)
 
     def _resolve(self, error: BaseException | None) -> None:
@@ -123,7 +124,7 @@ class RequestStream:
 class _Add:
     request_id: str
     prompt: Prompt
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float | None
     stream: RequestStream
     api_request_id: str | None = None
@@ -226,10 +227,11 @@ class AsyncLLMEngine:
     # --- requests (any event loop) ----------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None,
-        api_request_id: str | None = None,
+        self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams,
+        arrival_time: float | None = None, api_request_id: str | None = None,
     ) -> RequestStream:
-        """Queue a request; returns its stream once the engine has accepted it. Raises the
+        """Queue a request (a pooling one with `PoolingParams`: its stream ends with a
+        `PoolingRequestOutput`); returns its stream once the engine has accepted it. Raises the
         engine's `ValueError` for bad input and `EngineDeadError` when the engine is gone.
         `api_request_id`: the API request it is one prompt of (`LLMEngine.add_request`)."""
         self.start()
@@ -274,6 +276,14 @@ class AsyncLLMEngine:
         finally:
             if not stream.finished:
                 self.abort(request_id)
+
+    async def encode(
+        self, prompt: Prompt, params: PoolingParams, request_id: str, arrival_time: float | None = None
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's `encode`: the outputs of one pooling request, the last with its vector;
+        closing the generator early aborts it."""
+        async for output in self.generate(prompt, params, request_id, arrival_time):  # type: ignore[arg-type]
+            yield output
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, returns at once); its blocks are freed before the

@@ -108,6 +108,7 @@ class DraftModel:
             item.seq_id: dataclasses.replace(
                 item, sampling_params=_GREEDY, num_samples=0, draft_token_ids=[], prompt_logprob_targets=None,
                 token_bitmask=None, draft_token_bitmasks=None, prompt_token_ids=None, output_token_ids=None,
+                pooling_type=None,
             )
             for item in computes
         }

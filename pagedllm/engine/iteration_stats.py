@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedllm.engine.stats import EngineStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 
 
 @dataclass(slots=True)
@@ -46,11 +46,13 @@ class RequestTimingTracker:
         # request id -> (time of its latest tokens, tokens generated so far)
         self._last: dict[str, tuple[float, int]] = {}
 
-    def observe(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
-        """Add the samples of one step's outputs to `stats`."""
+    def observe(self, outputs: list[RequestOutput | PoolingRequestOutput], stats: IterationStats) -> None:
+        """Add the samples of one step's outputs to `stats` (a pooling request generates no
+        tokens: it counts only once finished)."""
         now = stats.now
         for out in outputs:
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            generated = isinstance(out, RequestOutput)
+            num_tokens = sum(len(c.token_ids) for c in out.outputs) if generated else 0
             metrics = out.metrics
             token_time = (metrics.last_token_time if metrics else None) or now
             previous = self._last.get(out.request_id)
@@ -64,7 +66,8 @@ class RequestTimingTracker:
                 self._last[out.request_id] = (token_time, num_tokens)
             if out.finished:
                 self._last.pop(out.request_id, None)
-                reason = "error" if out.error else (out.outputs[0].finish_reason if out.outputs else None) or "stop"
+                finish_reason = out.outputs[0].finish_reason if generated and out.outputs else None
+                reason = "error" if out.error else finish_reason or "stop"
                 end = (metrics.finished_time if metrics else None) or now
                 stats.finished.append(
                     FinishedRequest(

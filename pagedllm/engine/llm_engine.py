@@ -26,7 +26,8 @@ from pagedllm.engine.startup_summary import log_startup_summary
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_budget import StepBudget
 from pagedllm.executor import Executor, WorkerDiedError
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams, SamplingType
 from pagedllm.transformers_utils import eos_token_ids, get_tokenizer, load_arch_config, resolve_model
 
@@ -39,6 +40,11 @@ Prompt = str | list[int]
 
 # Set to 1 to check the KV cache manager's invariants after every step (slow; for tests and debugging).
 CHECK_INVARIANTS_ENV = "PAGEDLLM_CHECK_INVARIANTS"
+
+
+# The sampling parameters a pooling request's group carries (it samples nothing: the scheduler
+# reads a group's seats and penalties from them).
+_POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class RequestTooLargeError(ValueError):
@@ -151,19 +157,24 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         api_request_id: str | None = None,
     ) -> None:
-        """Queue a request. Bad input raises `ValueError` and leaves the engine untouched.
-        `api_request_id` names the API request it is one prompt of: the waiting prompts of
-        different API requests are admitted in turn (`Scheduler.add`), so that one request of
-        many prompts does not go wholly before a request that arrived just after it."""
+        """Queue a request: generation with `SamplingParams`, or a pooling (embedding) request
+        with `PoolingParams`, whose output is a `PoolingRequestOutput`. Bad input raises
+        `ValueError` and leaves the engine untouched. `api_request_id` names the API request it
+        is one prompt of: the waiting prompts of different API requests are admitted in turn
+        (`Scheduler.add`), so that one request of many prompts does not go wholly before a
+        request that arrived just after it."""
         if self.dead is not None:
             raise RuntimeError(f"The engine has stopped: {self.dead}")
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"A request with id {request_id!r} is already running; request ids must be unique.")
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, params, arrival_time, api_request_id)
+            return
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
         self.constraints.check(params)
@@ -183,13 +194,67 @@ class LLMEngine:
         self.core.add(group)
         self.num_prompt_tokens_total += len(token_ids)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _add_pooling_request(
+        self, request_id: str, prompt: Prompt, params: PoolingParams, arrival_time: float | None,
+        api_request_id: str | None,
+    ) -> None:
+        """A prompt computed and pooled, generating nothing (`pagedllm.engine.pooling`); the
+        engine's `PoolerConfig` fills what `params` leaves out."""
+        token_ids = params.truncated(self.tokenize(prompt), self.max_model_len)
+        self._validate_prompt_tokens(token_ids)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"The prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}; shorten "
+                "it, or give truncate_prompt_tokens to keep its last tokens."
+            )
+        params = copy.copy(params)
+        pooler = self.config.pooler
+        params.pooling_type = params.pooling_type or pooler.pooling_type
+        params.normalize = pooler.normalize if params.normalize is None else params.normalize
+        size = self.embedding_size
+        if params.dimensions is not None and params.dimensions > size:
+            raise RequestTooLargeError(
+                f"dimensions={params.dimensions} is more than this model's {size} hidden dimensions; give at "
+                f"most {size}.", "dimensions",
+            )
+        bm = self.block_manager
+        chunk = self.config.scheduler.max_num_batched_tokens
+        needed = bm.max_blocks_held(len(token_ids), 1, len(token_ids), self.config.cache.enable_block_sharing,
+                                    max_chunk=chunk)
+        if needed > bm.usable_blocks:
+            raise ValueError(
+                f"The prompt has {len(token_ids)} tokens, more than the KV cache's {bm.usable_blocks} usable blocks "
+                f"of {bm.block_size} tokens can hold; shorten it or give the engine more KV cache (kv_cache_memory)."
+            )
+        group = make_sequence_group(
+            request_id,
+            token_ids,
+            _POOLING_SAMPLING,
+            self.requests,
+            time.monotonic() if arrival_time is None else arrival_time,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        group.pooling_params = params
+        group.api_request_id = api_request_id
+        self.core.add(group)
+        self.num_prompt_tokens_total += len(token_ids)
+
+    @property
+    def embedding_size(self) -> int:
+        """The width of the final hidden states a pooling request's vector is taken from."""
+        return self.arch.word_embed_proj_dim or self.arch.hidden_size
+
+    def _validate_prompt_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("The prompt is empty; give at least one token.")
         vocab = self.arch.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"Prompt token ids must be integers in [0, {vocab}); got {bad[:5]}.")
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        self._validate_prompt_tokens(token_ids)
+        vocab = self.arch.vocab_size
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"The prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}, "
@@ -319,7 +384,19 @@ class LLMEngine:
 
     # --- outputs ----------------------------------------------------------------------------
 
-    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+    def _make_output(self, group: SequenceGroup) -> RequestOutput | PoolingRequestOutput:
+        if group.pooling_params is not None:
+            result = group.pooled.result if group.pooled is not None else None
+            return PoolingRequestOutput(
+                request_id=group.request_id,
+                outputs=PoolingOutput(result) if result is not None else None,
+                prompt_token_ids=group.prompt_token_ids,
+                finished=group.is_finished,
+                prompt=group.prompt,
+                metrics=group.metrics,
+                num_cached_tokens=group.num_cached_tokens or 0,
+                error=group.error,
+            )
         params = group.sampling_params
         seqs = self._ranked(group)
         outputs = [

@@ -1,5 +1,6 @@
 """After each step: append sampled tokens, fork parallel samples, carry out beam search's
-decisions, detokenize, and check stop conditions.
+decisions, detokenize, and check stop conditions; add pooling requests' chunks to their pools
+and end each such request once its prompt is computed.
 
 It runs inside `Scheduler.update_from_output` and changes only sequences: the forks and drops
 it decides go back as a `StepUpdate` for the scheduler to apply to the block tables."""
@@ -13,8 +14,10 @@ from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.core.step_update import StepUpdate
 from pagedllm.engine.beam_search import BeamStep, add_hypothesis, decide_beam_step
+from pagedllm.engine.pooling import PoolState, finish_pool
 from pagedllm.engine.requests import RequestRegistry
 from pagedllm.outputs import Logprob, PositionLogprobs
+from pagedllm.pooling_params import PoolingType
 from pagedllm.sampling_params import SamplingParams, SamplingType
 from pagedllm.transformers_utils.detokenizer import IncrementalDetokenizer
 
@@ -54,6 +57,9 @@ class OutputProcessor:
             touched[group.request_id] = group
             if step.prompt_logprobs is not None:
                 self._add_prompt_logprobs(group, step.prompt_logprobs)
+            if item.pooling_type is not None:
+                self._pool(group, seq, item.pooling_type, step.pooled, item.start_position == 0)
+                continue
             if not step.samples:
                 continue
             if group.sampling_params.sampling_type is SamplingType.BEAM:
@@ -76,6 +82,19 @@ class OutputProcessor:
         for _, child in update.forks:  # (on success only: a failed step's forks hold no blocks)
             self.requests.add_seq(child)
         update.touched = list(touched.values())
+
+    @staticmethod
+    def _pool(group: SequenceGroup, seq: Sequence, pooling_type: PoolingType, chunk_vector: object | None,
+              starts_prompt: bool) -> None:
+        """A pooling request's chunk joins its pool; the step that completes the prompt (its
+        computed tokens are counted before this runs) ends the request with its vector, and
+        the scheduler frees its blocks in the same update."""
+        if group.pooled is None:
+            group.pooled = PoolState()
+        group.pooled.add(pooling_type, chunk_vector, starts_prompt)
+        if seq.num_computed_tokens >= seq.num_tokens:
+            finish_pool(group.pooled, group.pooling_params, seq.num_prompt_tokens)
+            seq.status = SequenceStatus.FINISHED_STOPPED
 
     def _fork_samples(self, group: SequenceGroup, parent: Sequence, samples: list[SampledToken]) -> None:
         """A parallel-sampling prompt completed: sample i goes to a new sequence that shares the

@@ -177,8 +177,8 @@ class Speculator:
     @staticmethod
     def _eligible(group: SequenceGroup) -> bool:
         params = group.sampling_params
-        if params.sampling_type is SamplingType.BEAM:
-            return False  # beam search runs without speculation
+        if params.sampling_type is SamplingType.BEAM or group.pooling_params is not None:
+            return False  # beam search runs without speculation; a pooling request generates nothing
         return group.forked or params.best_of == 1
 
     def propose(self, scheduler: Scheduler, prompt_chunk_limit: int | None = None) -> dict[int, list[int]]:

@@ -1,7 +1,9 @@
-"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, sampling_params)`."""
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, sampling_params)`, and
+`LLM(...).embed(prompts)` for embeddings."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as SequenceABC
@@ -10,7 +12,8 @@ from dataclasses import dataclass
 from pagedllm.config import DEFAULT_MODEL, EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.generation_config import default_sampling
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams, pooling_asked
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 PromptInput = str | list[int] | dict
@@ -36,9 +39,13 @@ class LLM:
     `dtype`, `seed`, `enable_prefix_caching`, ...; see `EngineArgs`), vLLM's names included.
     `generation_config` ("auto": the model folder's generation_config.json; "vllm": none; or a
     folder) gives the default sampling of `generate` without `SamplingParams`.
+    vLLM's `task="embed"`, `runner="pooling"` and `convert="embed"` are accepted: every engine
+    serves both `generate` and `embed` (`pooler_config` sets the pooling defaults).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
+        for flag in ("task", "runner", "convert"):
+            pooling_asked(flag, engine_args.pop(flag, None))  # a ValueError for a task not built
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.default_sampling = default_sampling(args.generation_config, args.model)
         self.llm_engine = LLMEngine.from_engine_args(args)
@@ -71,17 +78,64 @@ class LLM:
                 raise ValueError(
                     f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt."
                 )
+        return self._add_and_run(prompts, params_list, use_tqdm)
+
+    def _add_and_run(self, prompts: list[PromptInput], params_list: list, use_tqdm: bool) -> list:
         request_ids = []
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._ids))
-                self.llm_engine.check_constraints(params)  # an invalid grammar raises before any work
+                if isinstance(params, SamplingParams):
+                    self.llm_engine.check_constraints(params)  # an invalid grammar raises before any work
                 self.llm_engine.add_request(request_id, self._prompt_of(prompt), params)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)  # leave the engine as it was
             raise
         return self._run(request_ids, use_tqdm)
+
+    # --- pooling ----------------------------------------------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptInput | SequenceABC[PromptInput],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt's final hidden states into one vector (`PoolingParams`; by default
+        the engine's `pooler_config`: the last token, normalized); outputs in input order, each
+        with `.outputs.data` (a float32 tensor). The prompts are scheduled beside any other work
+        and generate nothing; their KV blocks are freed as each prompt completes."""
+        prompts = self._as_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"Got {len(params_list)} PoolingParams for {len(prompts)} prompts; give one, or one per prompt."
+                )
+        if truncate_prompt_tokens is not None:
+            params_list = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        return self._add_and_run(prompts, params_list, use_tqdm)  # type: ignore[return-value]
+
+    def embed(
+        self,
+        prompts: PromptInput | SequenceABC[PromptInput],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's `LLM.embed`): `.outputs.embedding`, a list of floats
+        (see `encode`)."""
+        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        failed = next((output for output in outputs if output.outputs is None), None)
+        if failed is not None:
+            raise RuntimeError(f"Request {failed.request_id} failed: {failed.error}")
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def chat(
         self,
@@ -164,7 +218,8 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         num_prompt += len(out.prompt_token_ids)
-                        num_output += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            num_output += sum(len(c.token_ids) for c in out.outputs)
                         if bar is not None:
                             elapsed = max(time.perf_counter() - start, 1e-9)
                             bar.set_postfix_str(

@@ -1,5 +1,6 @@
 """One step of the model: the control message becomes flat input tensors and attention
-metadata, the model runs over every scheduled token at once, and the driver samples."""
+metadata, the model runs over every scheduled token at once, and the driver samples (and pools
+the final hidden states of pooling requests' prompt chunks)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from pagedllm.attention import AttentionMetadata
 from pagedllm.core.model_output import ModelRunnerOutput, SequenceStepOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedllm.pooling_params import PoolingType
 from pagedllm.sampling import Sampler, prompt_logprobs
 from pagedllm.utils import cdiv
 from pagedllm.worker.block_tables import block_table_array
@@ -121,9 +123,13 @@ class ModelRunner:
         for i, item in sampling:
             rows.extend(range(starts[i + 1] - 1 - len(item.draft_token_ids), starts[i + 1]))
         prompt_items = [(i, item) for i, item in enumerate(items) if item.prompt_logprob_targets]
-        if not rows and not prompt_items:
+        pooling_items = [(i, item) for i, item in enumerate(items) if item.pooling_type is not None]
+        if not rows and not prompt_items and not pooling_items:
             return ModelRunnerOutput() if self.sampler is not None else None
         result = ModelRunnerOutput()
+        if pooling_items and self.sampler is not None:
+            # Only the driver pools: after the final norm every rank holds the full hidden states.
+            self._pool(hidden, starts, pooling_items, result)
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
             if logits is not None and self.sampler is not None:
@@ -139,6 +145,31 @@ class ModelRunner:
             if position_logprobs is not None:
                 result.outputs.setdefault(item.seq_id, SequenceStepOutput()).prompt_logprobs = position_logprobs
         return result if self.sampler is not None else None
+
+    @staticmethod
+    def _pool(hidden: torch.Tensor, starts: list[int], items: list[tuple[int, ScheduledSequence]],
+              result: ModelRunnerOutput) -> None:
+        """Each pooling chunk's vector (`ScheduledSequence.pooling_type`), in float32, brought to
+        the host in one copy. A sequence's tokens are the last rows of its span (its span is
+        longer on a CUDA graph's padded rows)."""
+        vectors, owners = [], []
+        for i, item in items:
+            end = starts[i + 1]
+            first = end - len(item.token_ids)
+            if item.pooling_type is PoolingType.MEAN:
+                vectors.append(hidden[first:end].float().sum(dim=0))  # hidden: [num_tokens, hidden_size]
+            elif item.pooling_type is PoolingType.LAST:
+                vectors.append(hidden[end - 1].float())
+            elif item.start_position == 0:  # CLS: the prompt's first position
+                vectors.append(hidden[first].float())
+            else:
+                result.outputs[item.seq_id] = SequenceStepOutput()  # nothing to add, but the chunk is done
+                continue
+            owners.append(item.seq_id)
+        if vectors:
+            pooled = torch.stack(vectors).cpu()  # [num_pooled, hidden_size]
+            for seq_id, vector in zip(owners, pooled):
+                result.outputs[seq_id] = SequenceStepOutput(pooled=vector)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, first_row: int, item: ScheduledSequence):
         """The log-probabilities of a prompt chunk's next tokens, their logits computed a piece
