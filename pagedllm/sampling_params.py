@@ -31,6 +31,14 @@ class StructuredOutputsParams:
     # JSON without whitespace between tokens (vLLM's option): shorter outputs, and no runs of
     # whitespace that a small model can fall into.
     disable_any_whitespace: bool = False
+    # A reasoning model's thinking is not constrained (as in vLLM): the grammar starts, from its
+    # initial state, at the token after the output holds these token ids (the reasoning parser's
+    # end tag, `</think>`). None: the grammar applies from the first token.
+    reasoning_end_token_ids: list[int] | None = None
+    # With reasoning_end_token_ids: thinking has not begun yet, and the output may open it with
+    # this token as its first one (the first step allows it besides the grammar's tokens); any
+    # other first token starts the grammar at once. None: thinking is open from the first token.
+    reasoning_start_token_id: int | None = None
     # The request field the constraint came from, named in errors (an HTTP request sets it).
     field_name: str = field(default="structured_outputs", compare=False, repr=False)
 
@@ -52,6 +60,13 @@ class StructuredOutputsParams:
                 raise ValueError(f"{self.field_name}.{name} must be a non-empty string.")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"{self.field_name}.json must be a JSON schema (an object, or its JSON text).")
+        end = self.reasoning_end_token_ids
+        if end is not None and (not end or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in end)):
+            raise ValueError(f"{self.field_name}.reasoning_end_token_ids must be a non-empty list of token ids >= 0.")
+        start = self.reasoning_start_token_id
+        if start is not None and (isinstance(start, bool) or start < 0 or end is None):
+            raise ValueError(f"{self.field_name}.reasoning_start_token_id must be a token id >= 0, given with "
+                             "reasoning_end_token_ids.")
 
     @property
     def kind(self) -> str:

@@ -293,6 +293,12 @@ class RequestConstraints:
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"SamplingParams.{name} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}.")
+        spec = params.structured_outputs
+        if spec is not None:
+            ids = [*(spec.reasoning_end_token_ids or ()), spec.reasoning_start_token_id]
+            bad = [t for t in ids if t is not None and t >= vocab]
+            if bad:
+                raise ValueError(f"{spec.field_name}'s reasoning token ids are outside the vocabulary [0, {vocab}): {bad[:5]}.")
 
     def hold(self, group: SequenceGroup) -> bool:
         """Start what `group` needs; True if it must wait for its grammar or token controls
@@ -310,12 +316,15 @@ class RequestConstraints:
         return True
 
     def _attach(self, group: SequenceGroup, futures: list[Future], spec: StructuredOutputsParams | None) -> None:
-        from pagedllm.structured import SequenceConstraint
+        from pagedllm.structured import ReasoningGate, SequenceConstraint
 
         compiled = futures[0].result() if spec is not None else None
         controls = futures[-1].result() if len(futures) > (spec is not None) else None
         for seq in group.seqs:
-            seq.constraint = SequenceConstraint.create(compiled, self.vocab_size, controls=controls)
+            gate = None
+            if spec is not None and spec.reasoning_end_token_ids:  # the grammar waits for the thinking to end
+                gate = ReasoningGate(spec.reasoning_end_token_ids, spec.reasoning_start_token_id)
+            seq.constraint = SequenceConstraint.create(compiled, self.vocab_size, controls=controls, gate=gate)
 
     def take_ready(self, wait: bool) -> tuple[list[SequenceGroup], list[tuple[SequenceGroup, str]]]:
         """Pending groups whose grammar and token controls are ready (constrained now), and those

@@ -34,11 +34,17 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # as two's complement int32
 
 
-def _clear_bit(bitmask: torch.Tensor, index: int, token_id: int) -> None:
+def _word_bit(token_id: int) -> int:
     bit = 1 << (token_id & 31)
-    if bit >= 2**31:
-        bit -= 2**32
-    bitmask[index, token_id >> 5] &= ~bit
+    return bit - 2**32 if bit >= 2**31 else bit  # as two's complement int32
+
+
+def _clear_bit(bitmask: torch.Tensor, index: int, token_id: int) -> None:
+    bitmask[index, token_id >> 5] &= ~_word_bit(token_id)
+
+
+def _set_bit(bitmask: torch.Tensor, index: int, token_id: int) -> None:
+    bitmask[index, token_id >> 5] |= _word_bit(token_id)
 
 
 class TokenControls:
@@ -80,13 +86,42 @@ class TokenControls:
                     _clear_bit(bitmask, index, token_id)
 
 
+class ReasoningGate:
+    """Holds a sequence's grammar back while a reasoning model thinks (as vLLM does): until the
+    output holds `end_token_ids` (the end tag, `</think>`) the grammar neither masks tokens nor
+    sees them, and from the token after, it starts from its initial state. With
+    `start_token_id`, thinking has not begun: the first token may open it (that token is allowed
+    besides the grammar's), and any other first token starts the grammar at once."""
+
+    __slots__ = ("end_token_ids", "start_token_id", "opening", "tail")
+
+    def __init__(self, end_token_ids: Sequence[int], start_token_id: int | None = None) -> None:
+        self.end_token_ids = tuple(end_token_ids)
+        self.start_token_id = start_token_id
+        self.opening = start_token_id is not None  # the first token is still to come
+        self.tail: list[int] = []  # the output's last tokens, as many as the end tag has
+
+    def fork(self) -> "ReasoningGate":
+        gate = ReasoningGate(self.end_token_ids, self.start_token_id)
+        gate.opening, gate.tail = self.opening, list(self.tail)
+        return gate
+
+    def ends_with(self, token_id: int) -> bool:
+        """Take a thinking token; True if it completes the end tag."""
+        self.tail.append(token_id)
+        del self.tail[: -len(self.end_token_ids)]
+        return tuple(self.tail) == self.end_token_ids
+
+
 class SequenceConstraint:
     """A grammar's matcher state (or none) and the request's `TokenControls` (or none), with the
-    output's last tokens that its bad words' prefixes need. Implements the `TokenConstraint`
-    protocol of `core.sequence`. It holds the compiled grammar too, so that the engine's count of
-    live grammars (weak references to them) keeps it until the last sequence using it is gone."""
+    output's last tokens that its bad words' prefixes need, and the `ReasoningGate` that holds
+    the grammar back while the model thinks (or none: the grammar applies now). Implements the
+    `TokenConstraint` protocol of `core.sequence`. It holds the compiled grammar too, so that the
+    engine's count of live grammars (weak references to them) keeps it until the last sequence
+    using it is gone."""
 
-    __slots__ = ("matcher", "controls", "recent", "compiled")
+    __slots__ = ("matcher", "controls", "recent", "compiled", "gate")
 
     def __init__(
         self,
@@ -94,11 +129,13 @@ class SequenceConstraint:
         controls: TokenControls | None,
         recent: list[int] | None = None,
         compiled: "xgr.CompiledGrammar | None" = None,
+        gate: ReasoningGate | None = None,
     ) -> None:
         self.compiled = compiled
         self.matcher = matcher
         self.controls = controls if controls is not None and not controls.empty else None  # shared between forks
         self.recent = recent if recent is not None else []
+        self.gate = gate if matcher is not None else None  # only a grammar waits for the reasoning
 
     @classmethod
     def create(
@@ -108,6 +145,7 @@ class SequenceConstraint:
         allowed_token_ids: list[int] | None = None,
         bad_words: Sequence[Sequence[int]] = (),
         controls: TokenControls | None = None,
+        gate: ReasoningGate | None = None,
     ) -> "SequenceConstraint":
         matcher = None
         if compiled is not None:
@@ -116,25 +154,40 @@ class SequenceConstraint:
             matcher = xgrammar.GrammarMatcher(compiled)
         if controls is None:
             controls = TokenControls(vocab_size, allowed_token_ids, bad_words)
-        return cls(matcher, controls, compiled=compiled)
+        return cls(matcher, controls, compiled=compiled, gate=gate)
 
     def accept_token(self, token_id: int) -> bool:
         history = self.controls.history if self.controls is not None else 0
         if history:
             self.recent.append(token_id)
             del self.recent[:-history]
+        gate = self.gate
+        if gate is not None:
+            if gate.opening:  # the first token: thinking opens, or the grammar takes this token
+                gate.opening = False
+                if token_id == gate.start_token_id:
+                    return True
+                self.gate = None
+            else:
+                if gate.ends_with(token_id):
+                    self.gate = None  # the grammar starts with the next token
+                return True
         if self.matcher is None or self.matcher.is_terminated():
             return True
         return self.matcher.accept_token(token_id)
 
     def fork(self) -> "SequenceConstraint":
         matcher = self.matcher.fork() if self.matcher is not None else None
-        return SequenceConstraint(matcher, self.controls, list(self.recent), self.compiled)
+        gate = self.gate.fork() if self.gate is not None else None
+        return SequenceConstraint(matcher, self.controls, list(self.recent), self.compiled, gate)
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         """Clear the bits of row `index` (all set on entry) for the tokens not allowed next."""
-        if self.matcher is not None and not self.matcher.is_terminated():
+        gate = self.gate
+        if self.matcher is not None and not self.matcher.is_terminated() and (gate is None or gate.opening):
             self.matcher.fill_next_token_bitmask(bitmask, index)
+            if gate is not None:  # the first token may open thinking instead
+                _set_bit(bitmask, index, gate.start_token_id)
         if self.controls is not None:
             self.controls.fill(bitmask, index, self.recent)
 
