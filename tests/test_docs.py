@@ -206,7 +206,7 @@ def test_the_command_check_refuses_a_flag_that_does_not_exist():
 # --- examples -------------------------------------------------------------------------------
 
 EXAMPLES = [block for page in PAGES for block in _code_blocks(page) if block.lang in ("python", "bash")]
-SERVER_EXAMPLES = [b for b in EXAMPLES if "OpenAI(" in b.text or (b.lang == "bash" and b.text.lstrip().startswith("curl"))]
+SERVER_EXAMPLES = [b for b in EXAMPLES if "OpenAI(" in b.text or "Anthropic(" in b.text or (b.lang == "bash" and b.text.lstrip().startswith("curl"))]
 OFFLINE_EXAMPLES = [b for b in EXAMPLES if b.lang == "python" and b not in SERVER_EXAMPLES]
 
 

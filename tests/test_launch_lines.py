@@ -57,6 +57,18 @@ def test_a_llama_server_launch_line_sets_what_each_flag_says():
     assert engine_args_from(args).max_model_len is None and default_sampling_flags(args) == {}
 
 
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "qwen3_coder",
+                                  "phi4_mini_json"])
+def test_every_tool_call_parser_of_vllm_built_here_is_accepted(name):
+    from pagedllm.entrypoints.launch_flags import apply_launch_flags
+    from pagedllm.entrypoints.openai.api_server import server_options_from
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    args = parsed(f"serve --model /models/x --enable-auto-tool-choice --tool-call-parser {name}")
+    apply_launch_flags(args)
+    assert TOOL_PARSERS[server_options_from(args).tool_call_parser] is TOOL_PARSERS[name]
+
+
 @pytest.mark.parametrize("command", ["generate hi", "chat", "serve", "demo"])
 def test_every_command_takes_the_model_alike(command):
     assert parsed(f"{command} --model /models/x").model == "/models/x"
@@ -81,7 +93,7 @@ def test_flags_that_mean_nothing_here_are_accepted_with_one_warning_each(caplog)
     assert len(warnings) == 11
 
 
-@pytest.mark.parametrize("flags", [["--lora-modules", "a=/x"], ["--enable-lora"], ["--reasoning-parser", "qwen3"],
+@pytest.mark.parametrize("flags", [["--lora-modules", "a=/x"], ["--enable-lora"], ["--reasoning-budget", "0"],
                                    ["--speculative-model", "/x"], ["--uds", "/tmp/s"], ["-hf", "a/b"]])
 def test_flags_of_features_not_built_are_refused_by_name_with_what_to_use(flags, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -93,20 +105,52 @@ def test_flags_of_features_not_built_are_refused_by_name_with_what_to_use(flags,
 
 
 @pytest.mark.parametrize("flags, named, instead", [
-    (["--task", "embed"], "--task embed", "--task generate"),
-    (["--runner", "pooling"], "--runner pooling", "Drop --runner"),
+    (["--task", "classify"], "--task classify", "--task embed"),
+    (["--runner", "draft"], "--runner draft", "--runner pooling"),
+    (["--pooling", "rank"], "--pooling 'rank'", "LAST, MEAN or CLS"),
+    (["--pooler-config", "{\"softmax\": true}"], "pooler_config has key(s) not built", "pooling_type"),
     (["--data-parallel-size", "2"], "--data-parallel-size", "load balancer"),
     (["-pp", "2"], "--pipeline-parallel-size", "--tensor-parallel-size"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8", "bfloat16"),
     (["-ctk", "q8_0"], "-ctk q8_0", "f16 or bf16"),
     (["-ctk", "f16", "-ctv", "f32"], "-ctk and -ctv differ", "same type"),
-    (["--tool-call-parser", "mistral"], "--tool-call-parser mistral", "hermes"),
+    (["--tool-call-parser", "granite"], "--tool-call-parser granite", "hermes, llama3_json, mistral, pythonic"),
+    (["--reasoning-parser", "deepseek"], "--reasoning-parser deepseek", "deepseek_r1, qwen3, glm45"),
+    (["--reasoning-format", "deepseek-legacy"], "--reasoning-format deepseek-legacy", "none, auto, deepseek"),
+    (["--reasoning-format", "auto", "--reasoning-parser", "qwen3"], "Give --reasoning-parser or --reasoning-format",
+     "not both"),
     (["--quantization", "awq"], "--quantization awq", "Drop --quantization"),
 ])
 def test_values_not_served_here_are_refused_by_name_before_the_model_loads(flags, named, instead, capsys):
     assert main(["serve", "/no/such/model", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"pagedllm: error: {named}") and instead in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("line, pooler", [
+    ("serve --task embed", None),
+    ("serve --runner pooling --convert embed --override-pooler-config {\"pooling_type\":\"MEAN\"}",
+     '{"pooling_type":"MEAN"}'),
+    ("serve --embedding --pooling cls", '{"pooling_type": "CLS", "normalize": true}'),
+    ("serve --embeddings --pooling-type mean --pooler-config {\"normalize\":false}",
+     '{"pooling_type": "MEAN", "normalize": false}'),
+])
+def test_embedding_launch_lines_are_accepted_and_set_the_pooling(line, pooler):
+    assert engine_args_from(parsed(line)).pooler_config == pooler
+
+
+@pytest.mark.parametrize("line, parser", [
+    ("serve --reasoning-parser deepseek_r1", "deepseek_r1"),
+    ("serve --enable-reasoning --reasoning-parser qwen3", "qwen3"),  # vLLM's older switch, now implied
+    ("serve --reasoning-format deepseek", "auto"),  # llama-server's: picked from the chat template
+    ("serve --reasoning-format auto", "auto"),
+    ("serve --reasoning-format none", None),
+    ("serve", None),
+])
+def test_reasoning_launch_lines_choose_the_parser(line, parser):
+    from pagedllm.entrypoints.openai.api_server import server_options_from
+
+    assert server_options_from(parsed(line)).reasoning_parser == parser
 
 
 def test_a_mistyped_flag_is_named_under_its_commands_usage_with_the_closest_ones(capsys):

@@ -67,6 +67,8 @@ _HELP = {
     "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} or {\"method\": \"draft_model\", \"model\": PATH, ...} "
     "(docs/speculative-decoding.md)",
     "threads": "on a CPU, threads to compute with (default: OMP_NUM_THREADS, else one per core)",
+    "pooler_config": "the pooling of embedding requests (/v1/embeddings, /pooling, LLM.embed), as JSON: "
+    "{\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true} (the default: LAST, normalized)",
     "generation_config": "default sampling: auto = the model folder's generation_config.json (temperature, top_p, "
     "top_k, repetition_penalty, max_new_tokens), vllm = none, or a folder holding one",
 }

@@ -3,15 +3,18 @@
 A flag of either that means something here is an alias of ours (`-c` is `--max-model-len`, `-t`
 sets the threads, `-np` the batch); one that means nothing on this engine (`-O3`, `-ngl 99`,
 `--mlock`) is accepted with one warning naming it; one of a feature not built here (LoRA,
-reasoning parsers, pooling) is refused by name with what to use instead. docs/serving.md's table
+reranking) is refused by name with what to use instead. docs/serving.md's table
 lists them all. The parser never expands a prefix (`pagedllm.utils.ExactArgumentParser`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
+
+from pagedllm.entrypoints.openai.reasoning import AUTO, LLAMA_REASONING_FORMATS, REASONING_PARSERS
 
 logger = logging.getLogger("pagedllm")
 
@@ -63,6 +66,7 @@ VLLM_IGNORED = {
     "--enable-force-include-usage": "usage is included as the request's stream_options ask",
     "--enable-tokenizer-info-endpoint": "the tokenizer is served through /tokenize and /detokenize",
     "--enable-request-id-headers": "responses carry their request's id in the body",
+    "--enable-reasoning": "reasoning is parsed whenever --reasoning-parser is given",
 }
 # vLLM switches (no value) among VLLM_IGNORED.
 _VLLM_IGNORED_SWITCHES = (
@@ -70,7 +74,7 @@ _VLLM_IGNORED_SWITCHES = (
     "--enable-prompt-tokens-details", "--enable-server-load-tracking", "--disable-fastapi-docs",
     "--enable-expert-parallel", "--async-scheduling", "--enable-sleep-mode", "--calculate-kv-scales",
     "--exclude-tools-when-tool-choice-none", "--enable-log-outputs", "--enable-force-include-usage",
-    "--enable-tokenizer-info-endpoint", "--enable-request-id-headers",
+    "--enable-tokenizer-info-endpoint", "--enable-request-id-headers", "--enable-reasoning",
 )
 # Flags of features not built here: refused by name, with what to use instead.
 REFUSED = {
@@ -81,7 +85,6 @@ REFUSED = {
     "--max-loras": "LoRA adapters are not supported",
     "--max-lora-rank": "LoRA adapters are not supported",
     "--lora": "LoRA adapters are not supported: merge the adapter into the weights and serve the result",
-    "--reasoning-parser": "reasoning parsers are not built yet: a model's thinking text stays in the message's content",
     "--speculative-model": "give --speculative-config '{\"method\": \"draft_model\", \"model\": PATH}' (vLLM's current flag)",
     "--limit-mm-per-prompt": "multimodal inputs are not supported: serve a text model",
     "--mm-processor-kwargs": "multimodal inputs are not supported: serve a text model",
@@ -99,19 +102,17 @@ REFUSED = {
     "--hf-overrides": "edit the model's config.json",
     "--return-tokens-as-token-ids": "not supported: logprobs name tokens by their text",
     "--middleware": "not supported: put a reverse proxy in front of the server",
-    "--tool-parser-plugin": "tool-call parser plugins are not supported; the hermes format is parsed",
+    "--tool-parser-plugin": "tool-call parser plugins are not supported; give a built-in --tool-call-parser",
     "--tool-server": "built-in tool servers are not supported: run the tools in your client",
     "--kv-events-config": "KV cache events are not published; /debug/kv and the dashboard show the cache",
-    "--reasoning-format": "reasoning parsers are not built yet: a model's thinking text stays in the message's content",
-    "--reasoning-budget": "reasoning parsers are not built yet: cap the answer with max_tokens",
-    "--embedding": "embeddings are not built yet: serve a generation model",
-    "--embeddings": "embeddings are not built yet: serve a generation model",
+    "--reasoning-budget": "a thinking budget is not built: cap the whole answer with max_tokens, or send "
+    "chat_template_kwargs {\"enable_thinking\": false} to skip the thinking",
     "--reranking": "reranking is not built yet: serve a generation model",
     "--rope-freq-base": "edit the model's rope settings in its file",
     "--slot-save-path": "slots cannot be saved: prefix caching keeps shared prompts' KV blocks by itself",
 }
-# The tool-call formats parsed in "auto" mode.
-TOOL_CALL_PARSERS = ("hermes",)
+# The tool-call formats parsed in "auto" mode (tool_parsers.TOOL_PARSERS' names, vLLM's).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "qwen3_coder", "phi4_mini_json")
 # llama-server flags that change nothing here (given with a value unless listed as switches).
 LLAMA_IGNORED = {
     "-ngl": "the whole model runs on one device (no partial GPU offload)",
@@ -160,8 +161,8 @@ _LLAMA_SWITCHES = ("--mlock", "--no-mmap", "-cb", "--cont-batching", "--metrics"
                    "--no-context-shift", "--context-shift", "--props", "--no-webui-mcp")
 # llama-server's KV cache types that this engine's cache holds.
 LLAMA_KV_TYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
-# vLLM's `--task`/`--runner` values of the generation this engine does.
-GENERATE_TASKS = ("auto", "generate")
+# llama-server's `--pooling` values (the rest are refused by PoolingType.parse).
+LLAMA_POOLING = ("last", "mean", "cls", "none", "rank")
 # llama-server's `--chat-template` names that this server knows.
 NAMED_TEMPLATES = ("chatml",)
 
@@ -264,8 +265,16 @@ def add_launch_flags(parser: argparse.ArgumentParser, serve: bool) -> None:
     for flag, instead in REFUSED.items():
         refused.add_argument(flag, action=_Refuse, instead=instead, dest="refused_" + flag.strip("-"), help=instead)
     others = parser.add_argument_group("vLLM's choices of what to run")
-    others.add_argument("--task", default=None, help="generate (the default); pooling tasks are not built yet")
-    others.add_argument("--runner", default=None, help="generate or auto; pooling is not built yet")
+    # Embeddings (/v1/embeddings, /pooling) are served whatever these say; generation stays too.
+    others.add_argument("--task", default=None, help="generate or embed: both are always served")
+    others.add_argument("--runner", default=None, help="generate, pooling or auto: generation and pooling are "
+                        "always both served")
+    others.add_argument("--convert", default=None, help="vLLM's: embed, none or auto (embeddings are always served)")
+    others.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true", default=False,
+                        help="llama-server's: serve embeddings (always served here; generation stays available)")
+    others.add_argument("--pooling", "--pooling-type", dest="pooling", default=None, choices=LLAMA_POOLING,
+                        metavar="{last,mean,cls}", help="the pooling of embeddings that do not say (default last); "
+                        "the same as --pooler-config '{\"pooling_type\": ...}'")
     others.add_argument("--quantization", "-q", default=None, help="read from the weights' files; gguf or none")
     others.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="1: one engine per server")
     others.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 (give --tensor-parallel-size)")
@@ -280,6 +289,11 @@ def add_launch_flags(parser: argparse.ArgumentParser, serve: bool) -> None:
         others.add_argument("--enable-auto-tool-choice", action="store_true",
                             help="parse the tool calls a model makes on its own (always on with tools)")
         others.add_argument("--tool-call-parser", default=None, help=f"the calls' format: {', '.join(TOOL_CALL_PARSERS)}")
+        others.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                            help="split a thinking model's reasoning from its answer (message.reasoning): "
+                            + ", ".join(REASONING_PARSERS))
+        others.add_argument("--reasoning-format", default=None, metavar="FORMAT",
+                            help="llama-server's: none, or auto / deepseek (the parser the chat template calls for)")
 
 
 def apply_launch_flags(ns: argparse.Namespace) -> None:
@@ -287,13 +301,7 @@ def apply_launch_flags(ns: argparse.Namespace) -> None:
     ValueError names a value this engine does not serve. Warns once for each ignored flag."""
     for given, why in getattr(ns, "ignored_flags", None) or []:
         logger.warning("Ignoring %s: %s.", given, why)
-    for flag in ("task", "runner"):
-        value = getattr(ns, flag, None)
-        if value is not None and value not in GENERATE_TASKS:
-            raise ValueError(
-                f"--{flag} {value} is not supported here: pagedllm generates text; embeddings and other pooling "
-                f"tasks are not built yet. Drop --{flag} (or give --{flag} generate)."
-            )
+    _apply_pooling_flags(ns)
     quantization = getattr(ns, "quantization", None)
     if quantization not in (None, "gguf", "none"):
         raise ValueError(
@@ -318,13 +326,55 @@ def apply_launch_flags(ns: argparse.Namespace) -> None:
             raise ValueError("Give -md or --speculative-config, not both: they set the same draft model.")
         ns.speculative_config = {"method": "draft_model", "model": ns.model_draft,
                                  "num_speculative_tokens": ns.draft_max or 16}
+    _apply_reasoning_flags(ns)
     parser = getattr(ns, "tool_call_parser", None)
     if parser is not None and parser not in TOOL_CALL_PARSERS:
         raise ValueError(
-            f"--tool-call-parser {parser} is not built yet: the server parses the {', '.join(TOOL_CALL_PARSERS)} "
-            "format (Qwen 2.5/3, Hermes, and models trained on it). Give --tool-call-parser hermes, or send "
-            "tool_choice 'required' or a named function, which constrain the output to a valid call in any model."
+            f"--tool-call-parser {parser} is not built yet: give one of {', '.join(TOOL_CALL_PARSERS)} (the "
+            "format the model writes its calls in), or send tool_choice 'required' or a named function, which "
+            "constrain the output to a valid call in any model."
         )
+
+
+def _apply_pooling_flags(ns: argparse.Namespace) -> None:
+    """vLLM's `--task embed`, `--runner pooling`, `--convert embed` and llama-server's
+    `--embedding` are accepted (embeddings are always served, and generation stays available);
+    llama-server's `--pooling` sets `pooler_config`'s pooling type."""
+    from pagedllm.pooling_params import PoolerConfig, PoolingType, pooling_asked
+
+    asked = [pooling_asked(flag, getattr(ns, flag, None)) for flag in ("task", "runner", "convert")]
+    if any(asked) or getattr(ns, "embedding", False):
+        logger.info("Embeddings are always served (/v1/embeddings, /pooling, LLM.embed); generation stays available.")
+    given = getattr(ns, "pooler_config", None)
+    config = PoolerConfig.parse(given)  # a bad --pooler-config fails here, before the model loads
+    pooling = getattr(ns, "pooling", None)
+    if pooling is None:
+        return
+    kind = PoolingType.parse(pooling, "--pooling")
+    if given is not None and "pooling_type" in str(given) and config.pooling_type is not kind:
+        raise ValueError(f"--pooling {pooling} and --pooler-config's pooling_type differ; give one of them.")
+    ns.pooler_config = json.dumps({"pooling_type": kind.name, "normalize": config.normalize})
+
+
+def _apply_reasoning_flags(ns: argparse.Namespace) -> None:
+    """`--reasoning-parser NAME` checked, and llama-server's `--reasoning-format` folded into it
+    (none: no parser; auto / deepseek: the parser the chat template calls for, `AUTO`)."""
+    name, llama_format = getattr(ns, "reasoning_parser", None), getattr(ns, "reasoning_format", None)
+    if name is not None and name not in REASONING_PARSERS:
+        raise ValueError(
+            f"--reasoning-parser {name} is not a reasoning parser here; give one of {', '.join(REASONING_PARSERS)} "
+            "(deepseek_r1 when the template opens <think> in the prompt, qwen3 when the model opens it)."
+        )
+    if llama_format is None:
+        return
+    if llama_format not in LLAMA_REASONING_FORMATS:
+        raise ValueError(
+            f"--reasoning-format {llama_format} is not served here; give one of {', '.join(LLAMA_REASONING_FORMATS)} "
+            "(deepseek-legacy's tags left in the content are not built)."
+        )
+    if name is not None:
+        raise ValueError("Give --reasoning-parser or --reasoning-format, not both: they choose the same parser.")
+    ns.reasoning_parser = None if llama_format == "none" else AUTO
 
 
 def _apply_kv_types(ns: argparse.Namespace) -> None:

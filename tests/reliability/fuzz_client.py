@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import sys
 import time
 import warnings
@@ -63,8 +64,10 @@ class _Fuzzer:
         self.refused_valid = 0
 
     def run(self, budget_s: float) -> None:
+        """A batch of every route in each mode first, however long that takes (a route never
+        fuzzed proves nothing), then batches in turn until `budget_s` has passed."""
+        live = [target for target in self.targets if self._batch(*target, math.inf)]
         deadline = time.monotonic() + budget_s
-        live = list(self.targets)
         while live and time.monotonic() < deadline:
             for target in list(live):
                 if time.monotonic() >= deadline:

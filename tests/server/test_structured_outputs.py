@@ -157,14 +157,16 @@ def test_auto_parses_a_scripted_hermes_call(client, stream):
             ("get_weather", {"city": "Oslo", "celsius": True})
         ]
     else:
-        content, calls, finish = "", [], None
+        content, calls, finish = "", {}, None  # calls: index -> [name, arguments], from their deltas
         for chunk in client.chat.completions.create(stream=True, **kwargs):
             for choice in chunk.choices:
                 content += choice.delta.content or ""
-                calls.extend(choice.delta.tool_calls or [])
+                for delta in choice.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, [delta.function.name, ""])
+                    call[1] += delta.function.arguments or ""
                 finish = choice.finish_reason or finish
         assert "<tool_call>" not in content
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        assert [(name, json.loads(arguments)) for name, arguments in calls.values()] == [
             ("get_weather", {"city": "Oslo", "celsius": True})
         ]
     assert content.strip() == "Let me check."

@@ -45,8 +45,11 @@ def test_auto_streaming_sends_content_then_the_calls():
     new, finish = streamer.feed(0, "", "stop")
     pieces.extend(new)
     assert "".join(p.get("content", "") for p in pieces) == "Sure. "
-    (call_delta,) = [p for p in pieces if "tool_calls" in p]
-    assert call_delta["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    call_deltas = [p["tool_calls"][0] for p in pieces if "tool_calls" in p]
+    assert call_deltas[0]["function"]["name"] == "f" and "id" in call_deltas[0]
+    assert all("id" not in d for d in call_deltas[1:])  # the id and name once
+    assert len(call_deltas) > 2  # the arguments arrive as they grow, not only at the end
+    assert "".join(d["function"].get("arguments", "") for d in call_deltas) == '{"x": 1}'
     assert finish == "tool_calls"
 
 

@@ -36,6 +36,8 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.server_options import (
     CurlBodies,
     RequestFields,
@@ -46,9 +48,13 @@ from pagedllm.entrypoints.openai.server_options import (
     json_list,
     load_chat_template,
 )
+from pagedllm.entrypoints.openai.responses_store import ResponseStore
+from pagedllm.entrypoints.openai.serving_anthropic import anthropic_router
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_router
 from pagedllm.entrypoints.openai.serving_llama import llama_router
+from pagedllm.entrypoints.openai.serving_responses import responses_router
 
 logger = logging.getLogger("pagedllm")
 
@@ -100,6 +106,8 @@ def build_app(
     completions.max_tokens_cap = chat.max_tokens_cap = options.default_sampling.get("max_tokens")
     if options.chat_template is not None:  # the served tokenizers' template, not the engine's
         completions.tokenizer.chat_template = chat.tokenizer.chat_template = options.chat_template
+    chat.reasoning_parser = ReasoningParser.for_server(options.reasoning_parser, chat.tokenizer)
+    chat.tool_parser_class = TOOL_PARSERS[options.tool_call_parser]
     request_fields = RequestFields(options)
     created = int(time.time())
 
@@ -146,6 +154,11 @@ def build_app(
     app.include_router(v1)
     app.include_router(dashboard_router(engine, api_keys))  # /dashboard, its events, /debug/kv
     app.include_router(llama_router(completions, options.default_sampling, api_keys))  # /completion, /props, /slots
+    embeddings = OpenAIServingEmbedding(engine, served_model_names)
+    app.include_router(embedding_router(embeddings, request_fields, api_keys))  # /v1/embeddings, /pooling
+    app.include_router(anthropic_router(chat, request_fields, api_keys))  # /v1/messages (x-api-key too)
+    store = ResponseStore(options.responses_store_bytes)  # previous_response_id, GET/DELETE
+    app.include_router(responses_router(chat, request_fields, api_keys, store))  # /v1/responses
 
     # Every route but /health and /metrics (a load balancer's and a scraper's) needs the key
     # when keys are set: /tokenize, /detokenize and /stats spend or reveal the server's work.
@@ -402,4 +415,7 @@ def server_options_from(args: argparse.Namespace) -> ServerOptions:
         trust_request_chat_template=args.trust_request_chat_template,
         # llama-server's flags (--temp, -n, ...) over the generation config's.
         default_sampling={**default_sampling(args.generation_config, args.model), **default_sampling_flags(args)},
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        tool_call_parser=getattr(args, "tool_call_parser", None) or "hermes",
+        responses_store_bytes=getattr(args, "responses_store_bytes", 64 * 1024 * 1024),
     )

@@ -75,6 +75,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "take to arrive, before it gets 408 and its connection is closed (default: %(default)s)",
     )
     server.add_argument(
+        "--responses-store-bytes", type=parse_bytes, default=64 * 1024 * 1024,
+        help="the most bytes of responses kept for /v1/responses' previous_response_id and GET (least recently "
+        "used dropped first; 0: none kept; default 64MiB)",
+    )
+    server.add_argument(
         "--shutdown-timeout", type=float, default=10.0,
         help="on SIGTERM/SIGINT, seconds to let requests in flight finish before ending them with an error",
     )

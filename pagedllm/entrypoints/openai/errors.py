@@ -101,7 +101,8 @@ def invalid_input(exc: ValueError, prompt_param: str) -> OpenAIError:
 # The body-wide check of extra fields (protocol.OpenAIBaseModel) names the field in its message.
 _EXTRA_FIELD = re.compile(r"the extra field '([^']+)'")
 # Fields that accept several forms: what to send, instead of why each form failed.
-_FORMS = {"prompt": "give a non-empty string, a non-empty list of token ids, or a non-empty list of either"}
+_FORMS = {"prompt": "give a non-empty string, a non-empty list of token ids, or a non-empty list of either",
+          "input": "give a non-empty string, a non-empty list of token ids, or a non-empty list of either"}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

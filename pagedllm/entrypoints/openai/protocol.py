@@ -303,6 +303,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: with a reasoning parser, false leaves the thinking out
 
     @property
     def tool_mode(self) -> str:

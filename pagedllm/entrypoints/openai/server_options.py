@@ -52,6 +52,12 @@ class ServerOptions:
     # Whether a request may bring its own chat template (a template is code run on the server).
     trust_request_chat_template: bool = False
     default_sampling: dict = field(default_factory=dict)  # from the generation config
+    # --reasoning-parser's name ("auto": llama-server's --reasoning-format, chosen by the chat
+    # template); None: thinking text stays in the content.
+    reasoning_parser: str | None = None
+    # --tool-call-parser's name (tool_parsers.TOOL_PARSERS): the format of "auto" calls.
+    tool_call_parser: str = "hermes"
+    responses_store_bytes: int = 64 * 1024 * 1024  # --responses-store-bytes: /v1/responses' store
 
 
 def json_list(text: str) -> list[str]:

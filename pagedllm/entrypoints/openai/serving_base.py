@@ -17,9 +17,11 @@ from typing import TypeVar
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, invalid_input, model_not_found
 from pagedllm.entrypoints.openai.protocol import ChatMessage
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser
 from pagedllm.entrypoints.openai.streaming import DONE, merge_streams, sse
 from pagedllm.entrypoints.openai.tools import template_conversation, tool_fields
 from pagedllm.outputs import PositionLogprobs, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 # OpenAI's JSON cannot carry -inf; vLLM reports impossible tokens with this instead.
@@ -171,6 +173,8 @@ class OpenAIServing:
         self._large_text_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer-large")
         # The generation config's max_new_tokens: a cap on every request's max_tokens, as vLLM has it.
         self.max_tokens_cap: int | None = None
+        # The served model's reasoning format (--reasoning-parser), set by build_app; None: none.
+        self.reasoning_parser: ReasoningParser | None = None
 
     async def _on_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
         loop = asyncio.get_running_loop()
@@ -348,12 +352,21 @@ class OpenAIServing:
         """Add one engine request per prompt, all in the same engine iteration; if any is
         refused, none stays in the engine. (A cancelled add aborts its own request.)"""
         self.check_request_size(len(prompts), params, prompt_param)
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         if params.needs_token_mask or params.logit_bias:
             try:  # a bad schema, regex or grammar is refused before any work starts
                 await self.engine.check_constraints(params)
             except ValueError as exc:
                 raise invalid_input(exc, prompt_param) from None
+        streams = await self.add_prompts(request_id, prompts, params, prompt_param)
+        self.in_flight.add(streams, prompts, params)
+        return streams
+
+    async def add_prompts(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams | PoolingParams, prompt_param: str
+    ) -> list[RequestStream]:
+        """One engine request per prompt (`submit`'s, and the pooling routes'); if any is
+        refused, none stays in the engine."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
             # The prompts of one request take turns with other requests' in the waiting queue.
             *(self.engine.add_request(i, p, params, api_request_id=request_id if len(prompts) > 1 else None)
@@ -362,7 +375,6 @@ class OpenAIServing:
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if not errors:
-            self.in_flight.add(results, prompts, params)  # type: ignore[arg-type]
             return results  # type: ignore[return-value]
         for result in results:
             if isinstance(result, RequestStream):

@@ -1,4 +1,7 @@
-"""`POST /v1/chat/completions`: messages through the model's chat template, streamed or not."""
+"""`POST /v1/chat/completions`: messages through the model's chat template, streamed or not. With a
+reasoning parser (`--reasoning-parser`), a message's thinking goes to `reasoning` (vLLM's name)
+and `reasoning_content` (the older one), the rest to `content`; tool calls are parsed from the
+content only, and usage counts the reasoning tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.reasoning import ReasoningSplitter, RequestReasoning
 from pagedllm.entrypoints.openai.serving_base import (
     OpenAIServing,
     clamp_logprob,
@@ -18,14 +22,29 @@ from pagedllm.entrypoints.openai.serving_base import (
     usage,
 )
 from pagedllm.entrypoints.openai.streaming import DeltaTracker, EventStreamResponse, run_until_disconnect, sse
-from pagedllm.entrypoints.openai.tools import ToolCallStreamer, tool_message
-from pagedllm.outputs import Logprob, PositionLogprobs
+from pagedllm.entrypoints.openai.tool_parsers.call_grammar import constrain_auto_calls
+from pagedllm.entrypoints.openai.tools import HermesToolParser, ToolCallStreamer, ToolParser, tool_functions, tool_message
+from pagedllm.outputs import Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
 def _token_entry(logprob: Logprob) -> dict:
     token = logprob.decoded_token or ""
     return {"token": token, "logprob": clamp_logprob(logprob.logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def reasoning_fields(reasoning: str | None) -> dict:
+    """A message's or delta's reasoning, under vLLM's current name and its older one."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def chat_usage(output: RequestOutput | None, thinking: RequestReasoning | None) -> dict:
+    """Usage, with the reasoning tokens of every choice when the server parses reasoning."""
+    body = usage([output])
+    if thinking is not None and output is not None:
+        num = sum(thinking.num_reasoning_tokens(choice.token_ids) for choice in output.outputs)
+        body["completion_tokens_details"] = {"reasoning_tokens": num}
+    return body
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[PositionLogprobs], num_top: int) -> dict:
@@ -40,30 +59,51 @@ def chat_logprobs(token_ids: list[int], logprobs: list[PositionLogprobs], num_to
 
 
 class OpenAIServingChat(OpenAIServing):
+    # The format of the calls a model makes on its own ("auto"): --tool-call-parser, set by build_app.
+    tool_parser_class: type[ToolParser] = HermesToolParser
+
+    def tool_parser(self, tools: list[dict] | None) -> ToolParser:
+        """The server's tool-call parser for a request's declared `tools` (a call of another
+        name is not a call)."""
+        return self.tool_parser_class(tool_functions(tools) if tools else None)
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
         request.check_supported()
         params = request.to_sampling_params(request.max_output_tokens, request.num_logprobs, "messages", request.prompt_logprobs)
+        if request.tool_mode == "auto":  # a call the model opens is kept well-formed
+            constrain_auto_calls(params, self.tool_parser(request.tools))
         prompt_ids = await self.chat_prompt(
             request.messages, request.add_generation_prompt, request.chat_template, request.chat_template_kwargs,
             request.tools if request.tool_mode != "none" else None,
         )
+        thinking = self.reasoning_parser.for_prompt(prompt_ids) if self.reasoning_parser is not None else None
+        if thinking is not None:
+            thinking.constrain(params)  # a grammar applies once the reasoning ends
         self.check_length(prompt_ids, params, "messages")
         request_id = self.new_id("chatcmpl")
         streams = await self.submit(request_id, [prompt_ids], params, "messages")
         if request.stream:
-            events = finish_events(self._stream(request, params, model, request_id, streams[0]))
+            events = finish_events(self._stream(request, params, model, request_id, streams[0], thinking))
             return EventStreamResponse(events, on_close=lambda: self.abort_unfinished(streams))
-        return await run_until_disconnect(raw_request, self._full(request, model, request_id, streams))
+        return await run_until_disconnect(raw_request, self._full(request, model, request_id, streams, thinking))
 
     async def _full(
-        self, request: ChatCompletionRequest, model: str, request_id: str, streams: list[RequestStream]
+        self, request: ChatCompletionRequest, model: str, request_id: str, streams: list[RequestStream],
+        thinking: RequestReasoning | None,
     ) -> Response:
         (output,) = await self.final_outputs(streams)
         mode = request.tool_mode
+        parser = self.tool_parser(request.tools) if mode == "auto" else None
         choices = []
         for position, choice in enumerate(output.outputs):
-            message, finish_reason = tool_message(choice.text, choice.finish_reason, mode)
+            if thinking is None:
+                message, finish_reason = tool_message(choice.text, choice.finish_reason, mode, parser)
+            else:  # tool calls are parsed from the answer, never from the thinking
+                reasoning, content = thinking.split(choice.text)
+                message, finish_reason = tool_message(content or "", choice.finish_reason, mode, parser)
+                message = {**message, "content": message["content"] or None,
+                           **reasoning_fields(reasoning if request.include_reasoning else None)}
             logprobs = chat_logprobs(choice.token_ids, choice.logprobs or [], request.num_logprobs) if request.logprobs else None
             choices.append(
                 {
@@ -80,14 +120,15 @@ class OpenAIServingChat(OpenAIServing):
             "created": self.created(),
             "model": model,
             "choices": choices,
-            "usage": usage([output]),
+            "usage": chat_usage(output, thinking),
         }
         if request.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
         return JSONResponse(body)
 
     async def _stream(
-        self, request: ChatCompletionRequest, params: SamplingParams, model: str, request_id: str, stream: RequestStream
+        self, request: ChatCompletionRequest, params: SamplingParams, model: str, request_id: str, stream: RequestStream,
+        thinking: RequestReasoning | None = None,
     ) -> AsyncIterator[str]:
         created = self.created()
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -97,6 +138,7 @@ class OpenAIServingChat(OpenAIServing):
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
             body = {**head, "choices": [choice]}
             if request.include_usage:
+                # (the reasoning tokens are counted once, in the last usage)
                 body["usage"] = usage([output]) if request.continuous_usage and output is not None else None
             return sse(body)
 
@@ -104,7 +146,8 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(params.n):
             yield chunk(index, {"role": "assistant", "content": ""})
         tracker = DeltaTracker(params)
-        tools = ToolCallStreamer(request.tool_mode) if request.tool_mode != "none" else None
+        tools = ToolCallStreamer(request.tool_mode, self.tool_parser(request.tools)) if request.tool_mode != "none" else None
+        splitters: dict[int, ReasoningSplitter] = {}  # each choice's, with a reasoning parser
         final_only = ranked_at_end(params)
         async for output in stream:
             if final_only and not output.finished:
@@ -113,8 +156,18 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = None
                 if request.logprobs:
                     logprobs = chat_logprobs(delta.token_ids, delta.logprobs or [], request.num_logprobs)
+                text, thought = delta.text, {}
+                if thinking is not None:  # the thinking apart; the rest goes on as content (or tool calls)
+                    if delta.position not in splitters:
+                        splitters[delta.position] = thinking.splitter()
+                    reasoning, text = splitters[delta.position].feed(delta.text, final=delta.finish_reason is not None)
+                    if reasoning and request.include_reasoning:
+                        thought = reasoning_fields(reasoning)
                 if tools is not None:  # content and tool-call deltas; the last piece carries the rest
-                    pieces, finish = tools.feed(delta.position, delta.text, delta.finish_reason)
+                    pieces, finish = [], None
+                    if text or delta.finish_reason is not None or thinking is None:  # a call opens with the answer
+                        pieces, finish = tools.feed(delta.position, text, delta.finish_reason)
+                    pieces = [thought, *pieces] if thought else pieces
                     if not pieces and finish is None:
                         continue
                     pieces = pieces or [{}]
@@ -122,7 +175,12 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk(delta.position, piece)
                     yield chunk(delta.position, pieces[-1], logprobs, finish, delta.stop_reason)
                     continue
-                content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+                if thinking is None:
+                    content = {"content": text} if text or delta.finish_reason is None else {}
+                else:
+                    content = {**thought, **({"content": text} if text else {})}
+                    if not content and delta.finish_reason is None and logprobs is None:
+                        continue  # text held back (a tag may be starting)
                 yield chunk(delta.position, content, logprobs, delta.finish_reason, delta.stop_reason)
         if request.include_usage and output is not None:
-            yield sse({**head, "choices": [], "usage": usage([output])})
+            yield sse({**head, "choices": [], "usage": chat_usage(output, thinking)})

@@ -4,34 +4,23 @@ makes on its own ("auto"), and the conversation the chat template sees.
 
 "required" constrains the output to a JSON array of `{"name", "parameters"}` objects, one of the
 tools each; a named function constrains it to that function's parameters. Either way any model
-returns well-formed calls. With "auto", the model's own format is parsed: a parser interface,
-with the Hermes format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, used by Qwen,
-Hermes and many others) first.
+returns well-formed calls. With "auto", the model's own format is parsed by the server's
+`--tool-call-parser` (the `tool_parsers` package, one module per family; Hermes by default),
+and streamed as content deltas, then each call's id and name and its arguments as they grow.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 from pagedllm.entrypoints.openai.errors import bad_request
-
-
-@dataclass(slots=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
-
-    def to_json(self, index: int | None = None) -> dict:
-        body = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return body if index is None else {"index": index, **body}
+from pagedllm.entrypoints.openai.tool_parsers import (  # noqa: F401 (re-exported: the parsers' old home)
+    TOOL_PARSERS,
+    HermesToolParser,
+    ToolCall,
+    ToolCallStream,
+    ToolParser,
+)
 
 
 def tool_functions(tools: list[dict]) -> dict[str, dict]:
@@ -104,55 +93,6 @@ def constrained_calls(text: str, choice: str) -> list[ToolCall] | None:
     return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
 
-class ToolParser(ABC):
-    """Finds the tool calls in a model's own output format."""
-
-    @abstractmethod
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(the text that is not tool calls, or None if empty; the calls, in order)."""
-
-    @abstractmethod
-    def content_end(self, text: str) -> int:
-        """While `text` is still growing: how much of it is surely content (streamable now)."""
-
-
-class HermesToolParser(ToolParser):
-    START, END = "<tool_call>", "</tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        start = text.find(self.START)
-        if start == -1:
-            return text, []
-        calls = []
-        for body in self._CALL.findall(text[start:]):
-            try:
-                value = json.loads(body)
-            except ValueError:
-                return text, []  # not a well-formed call: the whole output is content
-            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-                return text, []
-            arguments = value.get("arguments", value.get("parameters", {}))
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
-            calls.append(ToolCall(value["name"], arguments))
-        content = text[:start].strip()
-        return content or None, calls
-
-    def content_end(self, text: str) -> int:
-        start = text.find(self.START)
-        if start != -1:
-            return start
-        # Hold back a tail that may be the start of the tag.
-        for keep in range(min(len(self.START) - 1, len(text)), 0, -1):
-            if self.START.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
-
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
-
-
 # --- the conversation the chat template sees ------------------------------------------------
 
 _TOOLS_PROMPT = (
@@ -212,12 +152,15 @@ def _finish(calls: list[ToolCall], finish_reason: str | None) -> str | None:
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
-def tool_message(text: str, finish_reason: str | None, mode: str) -> tuple[dict, str | None]:
-    """The assistant message of a finished choice, with its tool calls, and its finish reason."""
+def tool_message(
+    text: str, finish_reason: str | None, mode: str, parser: ToolParser | None = None
+) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice, with its tool calls, and its finish reason.
+    `parser`: the format of "auto" calls (Hermes, accepting any name, by default)."""
     if mode == "none":
         return {"role": "assistant", "content": text}, finish_reason
     if mode == "auto":
-        content, calls = HermesToolParser().extract(text)
+        content, calls = (parser or HermesToolParser()).extract(text)
     else:
         calls = constrained_calls(text, mode) or []
         content = None if calls else text
@@ -229,21 +172,28 @@ def tool_message(text: str, finish_reason: str | None, mode: str) -> tuple[dict,
 
 class ToolCallStreamer:
     """A streamed choice's deltas in OpenAI's shape when tools are in play: content as it is
-    sure to be content, and `tool_calls` deltas (a named function's arguments as they grow; the
-    calls of "required" and "auto" once the output is complete)."""
+    sure to be content and `tool_calls` deltas: a named function's arguments as they grow; in
+    "auto", each call's id and name once its name is whole, then its arguments as they grow
+    (`ToolCallStream`); the calls of "required" once the output is complete."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, parser: ToolParser | None = None) -> None:
         self.mode = mode
-        self.parser = HermesToolParser()
+        self.parser = parser or HermesToolParser()
         self._text: dict[int, str] = {}
         self._sent: dict[int, int] = {}  # characters of each choice already sent
         self._call_ids: dict[int, str] = {}
+        self._auto: dict[int, ToolCallStream] = {}  # each choice's, in "auto"
 
     def feed(self, position: int, new_text: str, finish_reason: str | None) -> tuple[list[dict], str | None]:
         """(the deltas to send for this piece of one choice's text, its finish reason)."""
+        if self.mode == "auto":
+            stream = self._auto.setdefault(position, ToolCallStream(self.parser))
+            deltas = stream.feed(new_text, final=finish_reason is not None)
+            finish = "tool_calls" if stream.called and finish_reason == "stop" else finish_reason
+            return deltas, finish
         text = self._text[position] = self._text.get(position, "") + new_text
         sent = self._sent.get(position, 0)
-        if self.mode not in ("auto", "required"):  # a named function: the text is its arguments
+        if self.mode != "required":  # a named function: the text is its arguments
             deltas = []
             if position not in self._call_ids:
                 call = ToolCall(self.mode, "")
@@ -254,9 +204,7 @@ class ToolCallStreamer:
             self._sent[position] = len(text)
             return deltas, ("tool_calls" if finish_reason == "stop" else finish_reason)
         if finish_reason is None:
-            end = self.parser.content_end(text) if self.mode == "auto" else 0
-            self._sent[position] = max(sent, end)
-            return ([{"content": text[sent:end]}] if end > sent else []), None
+            return [], None
         message, finish = tool_message(text, finish_reason, self.mode)
         calls = message.get("tool_calls", [])
         if not calls:

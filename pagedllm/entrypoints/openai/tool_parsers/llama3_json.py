@@ -1,0 +1,42 @@
+"""Llama 3.1-3.3's JSON calls: `{"name": ..., "parameters": {...}}` (or "arguments"), after
+`<|python_tag|>` or as the whole answer, several separated by `;`."""
+
+from __future__ import annotations
+
+from pagedllm.entrypoints.openai.tool_parsers.base import CallDraft, MalformedCall, Scan, ToolParser, held_back
+from pagedllm.entrypoints.openai.tool_parsers.text_scan import call_object, skip_space
+
+
+class Llama3JsonToolParser(ToolParser):
+    TAG = "<|python_tag|>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        tag = text.find(self.TAG)
+        first = skip_space(text, 0)
+        if tag != -1:
+            start, pos = tag, tag + len(self.TAG)
+        elif text.startswith("{", first):
+            start, pos = first, first
+        elif first >= len(text):
+            return Scan(0)  # only whitespace yet: a call may still open
+        else:
+            return Scan(held_back(text, 0, self.TAG))
+        scan = Scan(start)
+        try:
+            while True:
+                pos = skip_space(text, pos)
+                if pos >= len(text):
+                    if not scan.calls:
+                        scan.calls.append(CallDraft())
+                    break
+                draft, end = call_object(self, text, pos, final)
+                scan.calls.append(draft)
+                if end is None:
+                    break
+                pos = skip_space(text, end)
+                if not text.startswith(";", pos):
+                    break  # what follows the calls is not content (and not a call)
+                pos += 1
+        except MalformedCall:
+            scan.failed = True
+        return scan
