@@ -42,7 +42,8 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow"
 
-# The reliability suite's long form (a 30-minute soak; its short form runs in `make test`).
+# The reliability suite's long form (30-minute soaks of steady and of hostile traffic; its short
+# form runs in `make test`).
 soak: setup
 	$(PY) -m pytest -q -s tests/reliability --soak
 
