@@ -20,6 +20,17 @@ def server_url(tiny_llama):
 
 
 @pytest.fixture(scope="session")
+def long_context_url(tiny_llama):
+    """The tiny model's server with a 1024-token context: room for tools' descriptions in the
+    prompt (structured outputs, Responses, the Agents SDK share it)."""
+    args = build_parser().parse_args(["serve", str(tiny_llama), "--port", "0", *SERVE_FLAGS, "--max-model-len", "1024"])
+    server, thread, url = start_server_thread(args)
+    yield url
+    server.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="session")
 def client(server_url):
     return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0)
 

@@ -15,19 +15,14 @@ from typing import Literal
 import openai
 import pytest
 
-from pagedllm.cli import build_parser
-from tests.server.common import MODEL, SERVE_FLAGS, start_server_thread
+from tests.server.common import MODEL
 
 agents = pytest.importorskip("agents")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    args = build_parser().parse_args(["serve", str(tiny_llama), "--port", "0", *SERVE_FLAGS, "--max-model-len", "1024"])
-    server, thread, url = start_server_thread(args)
-    yield url
-    server.should_exit = True
-    thread.join(30)
+def server(long_context_url):
+    return long_context_url
 
 
 def _agent(server: str, calls: list[str]):

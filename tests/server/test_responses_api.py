@@ -22,13 +22,8 @@ from tests.server.common import MODEL, SERVE_FLAGS, start_server_thread
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    """The tiny model's server with room for the tools' description."""
-    args = build_parser().parse_args(["serve", str(tiny_llama), "--port", "0", *SERVE_FLAGS, "--max-model-len", "1024"])
-    server, thread, url = start_server_thread(args)
-    yield url
-    server.should_exit = True
-    thread.join(30)
+def server(long_context_url):
+    return long_context_url
 
 
 @pytest.fixture(scope="module")

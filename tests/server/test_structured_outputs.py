@@ -13,18 +13,12 @@ import jsonschema
 import openai
 import pytest
 
-from pagedllm.cli import build_parser
-from tests.server.common import MODEL, SERVE_FLAGS, start_server_thread
+from tests.server.common import MODEL
 
 
 @pytest.fixture(scope="module")
-def client(tiny_llama):
-    """The tiny model's server with room for the tools' description in the prompt."""
-    args = build_parser().parse_args(["serve", str(tiny_llama), "--port", "0", *SERVE_FLAGS, "--max-model-len", "1024"])
-    server, thread, url = start_server_thread(args)
-    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    server.should_exit = True
-    thread.join(30)
+def client(long_context_url):
+    return openai.OpenAI(base_url=long_context_url + "/v1", api_key="unused", max_retries=0)
 
 
 SCHEMA = {
