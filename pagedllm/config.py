@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from pagedllm.field_types import check_field_types
+from pagedllm.field_types import check_field_types, json_object
 from pagedllm.pooling_params import PoolerConfig
 
 logger = logging.getLogger("pagedllm")
@@ -176,15 +176,7 @@ class SpeculativeConfig:
         """From vLLM's dict, its JSON text (`--speculative-config`), or None (no speculation)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON ({exc}): {value!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict (or its JSON text), got {type(value).__name__}.")
+        value = json_object(value, "speculative_config")
         unknown = sorted(set(value) - _SPECULATIVE_KEYS)
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {sorted(_SPECULATIVE_KEYS)}.")

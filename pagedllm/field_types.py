@@ -59,3 +59,18 @@ def check_field_types(obj: object, owner: str | None = None) -> None:
         if not any(_NAMES[name][1](value) for name in names):
             expected = " or ".join(_NAMES[name][0] for name in names)
             raise ValueError(f"{owner}.{f.name} must be {expected}, got {value!r} ({type(value).__name__}).")
+
+
+def json_object(value, name: str) -> dict:
+    """A config given as a dict or as its JSON text (a CLI flag's value, as vLLM takes
+    `--speculative-config` and `--pooler-config`), as a dict; a ValueError naming `name` else."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON ({exc}): {value!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (or its JSON text), got {type(value).__name__}.")
+    return value

@@ -10,10 +10,9 @@ ways (`PoolingType`), then cut to `dimensions` (Matryoshka-style) and L2-normali
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 
-from pagedllm.field_types import check_field_types
+from pagedllm.field_types import check_field_types, json_object
 
 
 class PoolingType(enum.Enum):
@@ -114,13 +113,7 @@ class PoolerConfig:
             return cls()
         if isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler_config is not valid JSON ({exc}): {value!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a dict (or its JSON text), got {type(value).__name__}.")
+        value = json_object(value, "pooler_config")
         unknown = sorted(set(value) - _POOLER_KEYS - _POOLER_INERT_KEYS)
         if unknown:
             raise ValueError(
