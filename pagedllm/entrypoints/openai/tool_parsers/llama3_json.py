@@ -3,24 +3,18 @@
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.tool_parsers.base import CallDraft, MalformedCall, Scan, ToolParser, held_back
-from pagedllm.entrypoints.openai.tool_parsers.text_scan import call_object, skip_space
+from pagedllm.entrypoints.openai.tool_parsers.base import CallDraft, MalformedCall, Scan, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.text_scan import call_object, skip_space, tag_or_leading
 
 
 class Llama3JsonToolParser(ToolParser):
     TAG = "<|python_tag|>"
 
     def scan(self, text: str, final: bool) -> Scan:
-        tag = text.find(self.TAG)
-        first = skip_space(text, 0)
-        if tag != -1:
-            start, pos = tag, tag + len(self.TAG)
-        elif text.startswith("{", first):
-            start, pos = first, first
-        elif first >= len(text):
-            return Scan(0)  # only whitespace yet: a call may still open
-        else:
-            return Scan(held_back(text, 0, self.TAG))
+        opened = tag_or_leading(text, self.TAG, "{")
+        if isinstance(opened, int):
+            return Scan(opened)  # no call yet
+        start, pos = opened
         scan = Scan(start)
         try:
             while True:

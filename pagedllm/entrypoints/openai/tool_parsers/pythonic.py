@@ -9,8 +9,8 @@ import ast
 import json
 import re
 
-from pagedllm.entrypoints.openai.tool_parsers.base import CallDraft, MalformedCall, Scan, ToolParser, held_back
-from pagedllm.entrypoints.openai.tool_parsers.text_scan import skip_space
+from pagedllm.entrypoints.openai.tool_parsers.base import CallDraft, MalformedCall, Scan, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.text_scan import skip_space, tag_or_leading
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _KEYWORD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*=")
@@ -21,16 +21,10 @@ class PythonicToolParser(ToolParser):
     TAG = "<|python_start|>"
 
     def scan(self, text: str, final: bool) -> Scan:
-        tag = text.find(self.TAG)
-        first = skip_space(text, 0)
-        if tag != -1:
-            start, pos = tag, skip_space(text, tag + len(self.TAG))
-        elif text.startswith("[", first):
-            start, pos = first, first
-        elif first >= len(text):
-            return Scan(0)  # only whitespace yet: a call may still open
-        else:
-            return Scan(held_back(text, 0, self.TAG))
+        opened = tag_or_leading(text, self.TAG, "[")
+        if isinstance(opened, int):
+            return Scan(opened)  # no call yet
+        start, pos = opened
         scan = Scan(start)
         try:
             closed = self._calls(text, pos, scan.calls)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from pagedllm.entrypoints.openai.tool_parsers.base import CallDraft, MalformedCall, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.base import CallDraft, MalformedCall, ToolParser, held_back
 
 WHITESPACE = " \t\n\r"
 _SCALAR_END = set(WHITESPACE + ",]});")
@@ -129,3 +129,19 @@ def call_array(parser: ToolParser, text: str, pos: int, final: bool, calls: list
         if text[pos] != ",":
             raise MalformedCall("calls are separated by commas")
         pos = skip_space(text, pos + 1)
+
+
+def tag_or_leading(text: str, tag: str, opening: str) -> tuple[int, int] | int:
+    """Where the calls of a format open: at `tag` anywhere, or at `opening` (`{`, `[`) when the
+    answer begins with it. (start of the calls, where their text begins) if they open; else how
+    much of the text is surely content (all but a tail that may still become the tag; nothing
+    while only whitespace has come: a call may still open)."""
+    at = text.find(tag)
+    first = skip_space(text, 0)
+    if at != -1:
+        return at, skip_space(text, at + len(tag))
+    if text.startswith(opening, first):
+        return first, first
+    if first >= len(text):
+        return 0
+    return held_back(text, 0, tag)
