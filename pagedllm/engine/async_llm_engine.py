@@ -252,18 +252,11 @@ class AsyncLLMEngine:
 
     async def check_constraints(self, params: SamplingParams) -> None:
         """Raise the `ValueError` (naming the field) of an invalid grammar or token id in
-        `params`. The grammar compiles on the compile thread meanwhile (cached, so the request
-        added next finds it ready); neither this loop nor the engine's waits for it."""
+        `params`. The grammar compiles on the compile thread meanwhile (the spec keeps it, so the
+        request added next is given this very grammar); neither this loop nor the engine's waits."""
         self.engine.constraints.check(params)
         if params.structured_outputs is not None:
-            spec = params.structured_outputs
-            constraints = self.engine.constraints
-            try:
-                await asyncio.wait_for(
-                    asyncio.shield(asyncio.wrap_future(constraints.compile(spec))), constraints.compile_seconds_limit
-                )
-            except (TimeoutError, asyncio.TimeoutError):
-                raise constraints.give_up(spec) from None
+            await self.engine.constraints.wait_compiled_async(params.structured_outputs)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str, arrival_time: float | None = None

@@ -15,12 +15,25 @@ and 2.3 s beside its 2.3 s compile, so every heavy grammar would cost three time
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future, InvalidStateError
 from typing import Callable
 
 _STOP = None
+logger = logging.getLogger("pagedllm")
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """`exc` as a failed future keeps it, perhaps for as long as a cache does: without its
+    traceback or chained exceptions, whose frames hold the job's arguments (a spec of megabytes).
+    An unexpected error is logged with its traceback first."""
+    if not isinstance(exc, ValueError):
+        logger.error("A job on %s failed", threading.current_thread().name, exc_info=exc)
+    exc.__traceback__ = None
+    exc.__cause__ = exc.__context__ = None
+    return exc
 
 
 class CompileThread:
@@ -83,7 +96,7 @@ class CompileThread:
             try:
                 outcome = (future.set_result, fn(*args))
             except BaseException as exc:
-                outcome = (future.set_exception, exc)
+                outcome = (future.set_exception, _without_frames(exc))
             with self._lock:
                 del self._running[me]
             try:  # outside the lock: the future's callbacks take the cache's

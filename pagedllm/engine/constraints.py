@@ -12,9 +12,10 @@ a row of the step's token bitmask, which the driver's sampler applies to the log
 Limits (RequestLimits): every compiled grammar alive in the process counts against
 `cache_bytes`: those in the cache, those that requests still hold after the cache let them go,
 and room for the one being compiled (the largest of the last few, reserved before it starts).
-The cache drops its least recently used grammars until the total fits. A grammar's bytes are
-what its compile took from the C allocator (glibc's count; xgrammar's own measure leaves out
-about a fifth: its allocations' overhead), and the freed heap is handed back to the system
+The cache drops its least recently used grammars until the total fits. A grammar is charged
+xgrammar's measure of its own tables times ALLOCATOR_OVERHEAD, the most the C allocator was
+measured to take beyond it (not the heap's growth while it compiled: that is process-wide, and
+other requests' work would be charged to it), and the freed heap is handed back to the system
 after each eviction. A grammar larger than the whole budget is refused, and one that takes
 longer than `compile_seconds` to compile fails its request, and the same spec fails at once
 after it: the compile runs to its end on a thread retired for it, its result dropped, while the
@@ -25,11 +26,15 @@ next grammars compile on a fresh thread (`compile_thread`).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import copy
+import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import weakref
@@ -38,12 +43,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pagedllm.core import SchedulerOutput, Sequence, SequenceGroup
 from pagedllm.engine.compile_thread import CompileThread
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.utils import heap_bytes_in_use, release_free_memory
+from pagedllm.utils import release_free_memory
 
 logger = logging.getLogger("pagedllm")
 
-# Entries kept for reuse at most (failures included), besides the byte budget.
+# Entries kept for reuse at most (failures included), besides the byte budget. Keys are digests
+# and failures keep no traceback, so a failed entry holds a few hundred bytes whatever its spec.
 MAX_CACHED_GRAMMARS = 256
+# What glibc's heap grows by for a compiled grammar, per byte of xgrammar's `memory_size_bytes`
+# (which leaves out its allocations' overhead): 1.06-1.31 measured over choices of 2,000 and
+# 30,000 strings, a 60-field schema, a regex, json_object and an EBNF grammar (the default
+# model's 49k vocabulary); rounded up.
+ALLOCATOR_OVERHEAD = 1.35
 # The room reserved for a grammar being compiled: the largest of this many last compiled.
 RECENT_SIZES = 8
 # Prepared bad words / allowed_token_ids kept for reuse (a client's requests often repeat them).
@@ -59,10 +70,12 @@ class ConstraintLimitError(ValueError):
 
 
 def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
-    """Two specs with the same key compile to the same grammar."""
+    """Two specs with the same key compile to the same grammar (the key holds a digest of the
+    spec's text, not the text: a cached failure of a 4 MiB schema costs no 4 MiB)."""
     value = getattr(spec, spec.kind)
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return spec.kind + ("/compact" if spec.disable_any_whitespace else ""), text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return spec.kind + ("/compact" if spec.disable_any_whitespace else ""), digest
 
 
 def compile_timeout_error(spec: StructuredOutputsParams, seconds: float) -> ConstraintLimitError:
@@ -72,6 +85,11 @@ def compile_timeout_error(spec: StructuredOutputsParams, seconds: float) -> Cons
         "engine with a higher limit.",
         spec.param,
     )
+
+
+def grammar_bytes(compiled) -> int:
+    """What a compiled grammar is charged against the cache's budget."""
+    return math.ceil(int(getattr(compiled, "memory_size_bytes", 0)) * ALLOCATOR_OVERHEAD)
 
 
 class _Row:
@@ -102,6 +120,7 @@ class RequestConstraints:
         self._compiler = None  # pagedllm.structured.GrammarCompiler, built on the compile thread
         self._compiler_error = ""
         self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()
+        self._held: dict[int, Future] = {}  # id(spec) -> its future, while the spec object lives
         self._sizes: dict[tuple[str, str], int] = {}  # bytes of each compiled grammar in the cache
         self.cached_bytes = 0
         self.live_bytes = 0  # of every compiled grammar alive: cached, or still held by a request
@@ -117,42 +136,85 @@ class RequestConstraints:
 
     # --- compiling (any thread) ---------------------------------------------------------------
 
-    def compile(self, spec: StructuredOutputsParams) -> Future:
+    def compile(self, spec: StructuredOutputsParams, pin: bool = False) -> Future:
         """The future of `spec`'s compiled grammar (started now, or cached); it raises a
         `ValueError` naming the field if the spec is invalid or its grammar is larger than the
-        cache's byte budget."""
+        cache's byte budget. With `pin` (a request's check), the spec object keeps that future
+        while it lives: the request then gets the grammar it was checked with when it is
+        scheduled, even if the cache let it go meanwhile (compiling it again could fail on a
+        busier server, past the budget or the time limit, and fail a request already accepted)."""
         key = spec_key(spec)
         with self._lock:
+            future = self._held.get(id(spec))
+            if future is not None:  # this very spec was compiled (or checked) before
+                if self._compiled.get(key) is future:
+                    self._compiled.move_to_end(key)
+                return future
             future = self._compiled.get(key)
             if future is not None:
                 self._compiled.move_to_end(key)
-                return future
-            if self._compile_thread is None:
-                self._compile_thread = CompileThread("pagedllm-grammar")
-                tokenizer = copy.deepcopy(self._tokenizer)  # a fast tokenizer is not shared across threads
-                self._compile_thread.submit(Future(), self._start_compiler, tokenizer)
-            future = self._compiled[key] = Future()
-            self._compile_thread.submit(future, self._compile, key, spec, future)
-            self._evict()
+            else:
+                if self._compile_thread is None:
+                    self._compile_thread = CompileThread("pagedllm-grammar")
+                    tokenizer = copy.deepcopy(self._tokenizer)  # a fast tokenizer is not shared across threads
+                    self._compile_thread.submit(Future(), self._start_compiler, tokenizer)
+                future = self._compiled[key] = Future()
+                self._compile_thread.submit(future, self._compile, key, spec, future)
+                self._evict()
+            if pin:
+                self._held[id(spec)] = future
+                weakref.finalize(spec, self._held.pop, id(spec), None)
         return future
 
     def wait_compiled(self, spec: StructuredOutputsParams):
         """`spec`'s compiled grammar, waiting at most the compile-time limit (then the limit's
-        `ValueError`)."""
-        try:
-            return self.compile(spec).result(timeout=self.compile_seconds_limit)
-        except concurrent.futures.TimeoutError:
-            raise self.give_up(spec) from None
+        `ValueError`): a request's check, after which the spec keeps its grammar (`compile`'s pin)."""
+        future = self.compile(spec, pin=True)
+        concurrent.futures.wait([future], timeout=self.compile_seconds_limit)
+        if not future.done():
+            raise self.give_up(spec)
+        return self.outcome(future)
+
+    async def wait_compiled_async(self, spec: StructuredOutputsParams):
+        """`wait_compiled` for an event loop: it waits without holding the loop (nor any thread)."""
+        future = self.compile(spec, pin=True)
+        if not future.done():
+            loop = asyncio.get_running_loop()
+            finished = loop.create_future()  # set with no value: the compile's error is not copied into it
+
+            def wake(_) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+                    loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
+
+            future.add_done_callback(wake)
+            try:
+                await asyncio.wait_for(finished, self.compile_seconds_limit)
+            except (TimeoutError, asyncio.TimeoutError):
+                raise self.give_up(spec) from None
+        return self.outcome(future)
+
+    @staticmethod
+    def outcome(future: Future):
+        """The compiled grammar of a finished compile, or its failure raised as a fresh error
+        (raising the future's own would tie the caller's frames, and the request in them, to
+        the cached failure for as long as the cache keeps it)."""
+        error = future.exception()
+        if error is None:
+            return future.result()
+        param = getattr(error, "param", None)
+        if isinstance(error, ValueError) and param:
+            raise ConstraintLimitError(str(error), param)
+        raise type(error)(str(error)) if isinstance(error, (ValueError, RuntimeError)) else RuntimeError(str(error))
 
     def give_up(self, spec: StructuredOutputsParams) -> ConstraintLimitError:
         """`spec` did not compile within the limit: its compile is abandoned (failed now, and
         cached so, its thread retired if it is running) and the limit's error returned."""
-        error = compile_timeout_error(spec, self.compile_seconds_limit)
         with self._lock:
-            future = self._compiled.get(spec_key(spec))
+            future = self._held.get(id(spec)) or self._compiled.get(spec_key(spec))
         if future is not None and self._compile_thread is not None:
-            self._compile_thread.abandon(future, error)
-        return error
+            # The future keeps an error of its own: the one returned gets the raiser's traceback.
+            self._compile_thread.abandon(future, compile_timeout_error(spec, self.compile_seconds_limit))
+        return compile_timeout_error(spec, self.compile_seconds_limit)
 
     def _record_size(self, key: tuple[str, str], future: Future, size: int) -> None:
         """A compile finished: count its bytes in the cache (if its entry is still cached), and
@@ -208,11 +270,9 @@ class RequestConstraints:
             self.reserved_bytes += reserve
             self._evict()
         try:
-            heap_before = heap_bytes_in_use()
             start = time.perf_counter()
             compiled = self._compiler.compile(spec)
             elapsed = time.perf_counter() - start
-            heap_after = heap_bytes_in_use()
         finally:
             with self._lock:
                 self.reserved_bytes -= reserve
@@ -220,9 +280,7 @@ class RequestConstraints:
             del compiled
             release_free_memory()
             return None
-        size = int(getattr(compiled, "memory_size_bytes", 0))
-        if heap_before is not None and heap_after is not None:
-            size = max(size, heap_after - heap_before)  # process-wide, but the compile dominates it
+        size = grammar_bytes(compiled)
         self._recent_sizes.append(size)
         if size > self.cache_bytes:
             del compiled

@@ -62,16 +62,24 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         grammar = parse_spec(spec)
+        if _derives_a_string(grammar) is False:  # found before the compile's seconds are spent
+            raise _accepts_no_string(spec)
         try:
             compiled = self._compiler.compile_grammar(grammar)
         except RuntimeError as exc:
             raise InvalidConstraintError(f"{spec.field_name} could not be compiled: {_clean(exc)}", spec.field_name) from None
         if not _accepts_a_first_token(compiled, self.vocab_size):
-            raise InvalidConstraintError(
-                f"{spec.field_name} accepts no string (no token can start one: a rule such as `root ::= root root` "
-                "never ends); give a grammar that some text satisfies.", spec.field_name,
-            )
+            raise _accepts_no_string(spec)
         return compiled
+
+
+def _accepts_no_string(spec: StructuredOutputsParams) -> InvalidConstraintError:
+    return InvalidConstraintError(
+        f"The {spec.kind} in {spec.param} accepts no string: every way through it leads back to a part still being "
+        "expanded, so no text ever completes it (as in the grammar `root ::= root root` or `r ::= \"y\" r`, or a "
+        "schema whose object requires itself); give one that some text satisfies.",
+        spec.param,
+    )
 
 
 def _accepts_a_first_token(compiled: xgr.CompiledGrammar, vocab_size: int) -> bool:
@@ -83,3 +91,61 @@ def _accepts_a_first_token(compiled: xgr.CompiledGrammar, vocab_size: int) -> bo
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     matcher.fill_next_token_bitmask(bitmask)
     return bool(bitmask.any())
+
+
+# xgrammar's serialized expressions (`Grammar.serialize_json`, format "v18"): each is
+# [type, number of items, items...]; the types below, the rest (tag dispatch) taken as able to end.
+_BYTES, _CLASS, _CLASS_STAR, _EMPTY, _RULE, _SEQUENCE, _CHOICES, _REPEAT = 0, 1, 2, 3, 4, 5, 6, 8
+_FORMAT = "v18"
+WALK_LIMIT = 300_000  # expressions looked at: ~0.3 s of Python at most
+
+
+def _derives_a_string(grammar: xgr.Grammar) -> bool | None:
+    """Whether the grammar's root derives some finite string: the rules that can end, found by
+    the textbook fixed point (a rule ends if one of its choices is a sequence of parts that all
+    end), each rule looked at again only when a rule it names is found to end. None where it
+    cannot tell: xgrammar's serialized form is not the one read here, or the grammar is nested or
+    tangled past WALK_LIMIT expressions looked at (the compile's first-token check still runs)."""
+    data = json.loads(grammar.serialize_json())
+    if data.get("__VERSION__") != _FORMAT:
+        return None
+    flat, starts = data["grammar_expr_data"], data["grammar_expr_indptr"]
+    exprs = [flat[begin:end] for begin, end in zip(starts, [*starts[1:], len(flat)])]  # (starts only)
+    bodies = [rule[1] for rule in data["rules"]]
+    ends = [False] * len(bodies)
+    budget = [WALK_LIMIT]
+
+    def can_end(index: int) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise RecursionError
+        kind, items = exprs[index][0], exprs[index][2:]
+        if kind == _RULE:
+            return ends[items[0]]
+        if kind == _SEQUENCE:
+            return all(can_end(i) for i in items)
+        if kind == _CHOICES:
+            return any(can_end(i) for i in items)
+        if kind == _REPEAT:  # [rule, least, most]
+            return items[1] == 0 or ends[items[0]]
+        return True  # bytes, character classes, the empty string, a tag dispatch
+
+    dependents: list[set[int]] = [set() for _ in bodies]
+    for rule, body in enumerate(bodies):
+        stack = [body]
+        while stack:
+            kind, items = exprs[stack[-1]][0], exprs[stack.pop()][2:]
+            if kind in (_RULE, _REPEAT):
+                dependents[items[0]].add(rule)
+            elif kind in (_SEQUENCE, _CHOICES):
+                stack.extend(items)
+    todo = list(range(len(bodies)))
+    try:
+        while todo:
+            rule = todo.pop()
+            if not ends[rule] and can_end(bodies[rule]):
+                ends[rule] = True
+                todo.extend(dependents[rule])
+    except RecursionError:
+        return None
+    return ends[data["root_rule_id"]]

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import httpx
 import psutil
-import pytest
 
 from tests.reliability.common import BODY_IDLE_TIMEOUT_S, serving
 from tests.reliability.hostile_traffic import MAX_BODY_BYTES, MAX_SEQS_PER_REQUEST, Answer, Mix, Request, choice_texts
@@ -196,13 +195,7 @@ def _idle(url: str) -> bool:
     return s["num_running"] == s["num_waiting"] == s["num_swapped"] == 0
 
 
-def test_hostile_traffic_neither_crashes_starves_nor_corrupts(tiny_llama, soak_seconds, long_form, figures):
-    if not long_form:
-        # It finds open defects of issue 51 (engine/constraints.py): a grammar charged with other
-        # requests' allocations during its compile, a 500 when an evicted spec fails its second
-        # compile, ~4 MiB kept per grammar refused over the budget. The 60 s form fails on them
-        # about 2 runs in 7; it joins `make test` once they are fixed. `make soak` runs it.
-        pytest.skip("the hostile soak runs in the long form only (make soak) until issue 51's grammar defects are fixed")
+def test_hostile_traffic_neither_crashes_starves_nor_corrupts(tiny_llama, soak_seconds, figures):
     mix = Mix(SEED)
     with serving(tiny_llama, *FLAGS) as server:
         process = psutil.Process(server.pid)

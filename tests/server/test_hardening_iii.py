@@ -106,6 +106,9 @@ def test_a_text_part_without_text_says_so(server_url):
 @pytest.mark.parametrize("field, value", [
     ("grammar", "root ::= root root"),
     ("structured_outputs", {"grammar": "root ::= a\na ::= a \"x\""}),
+    ("grammar", "root ::= r\nr ::= \"y\" r"),  # its strings start but never end
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}),
 ])
 def test_a_grammar_no_string_satisfies_is_a_400_naming_it(server_url, field, value):
     reply = _post(server_url, {field: value, "max_tokens": 5})
