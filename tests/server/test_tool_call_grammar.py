@@ -29,7 +29,11 @@ TOOLS = tool_functions([
 ])
 # The constrained formats: (the call-opening text, the text that closes a call).
 CONSTRAINED = {"hermes": ("<tool_call>", "</tool_call>"), "phi4_mini_json": ("functools[", "}]"),
-               "qwen3_xml": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_call>", "</tool_call>")}
+               "qwen3_xml": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_call>", "</tool_call>"),
+               "llama3_json": ("<|python_tag|>", "}"), "mistral": ("[TOOL_CALLS]", "]"), "pythonic": ("<|python_start|>", "]")}
+# The formats whose calls are also the whole answer when it opens so: a model's first words.
+LEADING = {"llama3_json": '{"name": "get_time", "parameters": {"zone": ', "mistral": '[{"name": "get_weather", "arguments": {"city": ',
+           "pythonic": '[get_weather(city="Paris", days='}
 MAX_STEPS = 60
 
 
@@ -67,6 +71,8 @@ def masked_walk(tokenizer, compiled, intended: str, picks: list[int], blank: tor
         if token is None or not matcher.accept_token(token):
             allowed = allowed_ids(matcher, len(tokenizer))
             allowed = allowed[allowed != tokenizer.eos_token_id]  # a model that goes on writing
+            if not len(allowed):
+                return output, True  # the grammar allows only the end
             written = allowed[~torch.isin(allowed, blank)]
             allowed = written if len(written) else allowed
             token = int(allowed[picks[step % len(picks)] % len(allowed)])
@@ -89,19 +95,25 @@ def test_each_constrained_format_has_a_grammar_and_the_others_none():
                                 '\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>', '{"name": "get_time", "arguments": {"zone": "UTC"}}]',
                                 "\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n",
                                 "\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>"]),
-       picks=st.lists(st.integers(0, 2**31), min_size=1, max_size=20))
-def test_no_constrained_auto_call_is_ever_malformed(vocabulary, name, content, stray, opening, picks):
+       picks=st.lists(st.integers(0, 2**31), min_size=1, max_size=20),
+       leading=st.booleans())
+def test_no_constrained_auto_call_is_ever_malformed(vocabulary, name, content, stray, opening, picks, leading):
     tokenizer, compiled, blank = vocabulary
     trigger, close = CONSTRAINED[name]
     parser = TOOL_PARSERS[name](TOOLS)
-    token_ids, _ = masked_walk(tokenizer, compiled[name], content + trigger + opening + stray, picks, blank)
+    if leading and name in LEADING:  # the calls are the answer: no content, no tag
+        content, trigger, opening = "", "", LEADING[name]
+    token_ids, ended = masked_walk(tokenizer, compiled[name], content + trigger + opening + stray, picks, blank)
     for end in range(len(token_ids) + 1):  # what a stream sees, token by token
         prefix = tokenizer.decode(token_ids[:end])
         assert not parser.scan(prefix, final=False).failed, prefix
     text = tokenizer.decode(token_ids)
-    opened = text.find(trigger)
+    opened = text.find(trigger) if trigger else len(text) - len(text.lstrip())
     _, calls = parser.extract(text)
-    if opened != -1 and close in text[opened + len(trigger):]:  # the grammar closed the first call
+    # The grammar closed the first call (these formats' text goes on free after it), or closed
+    # them all (those of LEADING end the answer with their calls: one cut short is no call).
+    closed = ended if name in LEADING else close in text[opened + len(trigger):]
+    if opened != -1 and closed:
         assert calls, text
     for call in calls:
         assert call.name in TOOLS
@@ -130,5 +142,5 @@ def test_auto_requests_get_the_grammar_unless_they_constrain_their_output_alread
     constrain_auto_calls(params, TOOL_PARSERS["hermes"](TOOLS))
     assert params.structured_outputs is own
     params = SamplingParams()
-    constrain_auto_calls(params, TOOL_PARSERS["mistral"](TOOLS))  # a format with no grammar
+    constrain_auto_calls(params, TOOL_PARSERS["mistral"]())  # no declared tools: nothing to constrain to
     assert params.structured_outputs is None

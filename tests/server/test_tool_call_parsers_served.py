@@ -22,8 +22,8 @@ from tests.server.common import MODEL, SERVE_FLAGS, start_server_thread
 SCRIPTS = {
     "hermes": ["Let me check. ", '<tool_call>\n{"name": "get_weather", "arguments": {"city": ', '"Paris", "days"',
                ': 2}}\n</tool_call>'],
-    "llama3_json": ['<|python_tag|>{"name": "get_weather", "parameters": {"city": ', '"Paris",  "days": ', "2}}"],
-    "mistral": ['[TOOL_CALLS]get_weather[ARGS]{"city": ', '"Paris", "days": ', "2 }"],
+    "llama3_json": ['<|python_tag|>{"name": "get_weather", "parameters": {"city": ', '"Paris"', ', "days": 2}}'],
+    "mistral": ['[TOOL_CALLS]get_weather[ARGS]{"city": ', '"Paris", "days": ', "2}"],
     "pythonic": ["[get_weather(city=", '"Paris", days', "=2)]"],
     "qwen3_xml": ["<tool_call>\n<function=get_weather>\n<parameter=city>\n", "Paris\n</parameter>\n<parameter=days>\n",
                   "2\n</parameter>\n</function>\n</tool_call>"],
@@ -33,12 +33,14 @@ SCRIPTS = {
 STRAYS = {
     "hermes": ['<tool_call>\n{"name": ', '"launch_missiles", "arguments": {"target": "moon"}}\n</tool_call>'],
     "llama3_json": ['<|python_tag|>{"name": ', '"launch_missiles", "parameters": {"target": "moon"}}'],
-    "mistral": ["[TOOL_CALLS]", 'launch_missiles[ARGS]{"target": "moon"}'],
-    "pythonic": ["[launch_", 'missiles(target="moon")]'],
+    "mistral": ["[TOOL_CALLS]get_", 'weather[ARGS]{"target": "moon"}'],
+    "pythonic": ["[", 'launch_missiles(target="moon")]'],
     "qwen3_xml": ["<tool_call>\n<function=", "launch_missiles>\n<parameter=target>\nmoon\n</parameter>\n</function>\n</tool_call>"],
     "phi4_mini_json": ['functools[{"name": ', '"launch_missiles", "arguments": {"target": "moon"}}]'],
 }
-CONSTRAINED = {"hermes", "phi4_mini_json", "qwen3_xml"}  # the formats whose "auto" calls a grammar keeps well-formed
+# The formats whose "auto" calls a grammar keeps well-formed: every one (the scripts write calls
+# as the grammars do, compact JSON).
+CONSTRAINED = set(SCRIPTS)
 STRICT_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2]}},
     "required": ["city", "days"], "additionalProperties": False}}}

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable
+
+from pagedllm.entrypoints.openai.tool_parsers.text_scan import WHITESPACE
 
 
 def structural_tag_grammar(
@@ -22,24 +25,147 @@ def structural_tag_grammar(
     whitespace: no runs of it for a model to wander into), or with `style` "qwen_xml"
     `<parameter=KEY>value</parameter>` blocks (xgrammar's). None when a schema is one xgrammar
     cannot turn into a grammar (the calls are then parsed, not constrained)."""
-    import xgrammar as xgr
-    from xgrammar.structural_tag import GrammarFormat, JSONSchemaFormat, StructuralTag, TagFormat, TriggeredTagsFormat
 
-    try:
+    def build():
+        from xgrammar.structural_tag import JSONSchemaFormat, TagFormat, TriggeredTagsFormat
+
         tags = []
         for name, function in tools.items():
             opening = begin(name)
             assert opening.startswith(trigger)
-            if style == "json":
-                schema = json.dumps(function["parameters"])
-                content = GrammarFormat(grammar=str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)))
-            else:
-                content = JSONSchemaFormat(json_schema=function["parameters"], style=style)
+            content = compact_json(function["parameters"]) if style == "json" else JSONSchemaFormat(
+                json_schema=function["parameters"], style=style)
             tags.append(TagFormat(begin=opening, content=content, end=end))
-        tag = StructuralTag(format=TriggeredTagsFormat(triggers=[trigger], tags=tags))
-        return str(xgr.Grammar.from_structural_tag(tag))
+        return TriggeredTagsFormat(triggers=[trigger], tags=tags)
+
+    return grammar_text(build)
+
+
+def leading_or_tagged(opening: str, calls, tag: str, tagged_calls=None, tag_end: str = ""):
+    """The format of the families whose calls are the whole answer when it opens with `opening`
+    (`{`, `[`), or follow `tag` (a special token's text: xgrammar matches the token by its text)
+    anywhere: the answer is (after any whitespace) `calls`; or `tag`, `tagged_calls` (`calls`
+    if None) and an optional `tag_end`; or free text up to the tag, then as before; or free text
+    without the tag. Free text starts with neither `opening` nor the tag (nor, where the tag
+    starts otherwise, its first character twice or its first two characters). Once the calls
+    close, the answer ends."""
+    from xgrammar.structural_tag import AnyTextFormat, ConstStringFormat, GrammarFormat, OptionalFormat, OrFormat, SequenceFormat
+
+    after_tag = [ConstStringFormat(value=tag), tagged_calls or calls]
+    if tag_end:
+        after_tag.append(OptionalFormat(content=ConstStringFormat(value=tag_end)))
+    space = GrammarFormat(grammar=f"root ::= [{_class(WHITESPACE)}]*")
+    free = AnyTextFormat(excludes=[tag])
+    # Free text's first characters: consumed before `free` looks for the tag, so they must not begin it.
+    starts = [SequenceFormat(elements=[GrammarFormat(grammar=f"root ::= [{_class(WHITESPACE)}]* [^{_class(WHITESPACE + opening + tag[0])}]")])]
+    if tag[0] != opening:
+        starts.append(SequenceFormat(elements=[space, ConstStringFormat(value=tag[0]), GrammarFormat(grammar=f"root ::= [^{_class(tag[:2])}]")]))
+    alternatives = [SequenceFormat(elements=[space, calls]), SequenceFormat(elements=[space, *after_tag])]
+    for start in starts:
+        alternatives += [SequenceFormat(elements=[start, free, *after_tag]), SequenceFormat(elements=[start, free])]
+    if tag[0] != opening:
+        alternatives.append(SequenceFormat(elements=[space, ConstStringFormat(value=tag[0])]))
+    return OrFormat(elements=[*alternatives, space])
+
+
+def _class(chars: str) -> str:
+    """`chars` inside an EBNF character class."""
+    named = {"\t": "\\t", "\r": "\\r", "\n": "\\n", "\f": "\\f", "\v": "\\v"}
+    return "".join(named.get(c, "\\" + c if c in "[]\\^-" else c) for c in dict.fromkeys(chars))
+
+
+def grammar_text(build: Callable[[], object]) -> str | None:
+    """The EBNF of the structural-tag format `build()` returns; None when xgrammar cannot make it
+    (a schema it cannot turn into a grammar: the calls are then parsed, not constrained)."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import StructuralTag
+
+    try:
+        return str(xgr.Grammar.from_structural_tag(StructuralTag(format=build())))
     except (RuntimeError, ValueError, TypeError):
         return None
+
+
+def compact_json(schema: dict):
+    """The format of a JSON value valid for `schema`, compact (`", "` and `": "` between tokens,
+    no other whitespace: no runs of it for a model to wander into)."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import GrammarFormat
+
+    return GrammarFormat(grammar=str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)))
+
+
+def python_literal(schema: dict):
+    """The format of a Python literal whose value is valid for `schema` (JSON's grammar, with
+    True, False and None for its literals: `ast.literal_eval` reads the rest alike)."""
+    from xgrammar.structural_tag import GrammarFormat
+
+    grammar = compact_json(schema).grammar
+    for json_word, python_word in (("true", "True"), ("false", "False"), ("null", "None")):
+        grammar = grammar.replace(f'"{json_word}"', f'"{python_word}"')
+    return GrammarFormat(grammar=grammar)
+
+
+def each_tool(tools: dict[str, dict], call: Callable[[str, dict], object]):
+    """One of the tools' calls: `call(name, parameters schema)` for each."""
+    from xgrammar.structural_tag import OrFormat
+
+    calls = [call(name, function["parameters"]) for name, function in tools.items()]
+    return calls[0] if len(calls) == 1 else OrFormat(elements=calls)
+
+
+def separated(item, separator: str, before: str = "", after: str = ""):
+    """`before`, one or more `item`s with `separator` between them, `after`."""
+    from xgrammar.structural_tag import ConstStringFormat, SequenceFormat, StarFormat
+
+    more = StarFormat(content=SequenceFormat(elements=[ConstStringFormat(value=separator), item]))
+    elements = [ConstStringFormat(value=before)] if before else []
+    elements += [item, more] + ([ConstStringFormat(value=after)] if after else [])
+    return SequenceFormat(elements=elements)
+
+
+def json_call(head: Callable[[str], str], tail: str = "}") -> Callable[[str, dict], object]:
+    """A call written as `head(name)`, the arguments as compact JSON, then `tail`."""
+    from xgrammar.structural_tag import ConstStringFormat, SequenceFormat
+
+    def call(name: str, schema: dict):
+        elements = [ConstStringFormat(value=head(name)), compact_json(schema)]
+        return SequenceFormat(elements=elements + ([ConstStringFormat(value=tail)] if tail else []))
+
+    return call
+
+
+def python_call(name: str, schema: dict):
+    """`name(keyword=literal, ...)` with the schema's properties as keywords: the required ones
+    first, in the schema's order, then any of the others in order; any keywords where the schema
+    names none and does not forbid them."""
+    from xgrammar.structural_tag import ConstStringFormat, GrammarFormat, OptionalFormat, OrFormat, SequenceFormat
+
+    properties = schema.get("properties") or {}
+    required = [key for key in schema.get("required") or () if key in properties]
+    if any(not key.isidentifier() for key in required):
+        raise ValueError(f"{name} requires an argument that is no Python keyword")
+    optional = [key for key in properties if key not in required and key.isidentifier()]
+
+    def argument(key: str, comma: bool) -> list:
+        return [ConstStringFormat(value=f"{', ' if comma else ''}{key}="), python_literal(properties[key])]
+
+    def maybe(key: str) -> object:
+        return OptionalFormat(content=SequenceFormat(elements=argument(key, True)))
+
+    if required:
+        arguments = [part for i, key in enumerate(required) for part in argument(key, i > 0)]
+        arguments += [maybe(key) for key in optional]
+    elif optional:  # the first one given has no comma before it
+        firsts = [SequenceFormat(elements=argument(key, False) + [maybe(k) for k in optional[i + 1:]])
+                  for i, key in enumerate(optional)]
+        arguments = [OptionalFormat(content=firsts[0] if len(firsts) == 1 else OrFormat(elements=firsts))]
+    elif not properties and schema.get("additionalProperties") is not False:
+        keyword = SequenceFormat(elements=[GrammarFormat(grammar="root ::= [A-Za-z_] [A-Za-z0-9_]* \"=\""), python_literal({})])
+        arguments = [OptionalFormat(content=separated(keyword, ", "))]
+    else:
+        arguments = []
+    return SequenceFormat(elements=[ConstStringFormat(value=f"{name}("), *arguments, ConstStringFormat(value=")")])
 
 
 def constrain_auto_calls(params, parser) -> None:

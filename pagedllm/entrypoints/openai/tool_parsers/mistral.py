@@ -11,6 +11,7 @@ import json
 import re
 
 from pagedllm.entrypoints.openai.tool_parsers.base import CallDraft, MalformedCall, Scan, ToolParser, held_back
+from pagedllm.entrypoints.openai.tool_parsers.call_grammar import each_tool, grammar_text, json_call, leading_or_tagged, separated
 from pagedllm.entrypoints.openai.tool_parsers.text_scan import call_array, expect, skip_space, value_end
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]*")
@@ -19,6 +20,22 @@ _CALL_ID = re.compile(r"\[CALL_ID\][A-Za-z0-9]*")
 
 class MistralToolParser(ToolParser):
     START, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def call_grammar(self) -> str | None:
+        """After `[TOOL_CALLS]`, either form (the model's template decides which it writes): a
+        list of `{"name": ..., "arguments": {...}}`, or `name[ARGS]{...}` calls, `[TOOL_CALLS]`
+        between them; an answer that opens with `[` is the list. (One that opens with a declared
+        tool's name and `{`, the named form with its special tokens skipped, is not constrained.)"""
+
+        def build():
+            from xgrammar.structural_tag import OrFormat
+
+            listed = separated(each_tool(self.tools, json_call(lambda name: f'{{"name": {json.dumps(name)}, "arguments": ')),
+                               ", ", "[", "]")
+            named = separated(each_tool(self.tools, json_call(lambda name: name + self.ARGS, tail="")), self.START)
+            return leading_or_tagged("[", listed, self.START, OrFormat(elements=[listed, named]))
+
+        return grammar_text(build)
 
     def scan(self, text: str, final: bool) -> Scan:
         start = text.find(self.START)

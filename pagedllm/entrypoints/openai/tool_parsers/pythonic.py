@@ -10,6 +10,7 @@ import json
 import re
 
 from pagedllm.entrypoints.openai.tool_parsers.base import CallDraft, MalformedCall, Scan, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.call_grammar import each_tool, grammar_text, leading_or_tagged, python_call, separated
 from pagedllm.entrypoints.openai.tool_parsers.text_scan import skip_space, tag_or_leading
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
@@ -18,7 +19,16 @@ _PARTIAL_KEYWORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\s*")
 
 
 class PythonicToolParser(ToolParser):
-    TAG = "<|python_start|>"
+    TAG, TAG_END = "<|python_start|>", "<|python_end|>"
+
+    def call_grammar(self) -> str | None:
+        """`[name(keyword=literal, ...), ...]` as the answer, or after the tag (then its end tag)."""
+
+        def build():
+            calls = separated(each_tool(self.tools, python_call), ", ", "[", "]")
+            return leading_or_tagged("[", calls, self.TAG, tag_end=self.TAG_END)
+
+        return grammar_text(build)
 
     def scan(self, text: str, final: bool) -> Scan:
         opened = tag_or_leading(text, self.TAG, "[")
