@@ -197,6 +197,28 @@ def test_get_and_delete_a_stored_response(client):
         client.responses.delete(created.id)
 
 
+def test_input_items_list_a_responses_conversation_newest_first_by_pages(client, server):
+    """With previous_response_id a response's input is the earlier turns' items (their outputs
+    included), then its own; the openai client's `input_items.list` pages through them."""
+    first = _forced_call(client)
+    call = next(item for item in first.output if item.type == "function_call")
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"}
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=TOOLS, temperature=0,
+                                     max_output_tokens=4, input=[result])
+    listed = list(client.responses.input_items.list(second.id, order="asc", limit=1))  # one page at a time
+    assert [item.type for item in listed] == ["message", *[item.type for item in first.output], "function_call_output"]
+    assert listed[0].content[0].text == QUESTION and listed[-1].output == result["output"]
+    assert listed[1].id == first.output[0].id  # the earlier output's items keep their ids
+    newest_first = client.responses.input_items.list(second.id)
+    assert [item.id for item in newest_first.data] == [item.id for item in reversed(listed)]
+    assert len({item.id for item in listed}) == len(listed)
+    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
+        reply = httpx.get(f"{server}/v1/responses/{second.id}/input_items", params=query, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+
+
 def test_store_false_keeps_nothing(client):
     created = client.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=4, store=False)
     with pytest.raises(openai.NotFoundError):
@@ -267,7 +289,7 @@ def test_a_streamed_forced_call_streams_its_arguments(client):
 
 
 def test_the_store_drops_the_least_recently_used_past_its_bound():
-    items = [{"role": "user", "content": "y" * 40}]
+    items = [{"id": "msg_1", "role": "user", "content": "y" * 40}]  # (an item without an id is given one)
     entry_bytes = len(json.dumps({"id": "a", "pad": "x" * 60})) + len(json.dumps(items))
     store = ResponseStore(max_bytes=3 * entry_bytes)  # room for three entries
     for name in ("a", "b", "c"):

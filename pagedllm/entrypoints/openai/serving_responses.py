@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from pagedllm.engine.async_llm_engine import EngineDeadError, RequestFailedError, RequestStream
-from pagedllm.entrypoints.openai.errors import OpenAIError, documented_errors
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, documented_errors
 from pagedllm.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
     function_call_item,
@@ -236,7 +236,7 @@ class OpenAIServingResponses:
             "usage": response_usage(len(final.prompt_token_ids), final.num_cached_tokens, len(token_ids), num_reasoning),
         }
         if request.store:
-            self.store.put(response, items + output)
+            self.store.put(response, items + output, num_input=len(items))
         return response
 
     async def _full(
@@ -328,6 +328,16 @@ def responses_router(
             raise not_stored(response_id)
         return entry.response
 
+    @router.get("/responses/{response_id}/input_items", responses=documented_errors(400, 404))
+    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> dict:
+        """OpenAI's list of the items a response was given (the earlier turns' with
+        previous_response_id, then its own), `order` "desc" (newest first) or "asc", `limit`
+        1-100 at a time, from the item after `after`."""
+        entry = store.get(response_id)
+        if entry is None:
+            raise not_stored(response_id)
+        return input_items_page(entry.items[:entry.num_input], limit, order, after)
+
     @router.delete("/responses/{response_id}", responses=documented_errors(404))
     async def delete_response(response_id: str) -> dict:
         if not store.delete(response_id):
@@ -335,3 +345,29 @@ def responses_router(
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     return router
+
+
+def input_items_page(items: list[dict], limit: int, order: str, after: str | None) -> dict:
+    """One page of a response's input items, as OpenAI's list object."""
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be between 1 and 100; got {limit}.", "limit")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc'; got {order!r}.", "order")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise bad_request(f"after names no input item of this response: {after!r}.", "after")
+        start = ids.index(after) + 1
+    page = [_as_listed(item) for item in ordered[start:start + limit]]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}
+
+
+def _as_listed(item: dict) -> dict:
+    """An input item as OpenAI lists it: a message's text content as one text part."""
+    if item.get("type", "message") != "message" or not isinstance(item.get("content"), str):
+        return item
+    part = "output_text" if item.get("role") == "assistant" else "input_text"
+    return {**item, "type": "message", "content": [{"type": part, "text": item["content"]}]}
