@@ -9,6 +9,8 @@ The translation, block by block:
   (`tool_call_id` = `tool_use_id`), in their order;
 - an assistant message's text blocks -> its content, its `tool_use` blocks -> `tool_calls`
   (arguments: the input as JSON); earlier `thinking` blocks are dropped, as Anthropic does;
+- a last message of the assistant's (a prefill, text only) -> left open by the template
+  (`continue_final_message`): the reply continues it and holds only the new text;
 - `tools` ({name, description, input_schema}) -> function tools; `tool_choice` auto -> "auto",
   any -> "required", tool -> the named function, none -> "none";
   `disable_parallel_tool_use` -> `parallel_tool_calls: false`;
@@ -146,6 +148,8 @@ class AnthropicCountTokensRequest(OpenAIBaseModel):
         """The chat-completion request this one stands for; `sampling`: its other fields (those
         set only, so the generation config still fills the rest)."""
         fields: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
+        if self.messages[-1].role == "assistant":  # prefilled: the output continues that message
+            fields.update(add_generation_prompt=False, continue_final_message=True)
         thinking_type = (self.thinking or {}).get("type")
         if thinking_type in ("enabled", "disabled"):
             fields["chat_template_kwargs"] = {"enable_thinking": thinking_type == "enabled"}
@@ -219,11 +223,13 @@ def chat_messages(system: str | list[TextBlock] | None, messages: list[Anthropic
             result.extend(_user_turns(message.content, f"messages[{i}]"))
         else:
             result.append(_assistant_turn(message.content, f"messages[{i}]"))
-    if messages[-1].role != "user":
-        raise invalid(
-            f"messages[{len(messages) - 1}]: the last message must be the user's; continuing a prefilled "
-            "assistant reply is not supported by this server. End with a user message."
-        )
+    if messages[-1].role == "assistant":  # a prefill: the reply continues it
+        last = result[-1]
+        where = f"messages[{len(messages) - 1}]"
+        if last.get("tool_calls"):
+            raise invalid(f"{where}: a final (prefilled) assistant message is text the reply continues; it may not hold tool_use blocks.")
+        if (last["content"] or "") != (last["content"] or "").rstrip():
+            raise invalid(f"{where}: a final (prefilled) assistant message may not end with whitespace.")
     return result
 
 

@@ -298,6 +298,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the output continues the last (assistant) message, left open by the template.
+    continue_final_message: bool = False
     chat_template: str | None = None  # vLLM's: instead of the model's (or --chat-template)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
     tools: list[dict] | None = None
@@ -319,6 +321,12 @@ class ChatCompletionRequest(SamplingRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message continues the last message instead of opening a new one: set "
+                              "add_generation_prompt to false with it.", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message continues an assistant message: the last message is the "
+                              f"{self.messages[-1].role}'s.", "messages")
 
     @property
     def num_logprobs(self) -> int | None:

@@ -222,8 +222,9 @@ class AnthropicServingMessages:
         """The chat route's prompt for the translated request (tools through the template)."""
         tools = chat_request.tools if chat_request.tool_mode != "none" else None
         return await self.chat.chat_prompt(
-            chat_request.messages, add_generation_prompt=True, template_kwargs=chat_request.chat_template_kwargs,
-            tools=tools,
+            chat_request.messages, add_generation_prompt=chat_request.add_generation_prompt,
+            template_kwargs=chat_request.chat_template_kwargs, tools=tools,
+            continue_final_message=chat_request.continue_final_message,
         )
 
     async def count_tokens(self, request: AnthropicCountTokensRequest) -> dict:

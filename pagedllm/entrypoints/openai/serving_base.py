@@ -247,10 +247,12 @@ class OpenAIServing:
     async def chat_prompt(
         self, messages: list[ChatMessage], add_generation_prompt: bool,
         chat_template: str | None = None, template_kwargs: dict | None = None, tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of a conversation through the model's chat template (or `chat_template`, a
         request's own), with `template_kwargs` as extra template variables and `tools` as the
-        template takes them (see `tools.template_conversation`)."""
+        template takes them (see `tools.template_conversation`); with `continue_final_message`,
+        the last message is left open for the output to continue."""
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {reserved}: they are request fields.", "chat_template_kwargs")
@@ -272,16 +274,19 @@ class OpenAIServing:
         large = sum(len(turn["content"]) for turn in conversation) > LARGE_TEXT_CHARS
         text = await (self._on_large_text_thread if large else self._on_tokenizer_thread)(
             self._apply_chat_template, self._large_tokenizer if large else self.tokenizer, conversation,
-            add_generation_prompt, chat_template, template_kwargs or {},
+            add_generation_prompt, chat_template, template_kwargs or {}, continue_final_message,
         )
         # The template already holds any special tokens (BOS) the model expects.
         return await self.encode(text, add_special_tokens=False, param="messages")
 
     @staticmethod
     def _apply_chat_template(
-        tokenizer, conversation: list[dict], add_generation_prompt: bool, chat_template: str | None, template_kwargs: dict
+        tokenizer, conversation: list[dict], add_generation_prompt: bool, chat_template: str | None, template_kwargs: dict,
+        continue_final_message: bool = False,
     ) -> str:
         try:
+            if continue_final_message:  # (older transformers lack the argument: passed only when used)
+                template_kwargs = {**template_kwargs, "continue_final_message": True}
             return tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
                 chat_template=chat_template, **template_kwargs,

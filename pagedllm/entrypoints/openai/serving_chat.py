@@ -75,7 +75,7 @@ class OpenAIServingChat(OpenAIServing):
             constrain_auto_calls(params, self.tool_parser(request.tools))
         prompt_ids = await self.chat_prompt(
             request.messages, request.add_generation_prompt, request.chat_template, request.chat_template_kwargs,
-            request.tools if request.tool_mode != "none" else None,
+            request.tools if request.tool_mode != "none" else None, request.continue_final_message,
         )
         thinking = self.reasoning_parser.for_prompt(prompt_ids) if self.reasoning_parser is not None else None
         if thinking is not None:
