@@ -57,8 +57,8 @@ def test_a_llama_server_launch_line_sets_what_each_flag_says():
     assert engine_args_from(args).max_model_len is None and default_sampling_flags(args) == {}
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "qwen3_coder",
-                                  "phi4_mini_json"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "llama4_json", "mistral", "pythonic", "llama4_pythonic",
+                                  "qwen3_xml", "qwen3_coder", "phi4_mini_json"])
 def test_every_tool_call_parser_of_vllm_built_here_is_accepted(name):
     from pagedllm.entrypoints.launch_flags import apply_launch_flags
     from pagedllm.entrypoints.openai.api_server import server_options_from

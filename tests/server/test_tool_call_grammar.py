@@ -31,9 +31,11 @@ TOOLS = tool_functions([
 CONSTRAINED = {"hermes": ("<tool_call>", "</tool_call>"), "phi4_mini_json": ("functools[", "}]"),
                "qwen3_xml": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_call>", "</tool_call>"),
                "llama3_json": ("<|python_tag|>", "}"), "mistral": ("[TOOL_CALLS]", "]"), "pythonic": ("<|python_start|>", "]")}
+CONSTRAINED |= {"llama4_json": CONSTRAINED["llama3_json"], "llama4_pythonic": CONSTRAINED["pythonic"]}  # vLLM's aliases
 # The formats whose calls are also the whole answer when it opens so: a model's first words.
 LEADING = {"llama3_json": '{"name": "get_time", "parameters": {"zone": ', "mistral": '[{"name": "get_weather", "arguments": {"city": ',
            "pythonic": '[get_weather(city="Paris", days='}
+LEADING |= {"llama4_json": LEADING["llama3_json"], "llama4_pythonic": LEADING["pythonic"]}
 MAX_STEPS = 60
 
 

@@ -16,8 +16,10 @@ from pagedllm.entrypoints.openai.tool_parsers.qwen3_xml import Qwen3XmlToolParse
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "llama4_json": Llama3JsonToolParser,  # vLLM's name for Llama 4's JSON calls, the same format
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "llama4_pythonic": PythonicToolParser,  # vLLM's name for Llama 4's (<|python_start|> ... <|python_end|>)
     "qwen3_xml": Qwen3XmlToolParser,
     "qwen3_coder": Qwen3XmlToolParser,  # vLLM's other name for it
     "phi4_mini_json": Phi4MiniJsonToolParser,
