@@ -112,7 +112,8 @@ REFUSED = {
     "--slot-save-path": "slots cannot be saved: prefix caching keeps shared prompts' KV blocks by itself",
 }
 # The tool-call formats parsed in "auto" mode (tool_parsers.TOOL_PARSERS' names, vLLM's).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "qwen3_coder", "phi4_mini_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json", "mistral", "pythonic", "llama4_pythonic", "qwen3_xml", "qwen3_coder",
+                     "phi4_mini_json")
 # llama-server flags that change nothing here (given with a value unless listed as switches).
 LLAMA_IGNORED = {
     "-ngl": "the whole model runs on one device (no partial GPU offload)",
