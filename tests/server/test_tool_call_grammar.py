@@ -146,3 +146,31 @@ def test_auto_requests_get_the_grammar_unless_they_constrain_their_output_alread
     params = SamplingParams()
     constrain_auto_calls(params, TOOL_PARSERS["mistral"]())  # no declared tools: nothing to constrain to
     assert params.structured_outputs is None
+
+
+def test_pythonic_keywords_are_the_required_then_any_optional_in_order_and_the_grammar_grows_linearly(vocabulary):
+    """Optional keywords may each be left out (the first one given has no comma before it); the
+    grammar shares its rules between those choices, so its size grows with the properties, not
+    with the ways to pick among them (it was quadratic: 7 s to build for 100 optional ones)."""
+    tokenizer, _, _ = vocabulary
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id])
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    def tools(required: list[str], optional: list[str]) -> dict:
+        properties = {key: {"type": "integer"} for key in required + optional}
+        return tool_functions([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": properties, "required": required}}}])
+
+    def accepts(grammar: str, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+        return matcher.accept_string(text) and matcher.accept_token(tokenizer.eos_token_id)
+
+    optional_only = TOOL_PARSERS["pythonic"](tools([], ["a", "b", "c"])).call_grammar()
+    for text in ("[f()]", "[f(b=2)]", "[f(a=1, c=3)]", "[f(a=1, b=2, c=3)]"):
+        assert accepts(optional_only, text), text
+    for text in ("[f(, b=2)]", "[f(b=2, a=1)]", "[f(a=1,)]", "[f(d=1)]"):
+        assert not accepts(optional_only, text), text
+    mixed = TOOL_PARSERS["pythonic"](tools(["x"], ["a"])).call_grammar()
+    assert accepts(mixed, "[f(x=1)]") and accepts(mixed, "[f(x=1, a=2)]") and not accepts(mixed, "[f(a=2)]")
+    sizes = [TOOL_PARSERS["pythonic"](tools([], [f"p{i}" for i in range(n)])).call_grammar().count("\n") for n in (50, 100)]
+    assert sizes[1] < 2.2 * sizes[0]

@@ -138,34 +138,49 @@ def json_call(head: Callable[[str], str], tail: str = "}") -> Callable[[str, dic
 def python_call(name: str, schema: dict):
     """`name(keyword=literal, ...)` with the schema's properties as keywords: the required ones
     first, in the schema's order, then any of the others in order; any keywords where the schema
-    names none and does not forbid them."""
-    from xgrammar.structural_tag import ConstStringFormat, GrammarFormat, OptionalFormat, OrFormat, SequenceFormat
+    names none and does not forbid them. One EBNF of rules shared between the choices (its size
+    grows with the properties, not with the ways to pick among them)."""
+    from xgrammar.structural_tag import GrammarFormat
 
     properties = schema.get("properties") or {}
     required = [key for key in schema.get("required") or () if key in properties]
     if any(not key.isidentifier() for key in required):
         raise ValueError(f"{name} requires an argument that is no Python keyword")
     optional = [key for key in properties if key not in required and key.isidentifier()]
-
-    def argument(key: str, comma: bool) -> list:
-        return [ConstStringFormat(value=f"{', ' if comma else ''}{key}="), python_literal(properties[key])]
-
-    def maybe(key: str) -> object:
-        return OptionalFormat(content=SequenceFormat(elements=argument(key, True)))
-
+    keys = required + optional
+    rules = [_prefixed(python_literal(properties[key]).grammar, f"v{i}_") for i, key in enumerate(keys)]
+    n = len(keys)
+    # then_i: the optional keywords from the i-th on, each after a comma; first_i: the same when
+    # none came before (the first one given has no comma).
+    rules += [f"then_{i} ::= {_text(', ' + keys[i] + '=')} v{i}_root then_{i + 1} | then_{i + 1}" for i in range(len(required), n)]
+    rules += [f"first_{i} ::= {_text(keys[i] + '=')} v{i}_root then_{i + 1} | first_{i + 1}" for i in range(len(required), n)]
+    rules += [f"then_{n} ::= \"\"", f"first_{n} ::= \"\""]
     if required:
-        arguments = [part for i, key in enumerate(required) for part in argument(key, i > 0)]
-        arguments += [maybe(key) for key in optional]
-    elif optional:  # the first one given has no comma before it
-        firsts = [SequenceFormat(elements=argument(key, False) + [maybe(k) for k in optional[i + 1:]])
-                  for i, key in enumerate(optional)]
-        arguments = [OptionalFormat(content=firsts[0] if len(firsts) == 1 else OrFormat(elements=firsts))]
-    elif not properties and schema.get("additionalProperties") is not False:
-        keyword = SequenceFormat(elements=[GrammarFormat(grammar="root ::= [A-Za-z_] [A-Za-z0-9_]* \"=\""), python_literal({})])
-        arguments = [OptionalFormat(content=separated(keyword, ", "))]
+        head = " ".join(f"{_text((', ' if i else '') + key + '=')} v{i}_root" for i, key in enumerate(required))
+        arguments = f"{head} then_{len(required)}"
+    elif optional:
+        arguments = "first_0"
+    elif not properties and schema.get("additionalProperties") is not False:  # any keywords
+        rules.append(_prefixed(python_literal({}).grammar, "any_"))
+        rules.append('keyword ::= [A-Za-z_] [A-Za-z0-9_]* "=" any_root')
+        arguments = '(keyword (", " keyword)*)?'
     else:
-        arguments = []
-    return SequenceFormat(elements=[ConstStringFormat(value=f"{name}("), *arguments, ConstStringFormat(value=")")])
+        arguments = '""'
+    return GrammarFormat(grammar="\n".join([f"root ::= {_text(name + '(')} {arguments} {_text(')')}", *rules]))
+
+
+# A token of xgrammar's printed EBNF: a string literal, a character class, a name, anything else.
+_EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*|.', re.S)
+
+
+def _prefixed(grammar: str, prefix: str) -> str:
+    """xgrammar's printed `grammar` with every rule name prefixed (to sit beside others in one)."""
+    return "".join(prefix + t if t[0].isalpha() or t[0] == "_" else t for t in _EBNF_TOKEN.findall(grammar))
+
+
+def _text(text: str) -> str:
+    """`text` as an EBNF string literal (JSON's escapes are EBNF's)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def constrain_auto_calls(params, parser) -> None:
