@@ -111,7 +111,7 @@ def _rss_sampler(pid: int, stop: threading.Event, peak: list[int]) -> None:
         time.sleep(0.1)
 
 
-def run_case(server, name: str, body: dict) -> Outcome:
+def run_case(server, name: str, body: dict, route: str = "/v1/completions") -> Outcome:
     process = psutil.Process(server.pid)
     victim = Victim(server.url)
     try:
@@ -121,7 +121,7 @@ def run_case(server, name: str, body: dict) -> Outcome:
         sampler = threading.Thread(target=_rss_sampler, args=(server.pid, stop, peak), daemon=True)
         sampler.start()
         start = time.monotonic()
-        response = httpx.post(server.url + "/v1/completions", json=body, timeout=600)
+        response = httpx.post(server.url + route, json=body, timeout=600)
         end = time.monotonic()
         stop.set()
         sampler.join(5)
@@ -159,6 +159,24 @@ def test_no_request_holds_the_victim_hostage(hostage_server, case, long_form, fi
             outcome.line() + " " + outcome.message
         )
         assert outcome.gap <= GAP_LIMIT_S, outcome.line()
+
+
+@pytest.mark.slow
+def test_thousands_of_tools_in_auto_mode_hold_no_one(hostage_server, long_form, figures):
+    """The grammar that keeps "auto" calls well-formed is built from the request's tools: for
+    thousands of them, seconds (10,000 in Hermes' format: ~3 s; 3,000 in Mistral's: 6 s), which
+    the server spent on its event loop, every other client waiting. Built on a worker thread, the
+    victim streams on; the request is refused for its prompt (the tools' description) past the
+    context."""
+    count = 20_000 if long_form else 10_000
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "A tool.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a"]}}}
+        for i in range(count)]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Call a tool."}], "tools": tools, "max_tokens": 8}
+    outcome = run_case(hostage_server, f"{count:,} tools in auto mode", body, "/v1/chat/completions")
+    figures("hostage", outcome.line())
+    assert outcome.status == 400 and outcome.param == "messages" and "context" in outcome.message, outcome.message
+    assert outcome.gap <= GAP_LIMIT_S, outcome.line()
 
 
 @pytest.mark.slow

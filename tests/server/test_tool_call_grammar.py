@@ -6,6 +6,7 @@ prefix, and a call the grammar closed is always parsed as a call."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -137,14 +138,14 @@ def test_auto_requests_get_the_grammar_unless_they_constrain_their_output_alread
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     params = SamplingParams()
-    constrain_auto_calls(params, TOOL_PARSERS["hermes"](TOOLS))
+    asyncio.run(constrain_auto_calls(params, TOOL_PARSERS["hermes"](TOOLS)))
     assert params.structured_outputs.grammar == TOOL_PARSERS["hermes"](TOOLS).call_grammar()
     own = StructuredOutputsParams(json={"type": "object"})
     params = SamplingParams(structured_outputs=own)
-    constrain_auto_calls(params, TOOL_PARSERS["hermes"](TOOLS))
+    asyncio.run(constrain_auto_calls(params, TOOL_PARSERS["hermes"](TOOLS)))
     assert params.structured_outputs is own
     params = SamplingParams()
-    constrain_auto_calls(params, TOOL_PARSERS["mistral"]())  # no declared tools: nothing to constrain to
+    asyncio.run(constrain_auto_calls(params, TOOL_PARSERS["mistral"]()))  # no declared tools: nothing to constrain to
     assert params.structured_outputs is None
 
 

@@ -238,7 +238,7 @@ class AnthropicServingMessages:
         chat_request.check_supported()
         params = chat_request.to_sampling_params(chat_request.max_output_tokens, None, "messages")
         if chat_request.tool_mode == "auto":  # a call the model opens is kept well-formed
-            constrain_auto_calls(params, self.chat.tool_parser(chat_request.tools))
+            await constrain_auto_calls(params, self.chat.tool_parser(chat_request.tools))
         prompt_ids = await self._prompt(chat_request)
         # The chat route's reasoning parser (--reasoning-parser), bound to this prompt: its
         # thinking becomes thinking blocks, and a grammar waits until the thinking ends.

@@ -72,7 +72,7 @@ class OpenAIServingChat(OpenAIServing):
         request.check_supported()
         params = request.to_sampling_params(request.max_output_tokens, request.num_logprobs, "messages", request.prompt_logprobs)
         if request.tool_mode == "auto":  # a call the model opens is kept well-formed
-            constrain_auto_calls(params, self.tool_parser(request.tools))
+            await constrain_auto_calls(params, self.tool_parser(request.tools))
         prompt_ids = await self.chat_prompt(
             request.messages, request.add_generation_prompt, request.chat_template, request.chat_template_kwargs,
             request.tools if request.tool_mode != "none" else None, request.continue_final_message,

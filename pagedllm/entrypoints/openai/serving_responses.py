@@ -201,7 +201,7 @@ class OpenAIServingResponses:
         mode = chat_request.tool_mode
         tool_parser = self.chat.tool_parser(chat_request.tools) if mode == "auto" else None  # --tool-call-parser's
         if tool_parser is not None:  # a call the model opens is kept well-formed
-            constrain_auto_calls(params, tool_parser)
+            await constrain_auto_calls(params, tool_parser)
         tools = chat_request.tools if mode != "none" else None
         prompt_ids = await self.chat.chat_prompt(chat_request.messages, True, tools=tools)
         # The chat route's reasoning parser (--reasoning-parser), bound to this prompt: its
