@@ -117,6 +117,24 @@ def test_a_grammar_no_string_satisfies_is_a_400_naming_it(server_url, field, val
     assert reply.json()["error"]["param"].startswith(field)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "never", "schema": False}}),
+    ("json_schema", False),  # llama.cpp's field
+])
+def test_the_schema_false_is_refused_naming_its_field_and_true_is_any_json(server_url, field, value):
+    """JSON Schema's boolean schemas: `false` admits no value (a 400 naming the field, not one
+    naming an internal field with no param), `true` any value."""
+    reply = _post(server_url, {field: value, "max_tokens": 5})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+    assert "no value satisfies" in reply.json()["error"]["message"]
+    anything = value | {"json_schema": {"name": "any", "schema": True}} if isinstance(value, dict) else True
+    reply = _post(server_url, {field: anything, "max_tokens": 12, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    text = reply.json()["choices"][0]["text"]
+    if reply.json()["choices"][0]["finish_reason"] == "stop":
+        json.loads(text)
+
+
 def test_an_output_whose_constraints_allow_no_token_ends_there_once(server_url, tokenizer):
     """A grammar and allowed_token_ids that no token satisfies together: the output ends after the
     one forbidden draw (it went on to max_tokens, a forbidden token and a warning line each step)."""

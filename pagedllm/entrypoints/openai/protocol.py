@@ -192,7 +192,7 @@ class SamplingRequest(OpenAIBaseModel):
             schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
             if not isinstance(schema, (dict, bool)):
                 raise bad_request("response_format.json_schema.schema must be a JSON schema object.", "response_format")
-            specs.append(StructuredOutputsParams(json=schema, field_name="response_format"))
+            specs.append(StructuredOutputsParams(json=schema_object(schema, "response_format"), field_name="response_format"))
         elif kind != "text":
             raise bad_request(
                 f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.", "response_format"
@@ -204,6 +204,8 @@ class SamplingRequest(OpenAIBaseModel):
                 raise bad_request(f"structured_outputs is invalid: {exc}", "structured_outputs") from None
         for name, kind in LEGACY_CONSTRAINTS.items():
             if (value := getattr(self, name)) is not None:
+                if kind == "json" and isinstance(value, bool):
+                    value = schema_object(value, name)
                 try:
                     specs.append(StructuredOutputsParams(**{kind: value}, field_name=name))
                 except ValueError as exc:
@@ -229,6 +231,14 @@ class SamplingRequest(OpenAIBaseModel):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def schema_object(schema: dict | bool, param: str) -> dict:
+    """A JSON schema as an object: `true` (any value) is `{}`; `false` (no value) is refused."""
+    if schema is False:
+        raise bad_request(f"The JSON schema in {param} is false, which no value satisfies; give a schema that some "
+                          "JSON value satisfies.", param)
+    return {} if schema is True else schema
 
 
 # Request fields of other servers' constraints -> the StructuredOutputsParams field they fill.
