@@ -125,6 +125,10 @@ def test_a_compiling_grammar_holds_back_only_its_own_request(llm, monkeypatch):
         (StructuredOutputsParams(grammar='root ::= r\nr ::= "y" r'), "structured_outputs.grammar"),
         (StructuredOutputsParams(json={"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}),
          "structured_outputs.json"),
+        # Keywords xgrammar accepts and ignores (outputs could break them): refused, as vLLM does.
+        (StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}), "structured_outputs.json"),
+        (StructuredOutputsParams(json={"properties": {"if": {"not": {"type": "string"}}}}), "structured_outputs.json"),
+        (StructuredOutputsParams(json={"allOf": [{"type": "string"}, {"minLength": 3}]}), "structured_outputs.json"),
     ],
 )
 def test_an_invalid_spec_is_refused_naming_its_field_and_the_engine_goes_on(llm, spec, param):
@@ -134,6 +138,16 @@ def test_an_invalid_spec_is_refused_naming_its_field_and_the_engine_goes_on(llm,
     assert not llm.llm_engine.has_unfinished_requests()
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_a_schema_keyword_xgrammar_ignores_is_named_with_its_place(llm):
+    """xgrammar lets through values that `not`, `uniqueItems`, `if` or an `allOf` of two schemas
+    forbid; the refusal names the keyword and where it is, and a property merely named so is fine."""
+    schema = {"type": "object", "properties": {"if": {"type": "string"}, "tags": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(ValueError, match=r"'uniqueItems' at \$\.properties\.tags.*does not enforce"):
+        llm.llm_engine.constraints.wait_compiled(StructuredOutputsParams(json=schema))
+    del schema["properties"]["tags"]["uniqueItems"]
+    assert llm.llm_engine.constraints.wait_compiled(StructuredOutputsParams(json=schema)) is not None
 
 
 def test_allowed_token_ids_hold_under_sampling(llm):

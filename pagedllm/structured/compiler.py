@@ -38,6 +38,12 @@ def parse_spec(spec: StructuredOutputsParams) -> xgr.Grammar:
     try:
         if kind == "json":
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            unenforced = _unenforced_keyword(json.loads(schema))
+            if unenforced is not None:
+                raise InvalidConstraintError(
+                    f"The JSON schema in {param} uses {unenforced}, which xgrammar (the grammar engine) does not "
+                    "enforce: outputs could break it. Leave it out (and check it in your code), or express it "
+                    "otherwise (one schema instead of an allOf of several).", param)
             return xgr.Grammar.from_json_schema(schema, any_whitespace=not spec.disable_any_whitespace, strict_mode=True)
         if kind == "json_object":  # any JSON object, as OpenAI's json_object mode promises
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace, strict_mode=False)
@@ -49,6 +55,40 @@ def parse_spec(spec: StructuredOutputsParams) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(spec.grammar)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise InvalidConstraintError(f"The {what} in {param} is invalid: {_clean(exc)}", param) from None
+
+
+# Schema keywords xgrammar 0.2 accepts and then ignores (checked on its matcher: `not`, an allOf of
+# two schemas, uniqueItems, dependentRequired, if/then all let through values they forbid): a
+# schema using them is refused, as vLLM refuses the features its xgrammar backend lacks.
+_IGNORED_KEYWORDS = ("not", "uniqueItems", "dependentRequired", "dependentSchemas", "dependencies", "if",
+                     "unevaluatedProperties", "unevaluatedItems")
+# Keywords whose values are data, not schemas: not looked into.
+_DATA_KEYWORDS = ("enum", "const", "default", "examples", "description", "title")
+# Keywords whose values map names (of properties, of definitions) to schemas.
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _unenforced_keyword(schema: object) -> str | None:
+    """`KEYWORD at PATH` for the first keyword of `schema` xgrammar would ignore; None if none."""
+    stack = [(schema, "$")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        for keyword in _IGNORED_KEYWORDS:
+            if keyword in node and not (keyword == "uniqueItems" and node[keyword] is False):
+                return f"{keyword!r} at {path}"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return f"'allOf' of {len(node['allOf'])} schemas at {path}"
+        for key, value in node.items():
+            if key in _NAMED_SCHEMAS and isinstance(value, dict):  # names, then a schema each
+                stack.extend((sub, f"{path}.{key}.{name}") for name, sub in value.items())
+            elif key not in _DATA_KEYWORDS:
+                stack.append((value, f"{path}.{key}"))
+    return None
 
 
 class GrammarCompiler:
