@@ -35,15 +35,20 @@ def parse_spec(spec: StructuredOutputsParams) -> xgr.Grammar:
     kind = spec.kind
     what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(kind, kind)
     param = spec.param
+    if kind == "json":
+        try:
+            value = spec.json if not isinstance(spec.json, str) else json.loads(spec.json)
+        except ValueError:
+            value = None  # not JSON: xgrammar's parse below names what is wrong
+        unenforced = _unenforced_keyword(value)
+        if unenforced is not None:
+            raise InvalidConstraintError(
+                f"The JSON schema in {param} uses {unenforced}, which xgrammar (the grammar engine) does not "
+                "enforce: outputs could break it. Leave it out (and check it in your code), or express it "
+                "otherwise (one schema instead of an allOf of several).", param)
     try:
         if kind == "json":
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            unenforced = _unenforced_keyword(json.loads(schema))
-            if unenforced is not None:
-                raise InvalidConstraintError(
-                    f"The JSON schema in {param} uses {unenforced}, which xgrammar (the grammar engine) does not "
-                    "enforce: outputs could break it. Leave it out (and check it in your code), or express it "
-                    "otherwise (one schema instead of an allOf of several).", param)
             return xgr.Grammar.from_json_schema(schema, any_whitespace=not spec.disable_any_whitespace, strict_mode=True)
         if kind == "json_object":  # any JSON object, as OpenAI's json_object mode promises
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace, strict_mode=False)
