@@ -72,6 +72,43 @@ def test_rotary_in_place_on_strided_rows_leaves_values_alone():
     torch.testing.assert_close(qkv[:, qk_width:], expected[:, qk_width:], rtol=0, atol=0)
 
 
+def test_partial_rotary_turns_only_its_share_of_each_head():
+    """Phi-4-mini's form: the first 3/4 of each head turn (by the table of that width), the rest
+    and the values pass through untouched."""
+    torch.manual_seed(1)
+    head_dim, heads, rotary_dim = 32, 6, 24
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, torch.float32, partial_rotary_factor=0.75)
+    assert rotary.cos.shape[1] == rotary_dim
+    qkv = torch.randn(9, (heads + 2) * head_dim)
+    positions = torch.randint(0, 512, (9,))
+    expected = qkv.clone()
+    x = expected[:, : heads * head_dim].view(9, heads, head_dim)
+    half = rotary_dim // 2
+    cos, sin = rotary.cos[positions, :half].unsqueeze(1), rotary.sin[positions, :half].unsqueeze(1)
+    x1, x2 = x[..., :half].clone(), x[..., half:rotary_dim].clone()
+    x[..., :half], x[..., half:rotary_dim] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+    rotary(positions, qkv[:, : heads * head_dim])  # the kernel (rows strided)
+    torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
+    untouched = qkv[:, : heads * head_dim].view(9, heads, head_dim)[..., rotary_dim:]
+    assert torch.equal(untouched, expected[:, : heads * head_dim].view(9, heads, head_dim)[..., rotary_dim:])
+    assert torch.equal(qkv[:, heads * head_dim :], expected[:, heads * head_dim :])
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 2048), (3, 13), (64, 1536)])
+def test_gelu_tanh_and_mul(rows, dim):
+    """Gemma's gated GELU (tanh form): torch's formula computed in float64 (torch's float32
+    0.5 x (1 + tanh u) itself loses digits where tanh u nears -1), to float32 rounding, across
+    the saturated ends and near 0."""
+    torch.manual_seed(dim)
+    x = torch.randn(rows, 2 * dim) * 4
+    x[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -20.0, 1e-6, -1e-6])
+    gate, up = x.double().chunk(2, dim=-1)
+    expected = (F.gelu(gate, approximate="tanh") * up).float()
+    assert ops.has_gated_kernel("gelu_pytorch_tanh", x) and not ops.has_gated_kernel("gelu", x)
+    torch.testing.assert_close(ops.gated_activation(x, "gelu_pytorch_tanh"), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("rows,dim", [(1, 1536), (3, 13), (64, 1536)])
 def test_silu_and_mul(rows, dim):
     torch.manual_seed(dim)

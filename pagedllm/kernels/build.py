@@ -142,10 +142,12 @@ def load() -> ctypes.CDLL:
     lib.decoder_layers_num_parts.restype = ctypes.c_int
     for suffix in ("f32", "bf16"):
         getattr(lib, f"fused_add_rms_norm_{suffix}").argtypes = [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
-        getattr(lib, f"rotary_neox_{suffix}").argtypes = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        getattr(lib, f"rotary_neox_{suffix}").argtypes = [_P, ctypes.c_int64, _P, _P, _P] + [ctypes.c_int] * 5
         getattr(lib, f"silu_and_mul_{suffix}").argtypes = [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         for name in ("fused_add_rms_norm", "rotary_neox", "silu_and_mul"):
             getattr(lib, f"{name}_{suffix}").restype = None
+    lib.gelu_tanh_and_mul_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.gelu_tanh_and_mul_f32.restype = None
     lib.logsumexp_rows_f32.argtypes = [_P, _P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.sample_rows_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _P, _P, ctypes.c_int]
     for name in ("logsumexp_rows_f32", "sample_rows_f32"):

@@ -55,24 +55,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rotary_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
-    """Rotate in place the heads at the front of each row of `qk` (rows may be strided); cos and
+    """Rotate in place the heads at the front of each row of `qk` (rows may be strided), the
+    first cos.shape[1] dimensions of each (a partial rotary turns fewer than head_dim); cos and
     sin in qk's dtype."""
     assert qk.stride(1) == 1 and positions.dtype == torch.int64 and cos.is_contiguous() and sin.is_contiguous()
     assert cos.dtype == sin.dtype == qk.dtype
     positions = positions.contiguous()
     _kernel("rotary_neox", qk)(
         qk.data_ptr(), qk.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        qk.shape[0], qk.shape[1] // head_dim, head_dim, torch.get_num_threads(),
+        qk.shape[0], qk.shape[1] // head_dim, head_dim, cos.shape[1], torch.get_num_threads(),
     )
+
+
+# transformers' activation names -> the gated kernel computing act(gate) * up, and the dtypes it
+# serves (GELU's tanh form in float32 only: its bfloat16 rounding would not be transformers').
+GATED_KERNELS = {"silu": ("silu_and_mul", (torch.float32, torch.bfloat16)),
+                 "swish": ("silu_and_mul", (torch.float32, torch.bfloat16)),
+                 "gelu_pytorch_tanh": ("gelu_tanh_and_mul", (torch.float32,)),
+                 "gelu_new": ("gelu_tanh_and_mul", (torch.float32,))}
+
+
+def has_gated_kernel(activation: str, x: torch.Tensor) -> bool:
+    """Whether `gated_activation(x, activation)` serves x (the kernels built, a CPU tensor)."""
+    kernel = GATED_KERNELS.get(activation)
+    return kernel is not None and x.dtype in kernel[1] and applies_to_layer(x)
+
+
+def gated_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """x: [rows, 2 d] laid out [gate | up] -> act(gate) * up: [rows, d] (`has_gated_kernel`)."""
+    x = x.contiguous()
+    rows, width = x.shape
+    out = torch.empty(rows, width // 2, dtype=x.dtype)
+    _kernel(GATED_KERNELS[activation][0], x)(out.data_ptr(), x.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [rows, 2 d] laid out [gate | up] -> silu(gate) * up: [rows, d]."""
-    x = x.contiguous()
-    rows, width = x.shape
-    out = torch.empty(rows, width // 2, dtype=x.dtype)
-    _kernel("silu_and_mul", x)(out.data_ptr(), x.data_ptr(), rows, width // 2, torch.get_num_threads())
-    return out
+    return gated_activation(x, "silu")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

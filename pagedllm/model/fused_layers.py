@@ -1,10 +1,17 @@
 """Every decoder layer in one C++ call (`kernels/csrc/decoder_layers.cpp`) for the steps where
 Python's layer loop costs more than its arithmetic: a float32 model on a CPU whose projections
 are GGUF-packed (`quant.GGUFLinear`, any type: the C++ side calls `gguf_matmul`), at up to
-`gguf.MAX_ROWS` tokens (decode steps of a handful of sequences), with the C++ attention backend. The call runs the very kernels the loop runs, in
-the same order on the same inputs, so its output is bitwise the loop's (tests/test_fused_layers.py);
-every other step (prompts, bfloat16, GPUs, tensor parallelism, batch-invariant mode) takes the
-loop.
+`gguf.MAX_ROWS` tokens (decode steps of a handful of sequences), with the C++ attention backend.
+The call runs the very kernels the loop runs, in the same order on the same inputs, so its
+output is bitwise the loop's (tests/test_fused_layers.py, tests/test_fused_families.py); every
+other step (prompts, bfloat16, GPUs, tensor parallelism, batch-invariant mode) takes the loop.
+
+A family says what its layers are (`CausalLM.fused_decoder_plan`: a `FusedLayer` each): Llama's
+shape, plus what the others add to it: q/k head norms (Qwen3, Gemma 3), Gemma's norms over the
+attention's and the MLP's outputs ("sandwich") with their (1 + w) weights, GELU's tanh form,
+attention soft caps (Gemma 2), per-layer rotary tables (Gemma 3's local and global) and partial
+or LongRoPE rotaries (Phi-3/4, their table rows given per step), Granite's branch multiplier.
+Mixtures of experts take the loop.
 
 `pagedllm bench latency --profile` still sees each part: while a profile is taken, the C++ side
 adds each part's nanoseconds to `part_ns` (`PARTS`, in the order of its enum).
@@ -43,16 +50,22 @@ class _Projection(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_attention_norm", _P), ("qkv", _Projection), ("o", _Projection),
-                ("gate_up", _Projection), ("down", _Projection), ("key_cache", _P), ("value_cache", _P),
-                ("kv_group", ctypes.c_int32), ("sliding_window", ctypes.c_int32)]
+    _fields_ = [(name, _P) for name in (
+        "input_norm", "pre_mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm")] + [
+        ("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection), ("down", _Projection),
+        ("key_cache", _P), ("value_cache", _P), ("cos_cache", _P), ("sin_cache", _P)] + [
+        (name, ctypes.c_int32) for name in ("rotary", "rotary_dim", "kv_group", "sliding_window", "activation")] + [
+        (name, ctypes.c_float) for name in ("scale", "logits_soft_cap", "branch_scale")]
+
+
+# decoder_layers.cpp's Activation: the MLP activations it computes, by transformers' names.
+ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
 
 
 class _Step(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "num_tokens", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "block_size", "intermediate_size",
-        "num_threads")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
-        ("positions", _P), ("cos_cache", _P), ("sin_cache", _P), ("slot_mappings", _P),
+        "num_threads")] + [("eps", ctypes.c_float)] + [("rotary_positions", _P), ("slot_mappings", _P),
         ("block_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
         ("block_tables", _P), ("block_table_strides", _P),
         ("item_seq", _P), ("item_first_token", _P), ("item_num_tokens", _P), ("num_items", ctypes.c_int64),
@@ -73,40 +86,66 @@ def _projection(linear) -> _Projection:
 
 @dataclass
 class FusedLayer:
-    """One decoder layer as the C++ call reads it: its two norms' weights, its four projections
-    (modules with a GGUF-packed `quant_method` and an optional `.bias`) and its attention."""
+    """One decoder layer as the C++ call reads it: its norms' weights as the kernel multiplies
+    (Gemma's 1 + w: `norm_weight`), its four projections (modules with a GGUF-packed
+    `quant_method` and an optional `.bias`), its attention and rotary, and what its family adds
+    (None, or 1.0: not in this family)."""
 
     input_norm: torch.Tensor
-    post_attention_norm: torch.Tensor
+    pre_mlp_norm: torch.Tensor
     qkv: nn.Module
     o: nn.Module
     gate_up: nn.Module
     down: nn.Module
     attn: Attention
+    rotary: RotaryEmbedding
+    activation: str = "silu"
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    branch_scale: float = 1.0
 
     @property
     def projections(self) -> tuple[nn.Module, ...]:
         return (self.qkv, self.o, self.gate_up, self.down)
 
+    @property
+    def norms(self) -> tuple[torch.Tensor, ...]:
+        return tuple(n for n in (self.input_norm, self.pre_mlp_norm, self.q_norm, self.k_norm, self.attn_out_norm,
+                                 self.mlp_out_norm) if n is not None)
+
 
 @dataclass
 class FusedDecoderPlan:
-    """What a model hands the fused path (`CausalLM.fused_decoder_plan`): its layers, the
-    rotary table they share (whole heads, row = position) and the norms' epsilon."""
+    """What a model hands the fused path (`CausalLM.fused_decoder_plan`): its layers and the
+    norms' epsilon (one for every norm of the model)."""
 
     layers: list[FusedLayer]
-    rotary: RotaryEmbedding
     eps: float
+
+    @property
+    def rotaries(self) -> list[RotaryEmbedding]:
+        """The distinct rotary tables, in the order of the layers that first use each."""
+        return list({id(layer.rotary): layer.rotary for layer in self.layers}.values())
+
+
+def norm_weight(norm: nn.Module) -> torch.Tensor:
+    """The float32 weight an RMSNorm module's kernel multiplies by (Gemma's: 1 + w), or its own
+    weight where the kernel does not serve its dtype (`supported` then refuses the plan)."""
+    weight = norm.kernel_weight(torch.empty(0))
+    return weight if weight is not None else norm.weight
 
 
 class FusedDecoderLayers:
-    """The layer loop of a Llama-shaped model as one call; see the module's docstring."""
+    """A model's layer loop as one call; see the module's docstring."""
 
     PARTS = PARTS
 
     def __init__(self, plan: FusedDecoderPlan, backend) -> None:
         self.plan = plan
         self.layers = plan.layers
+        self.rotaries = plan.rotaries
         self.backend = backend
         self.lib = build.load()
         if self.lib.decoder_layers_num_parts() != len(PARTS):  # part_ns is sized from PARTS
@@ -120,7 +159,7 @@ class FusedDecoderLayers:
         self.num_heads, self.num_kv_heads = first.attn.num_heads, first.attn.num_kv_heads
         self.head_dim = first.attn.head_dim
         self.intermediate_size = first.down.quant_method.in_features
-        self.eps, self.scale = plan.eps, first.attn.scale
+        self.eps = plan.eps
 
     @staticmethod
     def supported(plan: FusedDecoderPlan, backend) -> bool:
@@ -131,12 +170,20 @@ class FusedDecoderLayers:
 
         if not isinstance(backend, CPUAttentionBackend) or backend.batch_invariant:
             return False
-        if plan.layers[0].input_norm.dtype != torch.float32 or plan.rotary.cos.dtype != torch.float32:
+        layers = plan.layers
+        if any(r.cos.dtype != torch.float32 for r in plan.rotaries):
             return False
-        if any(layer.attn.logits_soft_cap is not None for layer in plan.layers):
-            return False  # (no Llama-shaped family caps its logits)
-        projections = [p for layer in plan.layers for p in layer.projections]
-        return all(p.quant_method.fused_parts is not None for p in projections)
+        if any(n.dtype != torch.float32 for layer in layers for n in layer.norms):
+            return False
+        if any(layer.activation not in ACTIVATIONS or (layer.q_norm is None) != (layer.k_norm is None)
+               for layer in layers):
+            return False
+        projections = [p for layer in layers for p in layer.projections]
+        if not all(p.quant_method.fused_parts is not None for p in projections):
+            return False
+        shapes = {(layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim,
+                   layer.down.quant_method.in_features) for layer in layers}
+        return len(shapes) == 1  # (the step's scratch is sized once)
 
     def applies(self, hidden: torch.Tensor, metadata) -> bool:
         """A step of at most MAX_ROWS tokens, none of them a prompt without cached context (those
@@ -158,11 +205,18 @@ class FusedDecoderLayers:
         bound = (attns[0].key_cache.data_ptr(), attns[-1].value_cache.data_ptr(), len(attns))
         if self._bound_to != bound:
             layers = []
+            rotary_index = {id(r): i for i, r in enumerate(self.rotaries)}
             for layer, attn in zip(self.layers, attns):
                 qkv, o, gate_up, down = (_projection(p) for p in layer.projections)
-                layers.append(_Layer(layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(),
-                                     qkv, o, gate_up, down, attn.key_cache.data_ptr(), attn.value_cache.data_ptr(),
-                                     attn.kv_cache_group, attn.sliding_window or 0))
+                norms = (layer.input_norm, layer.pre_mlp_norm, layer.attn_out_norm, layer.mlp_out_norm,
+                         layer.q_norm, layer.k_norm)
+                rotary = layer.rotary
+                layers.append(_Layer(
+                    *(n.data_ptr() if n is not None else None for n in norms), qkv, o, gate_up, down,
+                    attn.key_cache.data_ptr(), attn.value_cache.data_ptr(), rotary.cos.data_ptr(),
+                    rotary.sin.data_ptr(), rotary_index[id(rotary)], rotary.rotary_dim, attn.kv_cache_group,
+                    attn.sliding_window or 0, ACTIVATIONS[layer.activation], attn.scale,
+                    attn.logits_soft_cap or 0.0, layer.branch_scale))
             self._layers = (_Layer * len(layers))(*layers)
             self._group_windows = {attn.kv_cache_group: attn.sliding_window for attn in attns}
             self._bound_to = bound
@@ -178,7 +232,8 @@ class FusedDecoderLayers:
         slot_mappings = (_P * len(groups))(*(m.slot_mapping.data_ptr() for m in groups))
         block_tables = (_P * len(groups))(*(p.block_tables.data_ptr() for p in plans))
         table_strides = (ctypes.c_int64 * len(groups))(*(p.block_tables.shape[1] for p in plans))
-        rotary = self.plan.rotary
+        positions = [r.table_positions(positions, metadata).contiguous() for r in self.rotaries]
+        rotary_positions = (_P * len(positions))(*(p.data_ptr() for p in positions))
         key_cache = self.layers[0].attn.key_cache
         T, H, I = hidden.shape[0], self.hidden_size, self.intermediate_size
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -190,11 +245,9 @@ class FusedDecoderLayers:
             offset += T * width
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
-        positions = positions.contiguous()
         step = _Step(
             T, H, self.num_heads, self.num_kv_heads, self.head_dim, key_cache.shape[2], I, torch.get_num_threads(),
-            self.eps, self.scale, positions.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-            ctypes.addressof(slot_mappings), key_cache.stride(0), key_cache.stride(1), ctypes.addressof(block_tables),
+            self.eps, ctypes.addressof(rotary_positions), ctypes.addressof(slot_mappings), key_cache.stride(0), key_cache.stride(1), ctypes.addressof(block_tables),
             ctypes.addressof(table_strides), plan.item_seq.data_ptr(), plan.item_first_token.data_ptr(),
             plan.item_num_tokens.data_ptr(), plan.item_seq.shape[0], plan.token_context.data_ptr(), *pointers,
         )

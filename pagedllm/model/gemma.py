@@ -43,10 +43,31 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, tp, dtype)
         self.post_feedforward_layernorm = norm()
 
-    def forward(self, positions, hidden, metadata):
-        attended = self.self_attn(positions, self.input_layernorm(hidden), metadata)
-        hidden = hidden + self.post_attention_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+    def forward(self, positions, hidden, residual, metadata):
+        """As Llama's layer (the residual add fused into the next norm: `hidden` is the previous
+        layer's output, not yet added to `residual`; residual None in the first layer), with
+        the attention's and the MLP's outputs normed before they join the stream."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, metadata))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+    def fused(self, layer_rotary):
+        """This layer as the C++ layer loop reads it (`model.fused_layers`)."""
+        from pagedllm.model.fused_layers import FusedLayer, norm_weight
+
+        attn = self.self_attn
+        heads = {}
+        if attn.q_norm is not None:
+            heads = dict(q_norm=norm_weight(attn.q_norm), k_norm=norm_weight(attn.k_norm))
+        return FusedLayer(norm_weight(self.input_layernorm), norm_weight(self.pre_feedforward_layernorm),
+                          attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj, attn.attn,
+                          layer_rotary, self.mlp.hidden_act, attn_out_norm=norm_weight(self.post_attention_layernorm),
+                          mlp_out_norm=norm_weight(self.post_feedforward_layernorm), **heads)
 
 
 class GemmaModel(nn.Module):
@@ -68,13 +89,19 @@ class GemmaModel(nn.Module):
             GemmaDecoderLayer(cfg, layer, layer_rotary[layer], backend, tp, dtype) for layer in range(cfg.num_layers)
         )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.fused_layers = None  # the layer loop as one C++ call where it applies (set by the worker)
 
     def forward(self, input_ids, positions, metadata):
         hidden = self.embed_tokens(input_ids) * self.normalizer
-        table = {id(r): r.table_positions(positions, metadata) for r in self.rotaries}
-        for layer in self.layers:
-            hidden = layer(table[id(layer.self_attn.rotary)], hidden, metadata)
-        return self.norm(hidden)
+        if self.fused_layers is not None and self.fused_layers.applies(hidden, metadata):
+            hidden, residual = self.fused_layers(positions, hidden, metadata)
+        else:
+            table = {id(r): r.table_positions(positions, metadata) for r in self.rotaries}
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(table[id(layer.self_attn.rotary)], hidden, residual, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
@@ -82,6 +109,15 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
     def build_model(self, max_position, backend, tp, dtype) -> GemmaModel:
         return GemmaModel(self.cfg, max_position, backend, tp, dtype)
+
+    def fused_decoder_plan(self):
+        """Gemma's layers as the C++ layer loop reads them, on one rank."""
+        from pagedllm.model.fused_layers import FusedDecoderPlan
+
+        if self.tp.size != 1:
+            return None
+        return FusedDecoderPlan([block.fused(block.self_attn.rotary) for block in self.model.layers],
+                                self.cfg.rms_norm_eps)
 
     def layer_projections(self, layer: int) -> dict[str, nn.Parameter]:
         block = self.model.layers[layer]

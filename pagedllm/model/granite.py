@@ -45,6 +45,3 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)
         return None if logits is None else logits / self.cfg.logits_scaling
-
-    def fused_decoder_plan(self):
-        return None  # the C++ layer loop has no multipliers

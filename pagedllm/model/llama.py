@@ -144,18 +144,22 @@ class LlamaForCausalLM(DecoderForCausalLM):
         return weights
 
     def fused_decoder_plan(self):
-        """Llama-shaped layers, whole-head plain rotary, a dense SiLU MLP, one rank:
-        what the C++ layer loop computes (quantized projections are checked by the caller)."""
-        from pagedllm.model.fused_layers import FusedDecoderPlan, FusedLayer
+        """Llama-shaped layers (q/k head norms, a partial or LongRoPE rotary, Granite's branch
+        multiplier included) with a dense MLP, on one rank: what the C++ layer loop computes
+        (quantized projections and the activation are checked by the caller)."""
+        from pagedllm.model.fused_layers import FusedDecoderPlan, FusedLayer, norm_weight
 
         cfg = self.cfg
-        if self.tp.size != 1 or cfg.qk_norm or cfg.moe is not None or cfg.hidden_act != "silu":
+        if self.tp.size != 1 or cfg.moe is not None:
             return None
-        if not self.model.rotary.is_plain:
-            return None  # the C++ loop turns whole heads by position
-        layers = [
-            FusedLayer(block.input_layernorm.weight, block.post_attention_layernorm.weight, block.self_attn.qkv_proj,
-                       block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj, block.self_attn.attn)
-            for block in self.model.layers
-        ]
-        return FusedDecoderPlan(layers, self.model.rotary, cfg.rms_norm_eps)
+        layers = []
+        for block in self.model.layers:
+            attn = block.self_attn
+            heads = {}
+            if attn.q_norm is not None:
+                heads = dict(q_norm=norm_weight(attn.q_norm), k_norm=norm_weight(attn.k_norm))
+            layers.append(FusedLayer(
+                norm_weight(block.input_layernorm), norm_weight(block.post_attention_layernorm), attn.qkv_proj,
+                attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj, attn.attn, attn.rotary,
+                block.mlp.hidden_act, branch_scale=getattr(block, "residual_multiplier", 1.0), **heads))
+        return FusedDecoderPlan(layers, cfg.rms_norm_eps)

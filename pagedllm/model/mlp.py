@@ -23,7 +23,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size / tp], [gate | up]
-        if self.hidden_act == "silu" and fused_ops.applies_to_layer(gate_up):
-            return self.down_proj(fused_ops.silu_and_mul(gate_up))
+        if fused_ops.has_gated_kernel(self.hidden_act, gate_up):
+            return self.down_proj(fused_ops.gated_activation(gate_up, self.hidden_act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

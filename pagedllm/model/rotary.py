@@ -125,11 +125,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * attention_factor).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * attention_factor).to(dtype), persistent=False)
 
-    @property
-    def is_plain(self) -> bool:
-        """A whole-head rotary whose table row is the position (what the C++ decoder reads)."""
-        return self.longrope_threshold is None and self.rotary_dim == self.head_dim
-
     def table_positions(self, positions: torch.Tensor, metadata) -> torch.Tensor:
         """The row of the cos/sin table for each token: its position, or for LongRoPE, its
         position in the long set's rows when its sequence is longer than the pretraining length
@@ -152,7 +147,7 @@ class RotaryEmbedding(nn.Module):
         (num_heads + num_kv_heads) * head_dim], possibly a strided view into the fused q/k/v
         projection's output.
         """
-        if self.rotary_dim == self.head_dim and fused_ops.applies_to_layer(qk) and self.cos.dtype == qk.dtype:
+        if fused_ops.applies_to_layer(qk) and self.cos.dtype == qk.dtype:
             fused_ops.rotary_(qk, positions, self.cos, self.sin, self.head_dim)
             return
         num_tokens = qk.shape[0]

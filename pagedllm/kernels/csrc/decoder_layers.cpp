@@ -1,13 +1,18 @@
-// Every decoder layer of a float32 Llama-family model in one call, for a step of a few tokens
-// whose projections are GGUF-packed, of any type with a kernel (a decode step of up to gguf.MAX_ROWS
+// Every decoder layer of a float32 model in one call, for a step of a few tokens whose
+// projections are GGUF-packed, of any type with a kernel (a decode step of up to gguf.MAX_ROWS
 // sequences): the same kernels the Python layer loop calls, in the same order on the same
 // buffers, so the output is bitwise the loop's. What it saves is the loop itself: at a handful
 // of sequences, each of the ~300 kernel calls of a step cost more in Python (module calls,
 // views, temporaries, ctypes) than in arithmetic.
 //
-// Per layer: norm (with the residual add) -> qkv -> rotary -> KV write -> paged attention ->
-// o -> norm (with the residual add) -> gate_up -> SiLU(gate) * up -> down. With `part_ns`, the
-// nanoseconds of each part are added to it (the step profile's parts, `kernels/fused.py`).
+// Per layer, a family's layer as its description (`Layer`) says:
+//   norm (with the residual add) -> qkv (+ bias) -> [q/k head norms] -> rotary (whole or partial
+//   heads, the layer's own table) -> KV write -> paged attention (the layer's window, scale,
+//   soft cap) -> o -> [Gemma: norm of the attention's output] [Granite: x residual_multiplier]
+//   -> norm (with the residual add) -> gate_up -> act(gate) * up (SiLU or GELU-tanh) -> down
+//   -> [Gemma: norm of the MLP's output] [Granite: x residual_multiplier]
+// With `part_ns`, the nanoseconds of each part are added to it (the step profile's parts,
+// model/fused_layers.py's PARTS).
 
 #include <chrono>
 #include <cstdint>
@@ -20,8 +25,10 @@ extern "C" {
 void fused_add_rms_norm_f32(float* out, float* residual, const float* x, const float* weight, int num_rows, int dim,
                             float eps, int num_threads);
 void rotary_neox_f32(float* qk, int64_t row_stride, const int64_t* positions, const float* cos_cache,
-                     const float* sin_cache, int num_tokens, int num_heads, int head_dim, int num_threads);
+                     const float* sin_cache, int num_tokens, int num_heads, int head_dim, int rotary_dim,
+                     int num_threads);
 void silu_and_mul_f32(float* out, const float* x, int num_rows, int dim, int num_threads);
+void gelu_tanh_and_mul_f32(float* out, const float* x, int num_rows, int dim, int num_threads);
 void write_kv_f32_f32(const void* key, const void* value, void* key_cache, void* value_cache, int64_t block_stride,
                       int64_t head_stride, const int64_t* slot_mapping, int num_tokens, int num_kv_heads,
                       int head_dim, int block_size);
@@ -60,24 +67,38 @@ struct Projection {
   int32_t int8_rows;  // products of up to this many rows on int8 activations
 };
 
+enum Activation { kSilu = 0, kGeluTanh = 1 };
+
+// One layer as its family shapes it. Norm weights are as the kernel multiplies (Gemma's 1 + w
+// already added); a null norm is a norm the family does not have.
 struct Layer {
   const float* input_norm;
-  const float* post_attention_norm;
+  const float* pre_mlp_norm;     // Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm
+  const float* attn_out_norm;    // Gemma: post_attention_layernorm, over the attention's output
+  const float* mlp_out_norm;     // Gemma: post_feedforward_layernorm, over the MLP's output
+  const float* q_norm;           // Qwen3, Gemma 3: an RMSNorm over each query head
+  const float* k_norm;           // ... and each key head
   Projection qkv, o, gate_up, down;
   float* key_cache;
   float* value_cache;
+  const float* cos_cache;  // the layer's rotary table: [rows, rotary_dim]
+  const float* sin_cache;
+  int32_t rotary;          // which of the step's table positions index it
+  int32_t rotary_dim;      // the dimensions of each head that turn (head_dim but in a partial rotary)
   int32_t kv_group;        // the KV cache group whose block tables and slots address its pools
   int32_t sliding_window;  // keys each token sees (0: its whole context)
+  int32_t activation;      // Activation
+  float scale;             // of the attention scores
+  float logits_soft_cap;   // 0: none (Gemma 2: 50)
+  float branch_scale;      // each branch's output times this before its residual add (Granite; else 1)
 };
 
 // The step: its tokens, the attention plan (attention/cpu.py's _Plan) and scratch buffers. Slots
 // and block tables come per KV cache group (one, for a model whose layers attend alike).
 struct Step {
   int32_t num_tokens, hidden_size, num_heads, num_kv_heads, head_dim, block_size, intermediate_size, num_threads;
-  float eps, scale;
-  const int64_t* positions;
-  const float* cos_cache;
-  const float* sin_cache;
+  float eps;
+  const int64_t* const* rotary_positions;  // [rotary tables]: each token's row of that table
   const int64_t* const* slot_mappings;  // [groups]
   int64_t block_stride, head_stride;
   const int32_t* const* block_tables;  // [groups]
@@ -142,6 +163,11 @@ void gather_columns(float* dst, const float* src, int rows, int64_t stride, int 
     std::memcpy(dst + static_cast<int64_t>(r) * width, src + r * stride + offset, sizeof(float) * width);
 }
 
+// x *= scale, over n floats (a Granite branch; a float product, as torch's).
+void scale_in_place(float* x, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= scale;
+}
+
 }  // namespace
 
 extern "C" {
@@ -166,33 +192,52 @@ void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, floa
     timer.lap(kNorms);
     project(s->qkv, s->normed, layer.qkv, T, threads);
     timer.lap(kProjections);
-    rotary_neox_f32(s->qkv, qkv_width, s->positions, s->cos_cache, s->sin_cache, T, s->num_heads + s->num_kv_heads,
-                    s->head_dim, threads);
-    timer.lap(kRotary);
     gather_columns(s->query, s->qkv, T, qkv_width, 0, q_width);
     gather_columns(s->key, s->qkv, T, qkv_width, q_width, kv_width);
     gather_columns(s->value, s->qkv, T, qkv_width, q_width + kv_width, kv_width);
     timer.lap(kCopies);
+    if (layer.q_norm != nullptr) {  // each head a row (in place: the kernel reads a row before writing it)
+      fused_add_rms_norm_f32(s->query, nullptr, s->query, layer.q_norm, T * s->num_heads, s->head_dim, s->eps, threads);
+      fused_add_rms_norm_f32(s->key, nullptr, s->key, layer.k_norm, T * s->num_kv_heads, s->head_dim, s->eps, threads);
+      timer.lap(kNorms);
+    }
+    const int64_t* positions = s->rotary_positions[layer.rotary];
+    rotary_neox_f32(s->query, q_width, positions, layer.cos_cache, layer.sin_cache, T, s->num_heads, s->head_dim,
+                    layer.rotary_dim, threads);
+    rotary_neox_f32(s->key, kv_width, positions, layer.cos_cache, layer.sin_cache, T, s->num_kv_heads, s->head_dim,
+                    layer.rotary_dim, threads);
+    timer.lap(kRotary);
     write_kv_f32_f32(s->key, s->value, layer.key_cache, layer.value_cache, s->block_stride, s->head_stride,
                      s->slot_mappings[layer.kv_group], T, s->num_kv_heads, s->head_dim, s->block_size);
     timer.lap(kKvWrite);
-    paged_attention_f32_f32_windowed(s->attn, s->query, layer.key_cache, layer.value_cache, s->block_stride, s->head_stride,
-                            s->block_tables[layer.kv_group], s->block_table_strides[layer.kv_group], s->item_seq,
-                            s->item_first_token,
-                            s->item_num_tokens, static_cast<int>(s->num_items), s->token_context, s->num_heads,
-                            s->num_kv_heads, s->head_dim, s->block_size, s->scale, 0, layer.sliding_window, 0.0f,
-                            threads);
+    paged_attention_f32_f32_windowed(s->attn, s->query, layer.key_cache, layer.value_cache, s->block_stride,
+                                     s->head_stride, s->block_tables[layer.kv_group],
+                                     s->block_table_strides[layer.kv_group], s->item_seq, s->item_first_token,
+                                     s->item_num_tokens, static_cast<int>(s->num_items), s->token_context,
+                                     s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, layer.scale, 0,
+                                     layer.sliding_window, layer.logits_soft_cap, threads);
     timer.lap(kAttention);
     project(hidden, s->attn, layer.o, T, threads);
     timer.lap(kProjections);
-    fused_add_rms_norm_f32(s->normed, residual, hidden, layer.post_attention_norm, T, H, s->eps, threads);
+    if (layer.attn_out_norm != nullptr)
+      fused_add_rms_norm_f32(hidden, nullptr, hidden, layer.attn_out_norm, T, H, s->eps, threads);
+    if (layer.branch_scale != 1.0f) scale_in_place(hidden, static_cast<int64_t>(T) * H, layer.branch_scale);
+    fused_add_rms_norm_f32(s->normed, residual, hidden, layer.pre_mlp_norm, T, H, s->eps, threads);
     timer.lap(kNorms);
     project(s->gate_up, s->normed, layer.gate_up, T, threads);
     timer.lap(kProjections);
-    silu_and_mul_f32(s->act, s->gate_up, T, s->intermediate_size, threads);
+    if (layer.activation == kGeluTanh)
+      gelu_tanh_and_mul_f32(s->act, s->gate_up, T, s->intermediate_size, threads);
+    else
+      silu_and_mul_f32(s->act, s->gate_up, T, s->intermediate_size, threads);
     timer.lap(kActivation);
     project(hidden, s->act, layer.down, T, threads);
     timer.lap(kProjections);
+    if (layer.mlp_out_norm != nullptr) {
+      fused_add_rms_norm_f32(hidden, nullptr, hidden, layer.mlp_out_norm, T, H, s->eps, threads);
+      timer.lap(kNorms);
+    }
+    if (layer.branch_scale != 1.0f) scale_in_place(hidden, static_cast<int64_t>(T) * H, layer.branch_scale);
   }
 }
 

@@ -1,0 +1,89 @@
+"""The C++ layer loop (`pagedllm.model.fused_layers`) on every dense family's layer shape, from
+GGUF files of tiny random models with Q8_0 projections (written as llama.cpp writes each
+architecture, `tests/gguf_writer.py`): the decode steps through it give bitwise the Python
+loop's sampled tokens and log-probabilities, and greedy decoding through it gives transformers'
+tokens on the same weights (but past LongRoPE's switch, where the two differ by design) (the tiny model with each quantized tensor rounded through gguf-py's
+Q8_0 quantize/dequantize, which is what the file holds)."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.gguf_writer import write_gguf
+from tests.helpers import hf_greedy, load_hf, random_prompts
+from tests.test_families import LONGROPE
+from tests.test_fused_layers import _counting, _run, _without
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+# id -> (family, config overrides, what its layers add to Llama's)
+CASES = {
+    "qwen3": ("qwen3", {}),  # q/k head norms, head_dim of its own
+    "qwen2-bias": ("qwen2", {}),  # q/k/v biases
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 32, "sliding_window": 8}),  # sandwich (1 + w) norms,
+    # GELU-tanh, attention soft caps, windowed and global layers alternating
+    # q/k (1 + w) norms, local and global layers with rotary tables of their own (five to one: what
+    # llama.cpp's Gemma 3 assumes)
+    "gemma3": ("gemma3", {"sliding_window_pattern": 6, "num_hidden_layers": 6, "sliding_window": 8}),
+    "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.5}),  # half of each head turns
+    "phi3-longrope": ("phi3", LONGROPE),  # table rows by sequence length (past 32 tokens: the long set)
+    "granite": ("granite", {}),  # branch multipliers
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_fields():
+    from pagedllm.transformers_utils import resolve_model
+    from tests.gguf_writer import tokenizer_fields
+
+    return tokenizer_fields(resolve_model(None).path)
+
+
+def _quantized_oracle(path):
+    """transformers' model of `path` with the tensors the file quantizes replaced by what the file
+    holds: each rounded through Q8_0 (gguf-py's own quantize and dequantize)."""
+    hf = load_hf(path)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if param.dim() >= 2 and param.shape[-1] % 32 == 0 and "norm" not in name:
+                blocks = gguf.quants.quantize(param.numpy(), Q8_0)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, Q8_0)).reshape(param.shape))
+    return hf
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_familys_fused_step_is_the_layer_loop_bitwise_and_transformers_greedy(
+        tiny_models, tmp_path, tokenizer_fields, case, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_MODEL_CACHE", "0")
+    family, overrides = CASES[case]
+    path = tiny_models(family, **overrides)
+    file = write_gguf(path, family, tmp_path / "q8.gguf", tokenizer=tokenizer_fields, qtype=Q8_0)
+    # (no prefix caching: the second run would compute its prompts on cached blocks, not as the first)
+    llm = LLM(str(file), max_model_len=256, num_gpu_blocks=128, int8_activations="off", enable_prefix_caching=False)
+    try:
+        model = llm.llm_engine.executor.worker.model
+        assert model.fused_layers is not None, case
+        prompts = random_prompts(3, [30, 21, 9], seed=11)
+        params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, logprobs=5)
+        calls: list[int] = []
+        with _counting(model.fused_layers, calls):
+            fused = _run(llm, prompts, params)
+            assert 3 in calls  # the three decoding together, through the C++ loop
+            with _without(model):
+                count = len(calls)
+                loop = _run(llm, prompts, params)
+                assert len(calls) == count
+            assert fused == loop  # tokens and log-probabilities, floats compared with ==
+            greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            assert len(calls) > count + 10  # (its decodes went through the C++ loop too)
+        if case == "phi3-longrope":
+            return  # transformers re-encodes its whole cache once a sequence crosses 32 tokens; a paged
+            # cache keeps its keys (model/rotary.py): their tokens part there by design
+        oracle = _quantized_oracle(path)
+        assert ours == [hf_greedy(oracle, p, 12, ignore_eos=True) for p in prompts]
+    finally:
+        llm.llm_engine.shutdown()
