@@ -143,6 +143,34 @@ def test_logsumexp_and_argmax_rows_match_torch(vocab):
     assert argmax[2] == vocab // 3 and argmax[3] == vocab - 1
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_single_long_row_split_among_threads_matches_torch(threads):
+    """One sequence over a 262,144-token vocabulary (Gemma's): its columns are split among the
+    threads; the normaliser and greedy token are torch's, ties across parts, masked parts, an
+    all-masked row and NaN included."""
+    vocab = 262144
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cases = []
+        for seed in range(6):
+            torch.manual_seed(seed)
+            cases.append(torch.randn(1, vocab) * 4)
+        cases[1][0, [vocab // 5, vocab - 3]] = 50.0  # a tie in different parts: the first wins
+        cases[2][0, : 2 * vocab // 3] = float("-inf")  # whole parts masked
+        cases[3][0] = float("-inf")
+        cases[4][0, vocab - 1] = 50.0  # the maximum in the last part's tail
+        cases[5][0, vocab // 2] = float("nan")
+        for x in cases:
+            log_norm, argmax = ops.logsumexp_and_argmax_rows(x)
+            torch.testing.assert_close(log_norm, torch.logsumexp(x, dim=-1, keepdim=True), rtol=1e-5, atol=1e-5,
+                                       equal_nan=True)
+            assert argmax.tolist() == x.argmax(dim=-1).tolist()
+            torch.testing.assert_close(ops.logsumexp_rows(x), log_norm, rtol=0, atol=0, equal_nan=True)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("vocab", [7, 4096, 1003])
 def test_sample_rows_inverts_the_cumulative_distribution(vocab):
     """At each uniform u, the kernel's token is the first whose cumulative probability exceeds

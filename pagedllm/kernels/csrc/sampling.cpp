@@ -1,6 +1,7 @@
 // Sampling over the vocabulary, one row of logits per sequence, rows spread over threads:
 //   logsumexp_rows: log sum_j exp(x_j) (the normaliser of the reported log-probabilities) and,
-//                   if asked, the greedy token: the first j where x_j is the row's maximum
+//                   if asked, the greedy token: the first j where x_j is the row's maximum (a
+//                   single long row split among the threads)
 //   sample_rows: the token whose interval of the cumulative distribution softmax(x / T) holds
 //                u * total, for a uniform u drawn by the caller
 // Each replaces a chain of torch operators (divide, softmax, cumsum, search) that each stream
@@ -81,6 +82,28 @@ float row_total(const float* x, int64_t n, float max, float inv_t) {
   return total;
 }
 
+// Sum of exp(x - max) for the normaliser, which needs no particular order: the vector lanes are
+// added up at the end (row_total adds each block in turn, for `draw`).
+float exp_sum(const float* x, int64_t n, float max) {
+  float total = 0.0f;
+  int64_t j = 0;
+#ifdef SAMPLING_AVX2
+  const __m256 vmax = _mm256_set1_ps(max), one = _mm256_set1_ps(1.0f);
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    a0 = _mm256_add_ps(a0, weights8(x + j, vmax, one));
+    a1 = _mm256_add_ps(a1, weights8(x + j + 8, vmax, one));
+  }
+  for (; j + 8 <= n; j += 8) a0 = _mm256_add_ps(a0, weights8(x + j, vmax, one));
+  total = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; j < n; ++j) total += weight1(x[j], max, 1.0f);
+  return total;
+}
+
+// Columns below which a single row's normaliser stays on one thread.
+constexpr int64_t kSplitColumns = 1 << 15;
+
 // The first token whose running sum of weights exceeds target (the cumulative distribution
 // inverted at target); if rounding leaves the sum just short, the last token of positive weight.
 int64_t draw(const float* x, int64_t n, float max, float inv_t, float target) {
@@ -126,14 +149,51 @@ int64_t draw(const float* x, int64_t n, float max, float inv_t, float target) {
 extern "C" {
 
 // x: [rows, row_stride] float32; out: [rows]; argmax: [rows] or null (not wanted). The row is
-// read from memory once: the later passes find it in the core's cache.
+// read from memory once: the later passes find it in the core's cache. Fewer rows than threads
+// (a decode step of one sequence over a vocabulary of 150k-260k): each row's columns are split
+// among the threads, each part's maximum, sum and first maximum combined after.
 void logsumexp_rows_f32(float* out, int64_t* argmax, const float* x, int rows, int64_t cols, int64_t row_stride,
                         int num_threads) {
+  if (rows < num_threads && cols >= kSplitColumns) {
+    constexpr int kMaxParts = 64;
+    const int parts = num_threads < kMaxParts ? num_threads : kMaxParts;
+    for (int r = 0; r < rows; ++r) {
+      const float* row = x + r * row_stride;
+      float part_max[kMaxParts], part_sum[kMaxParts];
+      int64_t part_first[kMaxParts];
+#pragma omp parallel for schedule(static) num_threads(parts)
+      for (int p = 0; p < parts; ++p) {
+        const int64_t lo = cols * p / parts, hi = cols * (p + 1) / parts;
+        part_max[p] = row_max(row + lo, hi - lo);
+        part_sum[p] = part_max[p] == -INFINITY || part_max[p] != part_max[p] ? 0.0f
+                                                                             : exp_sum(row + lo, hi - lo, part_max[p]);
+        const int64_t first = argmax != nullptr ? first_index_of(row + lo, hi - lo, part_max[p]) : -1;
+        part_first[p] = first < 0 ? -1 : lo + first;
+      }
+      float max = -INFINITY;
+      bool nan = false;
+      for (int p = 0; p < parts; ++p) {
+        nan = nan || part_max[p] != part_max[p];
+        max = part_max[p] > max ? part_max[p] : max;
+      }
+      if (nan) max = NAN;
+      float total = 0.0f;
+      int64_t first = -1;
+      for (int p = 0; p < parts; ++p) {
+        if (part_max[p] == -INFINITY || nan) continue;
+        total += part_sum[p] * std::exp(part_max[p] - max);
+        if (first < 0 && part_max[p] == max) first = part_first[p];
+      }
+      out[r] = max == -INFINITY ? -INFINITY : nan ? NAN : max + std::log(total);
+      if (argmax != nullptr) argmax[r] = nan ? -1 : first;
+    }
+    return;
+  }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int r = 0; r < rows; ++r) {
     const float* row = x + r * row_stride;
     const float max = row_max(row, cols);
-    out[r] = max == -INFINITY ? -INFINITY : max + std::log(row_total(row, cols, max, 1.0f));
+    out[r] = max == -INFINITY ? -INFINITY : max + std::log(exp_sum(row, cols, max));
     if (argmax != nullptr) argmax[r] = first_index_of(row, cols, max);
   }
 }
