@@ -308,3 +308,88 @@ def test_kept_ways_this_path_cannot_run_are_measured_again(trial_cache, two_ways
     _new_process(monkeypatch)
     assert int8_trial.int8_rows_that_pay("Q4_K") == 16
     assert trial_cache.measured == ["Q4_K", "Q4_K"]
+
+
+# --- ways per row width (rows narrower than the trial's) ------------------------------------------
+
+
+def test_a_widths_way_serves_products_of_that_width_only():
+    """The C side: a way set for Q8_0 rows 640 wide serves those products (bitwise the product
+    with that way set for the type) and nothing else; None gives the bucket back to the type's."""
+    import torch
+
+    from pagedllm.kernels import gguf
+
+    ways = gguf.int8_ways("Q8_0")
+    if len(ways) < 2:
+        pytest.skip("one int8 way on this path: nothing to choose")
+    rows, (first, second) = 4, ways[:2]
+    gen = torch.Generator().manual_seed(0)
+    narrow, wide = gguf.random_weight("Q8_0", 96, 640, gen), gguf.random_weight("Q8_0", 96, 1024, gen)
+    x640, x1024 = torch.randn(rows, 640, generator=gen), torch.randn(rows, 1024, generator=gen)
+    before = gguf.int8_way("Q8_0", rows)
+    try:
+        gguf.set_int8_way("Q8_0", rows, second)
+        by_second = gguf.matmul(x640, narrow, int8=True)
+        gguf.set_int8_way("Q8_0", rows, first)
+        by_first_wide = gguf.matmul(x1024, wide, int8=True)
+        gguf.set_int8_way("Q8_0", rows, second, in_features=640)
+        assert gguf.int8_way("Q8_0", rows, in_features=640) == second
+        assert gguf.int8_way("Q8_0", rows) == first and gguf.int8_way("Q8_0", rows, in_features=1024) == first
+        assert gguf.int8_way("Q8_0", 1, in_features=640) == gguf.int8_way("Q8_0", 1)  # other buckets: the type's
+        assert torch.equal(gguf.matmul(x640, narrow, int8=True), by_second)
+        assert torch.equal(gguf.matmul(x1024, wide, int8=True), by_first_wide)
+        gguf.set_int8_way("Q8_0", rows, None, in_features=640)
+        assert gguf.int8_way("Q8_0", rows, in_features=640) == first
+    finally:
+        gguf.set_int8_way("Q8_0", rows, None, in_features=640)
+        gguf.set_int8_way("Q8_0", rows, before)
+
+
+@pytest.fixture
+def width_ways(monkeypatch):
+    """Two int8 ways whose per-width setting is recorded instead of reaching the C side; the
+    faked timings make "avx2" win at 1 and 2 rows, "vnni" above; `timed` lists (width, rows, way)."""
+    state = SimpleNamespace(set={}, timed=[])
+    monkeypatch.setattr(int8_trial.gguf_kernels, "int8_ways", lambda qtype=None: ["vnni", "avx2"])
+    monkeypatch.setattr(int8_trial.gguf_kernels, "set_int8_way",
+                        lambda qtype, rows, way, in_features=None: state.set.__setitem__((qtype, in_features, rows), way))
+    monkeypatch.setattr(int8_trial.gguf_kernels, "random_weight",
+                        lambda qtype, out, inn, gen=None: SimpleNamespace(in_features=inn, out_features=out))
+
+    def matmul(x, w, int8=False):
+        state.timed.append((w.in_features, x.shape[0], state.set[("Q8_0", w.in_features, x.shape[0])]))
+
+    def fake_time(fn, repeats):
+        fn()
+        _, rows, way = state.timed[-1]
+        return 1.0 if (way == "avx2") == (rows <= 2) else 2.0
+
+    monkeypatch.setattr(int8_trial.gguf_kernels, "matmul", matmul)
+    monkeypatch.setattr(int8_trial, "best_wall_time", fake_time)
+    return state
+
+
+def test_narrower_widths_take_the_ways_their_own_timings_find_faster(trial_cache, width_ways, monkeypatch):
+    """A width narrower than the trial's is timed at the decode buckets on a weight of the trial's
+    bytes and its winners set for that width; kept, and set again without timing on the next start;
+    the trial's width and wider ones are not timed (its ways hold)."""
+    int8_trial.set_ways_for_width("Q8_0", 640)
+    decode = [b for b in int8_trial.gguf_kernels.INT8_WAY_BUCKETS if b <= int8_trial.gguf_kernels.MAX_ROWS]
+    expected = {rows: "avx2" if rows <= 2 else "vnni" for rows in decode}
+    assert {rows: width_ways.set["Q8_0", 640, rows] for rows in decode} == expected
+    assert {w for w, _, _ in width_ways.timed} == {640}
+    kept = json.loads(trial_cache.path.read_text())["width_ways"]
+    assert kept == {"Q8_0": {"640": {str(rows): way for rows, way in expected.items()}}}
+    count = len(width_ways.timed)
+    int8_trial.set_ways_for_width("Q8_0", int8_trial.TRIAL_SHAPE[1])
+    int8_trial.set_ways_for_width("Q8_0", 8192)
+    assert len(width_ways.timed) == count  # the trial's width and wider: not timed
+    monkeypatch.setattr(int8_trial, "_width_results", set())  # a second start on this machine
+    width_ways.set.clear()
+    int8_trial.set_ways_for_width("Q8_0", 640)
+    assert len(width_ways.timed) == count  # read, not timed
+    assert {rows: width_ways.set["Q8_0", 640, rows] for rows in decode} == expected
+    # The type's own trial, kept later, keeps the width's ways beside it.
+    assert int8_trial.int8_rows_that_pay("Q4_K") == 16
+    assert json.loads(trial_cache.path.read_text())["width_ways"] == kept

@@ -63,9 +63,10 @@ def test_auto_takes_int8_at_every_size_where_the_trial_says_so_and_on_up_to_max_
     """Where int8 wins at the largest trial size (AMX-INT8 tiles), a weight takes int8 activations
     at every size (prompts too), Q4_1 and Q8_0 as every other type; a trial that stops at 16 rows
     stops there; "on" takes them up to MAX_ROWS whatever the trial says."""
-    methods = [GGUFLinear(parts=[SimpleNamespace(qtype=q)]) for q in ("Q4_K", "Q4_1", "Q8_0")]
+    methods = [GGUFLinear(parts=[SimpleNamespace(qtype=q, in_features=2048)]) for q in ("Q4_K", "Q4_1", "Q8_0")]
     monkeypatch.setattr(layers, "_linear_layers", lambda model: [SimpleNamespace(quant_method=m) for m in methods])
     monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: quantization.EVERY_SIZE)
+    monkeypatch.setattr(layers, "set_ways_for_width", lambda qtype, in_features: None)
     assert layers.use_int8_activations(None, "auto") == 3
     assert [m.int8_rows for m in methods] == [quantization.EVERY_SIZE] * 3
     monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: 16 if qtype == "Q4_K" else 0)

@@ -235,26 +235,35 @@ def _way_code(way: str) -> int:
     return _WAY_CODES.get(way, 0 if way == INT8_WAYS[isa()][0] else 1)
 
 
-def set_int8_way(qtype: str, rows: int, way: str) -> None:
+def set_int8_way(qtype: str, rows: int, way: str | None, in_features: int | None = None) -> None:
     """Run int8 products of `qtype` with `rows` rows (and every row count in its bucket of
     INT8_WAY_BUCKETS) by `way`, one of `int8_ways()`: a measurement's choice (the start-up trial,
     model/quant/int8_trial.py), never a fixed table. The types the VNNI and AMX ways do not decode
-    (AVX2_INT8_ONLY) choose among the AVX2 ways only (`int8_ways(qtype)`)."""
+    (AVX2_INT8_ONLY) choose among the AVX2 ways only (`int8_ways(qtype)`). With `in_features`,
+    only products whose rows are that wide (None as the way: they take the type's way again)."""
     if TYPE_IDS.get(qtype) is None or rows < 1:
         raise ValueError(f"set_int8_way needs a GGUF type and rows >= 1, got {qtype!r}, {rows}")
     ways = int8_ways(qtype)
-    if way not in ways:
+    if way not in ways and not (way is None and in_features is not None):
         raise ValueError(f"int8 way {way!r} is not one of this path's for {qtype} ({', '.join(ways)})")
-    if len(ways) > 1:
+    if len(ways) < 2:
+        return
+    if in_features is None:
         _lib().gguf_set_int8_way(TYPE_IDS[qtype], rows, _way_code(way))
+    elif _lib().gguf_set_int8_way_for_width(TYPE_IDS[qtype], in_features, rows, -1 if way is None else _way_code(way)):
+        raise ValueError(f"cannot set an int8 way for {qtype} rows of {in_features} (a table of 64 widths)")
 
 
-def int8_way(qtype: str, rows: int) -> str:
-    """The int8 way products of `qtype` with `rows` rows run by now."""
+def int8_way(qtype: str, rows: int, in_features: int | None = None) -> str:
+    """The int8 way products of `qtype` with `rows` rows (`in_features` wide: that width's way
+    where one was set) run by now."""
     ways = int8_ways(qtype)
     if len(ways) == 1:
         return ways[0]
-    code = _lib().gguf_int8_way(TYPE_IDS[qtype], rows)
+    if in_features is None:
+        code = _lib().gguf_int8_way(TYPE_IDS[qtype], rows)
+    else:
+        code = _lib().gguf_int8_way_for_width(TYPE_IDS[qtype], in_features, rows)
     return next((w for w in ways if _way_code(w) == code), ways[0])  # (an AVX2-only type's 0 is "avx2")
 
 

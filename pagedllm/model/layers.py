@@ -19,7 +19,7 @@ from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.kernels import gguf as gguf_kernels
 from pagedllm.model.quant import EVERY_SIZE, FloatLinear, load_part
-from pagedllm.model.quant.int8_trial import int8_rows_that_pay
+from pagedllm.model.quant.int8_trial import int8_rows_that_pay, set_ways_for_width
 from pagedllm.model.weights import LazyWeight
 from pagedllm.utils import cdiv
 
@@ -108,6 +108,9 @@ def use_int8_activations(model: nn.Module, mode: str, by_default: bool = False) 
     for method in methods:
         trial = min(int8_rows_that_pay(q) for q in method.qtypes)  # (each type's kernels, once)
         method.int8_rows = gguf_kernels.MAX_ROWS if mode == "on" else trial
+        if method.int8_rows:  # the ways of rows this wide, where narrower than the trial's
+            for qtype in method.qtypes:
+                set_ways_for_width(qtype, method.in_features)
     taking = sum(m.int8_rows > 0 for m in methods)
     most = max(m.int8_rows for m in methods)
     sizes = ("no product: float32's were as fast at every trial size" if most == 0 else

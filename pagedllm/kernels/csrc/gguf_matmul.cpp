@@ -69,8 +69,31 @@ inline int way_bucket(int64_t rows) {
   while (b + 1 < kWayBuckets && (int64_t{1} << (b + 1)) <= rows) ++b;
   return b;
 }
-inline int int8_way(int qtype, int64_t rows) {
-  return qtype >= 0 && qtype < kWayTypes ? g_int8_way[qtype][way_bucket(rows)] : kWayPath;
+// Ways measured for one row width (in_features) of a type, where the trial's width chose
+// otherwise: per row the fixed costs (reductions, the constants' term) weigh more in a short row
+// (measured: Q8_0 at 1 row, 640 wide: the AVX2 way 30% faster than VNNI; 2048 wide: a tie). -1:
+// not set for that bucket (the type's way).
+struct WidthWays {
+  int qtype;
+  int64_t in_features;
+  int8_t way[kWayBuckets];
+};
+constexpr int kMaxWidths = 64;
+WidthWays g_width_ways[kMaxWidths];
+int g_num_width_ways = 0;
+
+WidthWays* width_ways(int qtype, int64_t in_features) {
+  for (int i = 0; i < g_num_width_ways; ++i)
+    if (g_width_ways[i].qtype == qtype && g_width_ways[i].in_features == in_features) return &g_width_ways[i];
+  return nullptr;
+}
+
+inline int int8_way(int qtype, int64_t rows, int64_t in_features = 0) {
+  if (qtype < 0 || qtype >= kWayTypes) return kWayPath;
+  const int bucket = way_bucket(rows);
+  if (g_num_width_ways > 0 && in_features > 0)
+    if (const WidthWays* w = width_ways(qtype, in_features); w != nullptr && w->way[bucket] >= 0) return w->way[bucket];
+  return g_int8_way[qtype][bucket];
 }
 
 // The few-rows float way: each row of W expanded once, every row of x takes it.
@@ -122,7 +145,7 @@ void int8_matmul(int qtype, float* y, const float* x, const uint8_t* packed, int
 #ifdef GGUF_INT8_AVX2
   // (the types the VNNI and AMX ways have no decoder for take the AVX2 way on every SIMD path, as
   // do the row counts where a measurement chose it: gguf_set_int8_way)
-  const int way = int8_way(qtype, num_rows);
+  const int way = int8_way(qtype, num_rows, in_features);
   if (ISA != kPortable && (ISA == kAvx2 || !vnni_type(qtype) || way != kWayPath))
     return int8_avx2::matmul(qtype, y, x, packed, num_rows, out_features, in_features, num_threads, way == kWayAvx2Rows);
 #endif
@@ -341,5 +364,30 @@ int gguf_set_int8_way(int qtype_id, int64_t rows, int way) {
 #endif
 }
 int gguf_int8_way(int qtype_id, int64_t rows) { return int8_way(qtype_id, rows); }
+
+// As gguf_set_int8_way, for products whose rows are in_features wide only (way -1: that bucket
+// takes the type's way again). Returns 0, or -1 if out of range or the table is full.
+int gguf_set_int8_way_for_width(int qtype_id, int64_t in_features, int64_t rows, int way) {
+#ifdef GGUF_INT8_AVX2
+  if (qtype_id < 0 || qtype_id >= kWayTypes || type_size(qtype_id).weights == 0 || rows < 1 || in_features < 1 ||
+      way < -1 || way > kWayAvx2Rows)
+    return -1;
+  WidthWays* w = width_ways(qtype_id, in_features);
+  if (w == nullptr) {
+    if (g_num_width_ways == kMaxWidths) return -1;
+    w = &g_width_ways[g_num_width_ways];
+    *w = WidthWays{qtype_id, in_features, {}};
+    for (int b = 0; b < kWayBuckets; ++b) w->way[b] = -1;
+    ++g_num_width_ways;
+  }
+  w->way[way_bucket(rows)] = static_cast<int8_t>(way);
+  return 0;
+#else
+  return -1;
+#endif
+}
+int gguf_int8_way_for_width(int qtype_id, int64_t in_features, int64_t rows) {
+  return int8_way(qtype_id, rows, in_features);
+}
 
 }  // extern "C"

@@ -25,7 +25,12 @@ beside the AVX2 way on AVX-512 CPUs, and everywhere the AVX2 way with every row 
 "avx2_rows"), so the trial first times each of them per bucket of row counts
 (`gguf.INT8_WAY_BUCKETS`: 1, 2-3, ..., 128 and more) and sets the faster (`gguf.set_int8_way`),
 kept as "ways" and set again when the entry is read: which way wins where depends on the core
-(VNNI's zmm issue rate, the caches, the type's decoding), not on a threshold. A type with one way
+(VNNI's zmm issue rate, the caches, the type's decoding), not on a threshold. It depends on the
+row's width too: a row narrower than the trial's pays its fixed costs (reductions, the constants'
+term) over fewer weights (Q8_0 at 1 row on a Zen 4 EPYC: 640 wide, the AVX2 way 30% faster than
+VNNI; 2048 wide, a tie). So each narrower width a model's weights have is timed too, at the
+decode buckets, on a weight of the trial's bytes (`choose_width_ways`), kept as
+"width_ways" {qtype: {in_features: {bucket: way}}} and set for products of that width only. A type with one way
 on this path stores {}. An entry that is not valid JSON, was measured under other conditions or holds a row count the trial cannot
 give is ignored and measured again, never fatal. Delete `int8-trials/` under the cache folder
 (`pagedllm.paths.cache_dir()`) to measure again, for instance after a trial on a busy machine.
@@ -126,6 +131,35 @@ def set_ways(qtype: str, ways: dict[int, str]) -> None:
         gguf_kernels.set_int8_way(qtype, rows, way)
 
 
+def choose_width_ways(qtype: str, in_features: int) -> dict[int, str]:
+    """As `choose_ways`, for products whose rows are `in_features` wide (narrower than the
+    trial's), at the decode buckets (up to `gguf.MAX_ROWS` rows), on a weight of the trial's bytes;
+    set for that width: {bucket: way}. {} where there is nothing to choose."""
+    ways = gguf_kernels.int8_ways(qtype)
+    if len(ways) < 2:
+        return {}
+    gen = torch.Generator().manual_seed(2)
+    out_features = TRIAL_SHAPE[0] * TRIAL_SHAPE[1] // in_features
+    w = gguf_kernels.random_weight(qtype, out_features, in_features, gen)
+    chosen, timings = {}, []
+    for rows in (b for b in gguf_kernels.INT8_WAY_BUCKETS if b <= gguf_kernels.MAX_ROWS):
+        x = torch.randn(rows, in_features, generator=gen)
+        times = {}
+        for way in [name for name in ways if name != "avx2_rows" or rows > 1]:  # (one row: the same product)
+            gguf_kernels.set_int8_way(qtype, rows, way, in_features)
+            times[way] = best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), _repeats(rows))
+        chosen[rows] = min(times, key=times.__getitem__)
+        gguf_kernels.set_int8_way(qtype, rows, chosen[rows], in_features)
+        timings.append(f"{rows}: {chosen[rows]} (" + ", ".join(f"{way} {t * 1e6:.0f} us" for way, t in times.items()) + ")")
+    logger.info("int8 ways for %s rows of %d, by rows: %s", qtype, in_features, "; ".join(timings))
+    return chosen
+
+
+def set_width_ways(qtype: str, in_features: int, ways: dict[int, str]) -> None:
+    for rows, way in ways.items():
+        gguf_kernels.set_int8_way(qtype, rows, way, in_features)
+
+
 def describe(rows: int) -> str:
     """A trial's result in words, for the log."""
     return ("used at every size" if rows == EVERY_SIZE else f"used up to {rows} rows" if rows
@@ -190,7 +224,37 @@ def _stored(path: Path, conds: dict, quiet: bool = False) -> dict[str, tuple[int
     return kept
 
 
+def _stored_width_ways(path: Path, conds: dict) -> dict[str, dict[int, dict[int, str]]]:
+    """The width ways kept at `path` for these conditions (an entry of `_stored`'s kind), qtype ->
+    {in_features: ways}; what is not a choice of `choose_width_ways` is left out."""
+    entry = read_json(path)
+    if not isinstance(entry, dict) or entry.get("version") != TRIAL_VERSION or entry.get("conditions") != conds:
+        return {}
+    stored = entry.get("width_ways")
+    kept: dict[str, dict[int, dict[int, str]]] = {}
+    for qtype, widths in (stored.items() if isinstance(stored, dict) else ()):
+        if qtype not in gguf_kernels.TYPE_IDS or not isinstance(widths, dict):
+            continue
+        for width, ways in widths.items():
+            chosen = _ways_of(ways, qtype)
+            if isinstance(width, str) and width.isdigit() and chosen is not None:
+                kept.setdefault(qtype, {})[int(width)] = chosen
+    return kept
+
+
+def _write(path: Path, conds: dict, results: dict, width_ways: dict) -> None:
+    try:
+        write_json_entry(path, {
+            "version": TRIAL_VERSION, "conditions": conds, "rows": {q: r for q, (r, _) in results.items()},
+            "ways": {q: {str(b): way for b, way in w.items()} for q, (_, w) in results.items()},
+            "width_ways": {q: {str(n): {str(b): way for b, way in w.items()} for n, w in widths.items()}
+                           for q, widths in width_ways.items()}})
+    except OSError as exc:
+        logger.debug("Could not keep the int8 trial's result (%s)", exc)
+
+
 _results: dict[tuple[str, str], int] = {}  # per process: (the conditions' file, qtype) -> rows
+_width_results: set[tuple[str, str, int]] = set()  # per process: (file, qtype, in_features) set
 
 
 def int8_rows_that_pay(qtype: str) -> int:
@@ -213,11 +277,27 @@ def int8_rows_that_pay(qtype: str) -> int:
         ways = choose_ways(qtype)  # first: the rows where int8 pays are timed on the chosen ways
         rows = measure(qtype)
         merged = {**_stored(path, conds, quiet=True), qtype: (rows, ways)}  # with what another process stored
-        try:
-            write_json_entry(path, {"version": TRIAL_VERSION, "conditions": conds,
-                                    "rows": {q: r for q, (r, _) in merged.items()},
-                                    "ways": {q: {str(b): way for b, way in w.items()} for q, (_, w) in merged.items()}})
-        except OSError as exc:
-            logger.debug("Could not keep the int8 trial's result (%s)", exc)
+        _write(path, conds, merged, _stored_width_ways(path, conds))
     _results[str(path), qtype] = rows
     return rows
+
+
+def set_ways_for_width(qtype: str, in_features: int) -> None:
+    """Set the int8 ways of `qtype` products `in_features` wide: kept on this machine, else timed
+    (`choose_width_ways`) and kept; nothing for widths the trial's or wider (its ways hold)."""
+    if in_features >= TRIAL_SHAPE[1] or len(gguf_kernels.int8_ways(qtype)) < 2:
+        return
+    conds = conditions()
+    path = trial_path(conds)
+    if (str(path), qtype, in_features) in _width_results:
+        return
+    kept = _stored_width_ways(path, conds)
+    if in_features in kept.get(qtype, {}):
+        set_width_ways(qtype, in_features, kept[qtype][in_features])
+    else:
+        logger.info("Timing the int8 ways of %s rows of %d on this CPU (kept in %s)...", qtype, in_features, path)
+        ways = choose_width_ways(qtype, in_features)
+        kept = _stored_width_ways(path, conds)  # (with what another process stored meanwhile)
+        kept.setdefault(qtype, {})[in_features] = ways
+        _write(path, conds, _stored(path, conds, quiet=True), kept)
+    _width_results.add((str(path), qtype, in_features))
