@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -186,16 +187,20 @@ class FusedDecoderLayers:
         return len(shapes) == 1  # (the step's scratch is sized once)
 
     def applies(self, hidden: torch.Tensor, metadata) -> bool:
-        """A step of at most MAX_ROWS tokens, none of them a prompt without cached context (those
-        take torch's fused causal attention in the loop)."""
-        return (hidden.shape[0] <= MAX_ROWS and hidden.device.type == "cpu"
-                and not any(plan.fresh_prompts for plan in self._plans(metadata)))
-
-    def _plans(self, metadata) -> list:
-        """The attention plan of each KV cache group, as its layers would make it."""
+        """A step of at most MAX_ROWS tokens, none of them a prompt without cached context that a
+        group's layers would run apart (torch's fused causal attention in the loop: `_plan`'s
+        fresh prompts, those of more than one token with no cached context, within the window)."""
+        if hidden.shape[0] > MAX_ROWS or hidden.device.type != "cpu":
+            return False
+        if metadata.num_decodes == len(metadata.query_lens):  # decodes only (the common case): no prompt
+            return True
+        query_lens = np.asarray(metadata.query_lens)
+        seq_lens = np.asarray(metadata.seq_lens_list)
+        fresh = (query_lens > 1) & (seq_lens == query_lens)
+        if not fresh.any():
+            return True
         self._layer_array()  # (binds the groups' windows)
-        groups = [metadata, *metadata.other_groups]
-        return [self.backend.plan(m, self._group_windows.get(g)) for g, m in enumerate(groups)]
+        return not any(window is None or (seq_lens[fresh] <= window).any() for window in self._group_windows.values())
 
     def _layer_array(self) -> ctypes.Array:
         """The layers' pointers, built again if the KV pools were bound anew."""
@@ -227,11 +232,13 @@ class FusedDecoderLayers:
         the loop leaves them for the final norm."""
         layers = self._layer_array()
         groups = [metadata, *metadata.other_groups]
-        plans = self._plans(metadata)  # the same work items: only the block tables differ
-        plan = plans[0]
+        # One plan: every group has the same work items (a step with no fresh prompt: `applies`),
+        # only the block tables differ, as int32 the kernel reads.
+        plan = self.backend.plan(metadata, self._group_windows.get(0))
+        tables = [plan.block_tables, *(m.block_tables.to(torch.int32).contiguous() for m in groups[1:])]
         slot_mappings = (_P * len(groups))(*(m.slot_mapping.data_ptr() for m in groups))
-        block_tables = (_P * len(groups))(*(p.block_tables.data_ptr() for p in plans))
-        table_strides = (ctypes.c_int64 * len(groups))(*(p.block_tables.shape[1] for p in plans))
+        block_tables = (_P * len(groups))(*(t.data_ptr() for t in tables))
+        table_strides = (ctypes.c_int64 * len(groups))(*(t.shape[1] for t in tables))
         positions = [r.table_positions(positions, metadata).contiguous() for r in self.rotaries]
         rotary_positions = (_P * len(positions))(*(p.data_ptr() for p in positions))
         key_cache = self.layers[0].attn.key_cache
