@@ -50,6 +50,14 @@ SHAPES = {
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                        tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6,
                        hidden_act="silu"),
+    # Phi-4-mini: a partial rotary (3/4 of each head) with LongRoPE (short and long factors, the
+    # long set past 4096 tokens), GQA 3:1, tied, 200,064 tokens.
+    "phi4-mini": dict(architecture="Phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                      num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, partial_rotary_factor=0.75,
+                      tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=131072,
+                      original_max_position_embeddings=4096, rms_norm_eps=1e-5, hidden_act="silu",
+                      rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 48,
+                                    "long_factor": [round(32.0 ** (i / 47), 4) for i in range(48)]}),
     # For the tests: the same structure, small.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, **COMMON),
@@ -159,13 +167,20 @@ def _readable_by_the_converter(folder: Path) -> None:
     """What transformers 5 writes, in the keys the converter's transformers 4 and its own config
     reader know: the tokenizer class `PreTrainedTokenizerFast` (5 names it `TokenizersBackend`),
     `rope_theta` at the top (5 nests it in `rope_parameters`)."""
-    path = folder / "tokenizer_config.json"
-    tokenizer_config = json.loads(path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    path.write_text(json.dumps(tokenizer_config, indent=2))
     path = folder / "config.json"
     config = json.loads(path.read_text())
-    config.setdefault("rope_theta", config.get("rope_parameters", {}).get("rope_theta"))
+    rope = config.get("rope_parameters", {})
+    config.setdefault("rope_theta", rope.get("rope_theta"))
+    if rope.get("rope_type") == "longrope":  # (the converter reads LongRoPE's factors from rope_scaling)
+        config.setdefault("rope_scaling", {"type": "longrope", "short_factor": rope["short_factor"],
+                                           "long_factor": rope["long_factor"]})
+    path = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(path.read_text())
+    # (Phi-3's converter takes a BPE vocabulary only from a GPT2Tokenizer, else a SentencePiece file)
+    phi3 = config["architectures"] == ["Phi3ForCausalLM"]
+    tokenizer_config["tokenizer_class"] = "GPT2Tokenizer" if phi3 else "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(tokenizer_config, indent=2))
+    path = folder / "config.json"
     config.setdefault("torch_dtype", config.get("dtype", "float16"))
     path.write_text(json.dumps(config, indent=2))
 
