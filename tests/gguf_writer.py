@@ -55,9 +55,10 @@ def _checkpoint_tensors(folder: Path, family: str, num_layers: int) -> dict[str,
 
 
 def write_gguf(folder: Path, family: str, path: Path, tokenizer: dict | None = None,
-               qtype: gguf.GGMLQuantizationType | None = None) -> Path:
+               qtype: gguf.GGMLQuantizationType | None = None, float_routers: bool = False) -> Path:
     """The Hugging Face folder of a tiny `family` model as a GGUF file at `path`: float32
-    tensors, or `qtype` blocks for the projections (stacked experts too) whose rows fit its blocks."""
+    tensors, or `qtype` blocks for the projections (stacked experts too) whose rows fit its blocks
+    (a mixture's router too, unless `float_routers`: llama-quantize keeps them in F32)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(folder))
@@ -126,6 +127,7 @@ def write_gguf(folder: Path, family: str, path: Path, tokenizer: dict | None = N
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         quantize = qtype is not None and data.ndim >= 2 and data.shape[-1] % 32 == 0 and "norm" not in name
+        quantize = quantize and not (float_routers and gguf_name.startswith("blk.") and ".ffn_gate_inp" in gguf_name)
         if quantize:
             writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:

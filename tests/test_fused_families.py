@@ -31,7 +31,12 @@ CASES = {
     "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.5}),  # half of each head turns
     "phi3-longrope": ("phi3", LONGROPE),  # table rows by sequence length (past 32 tokens: the long set)
     "granite": ("granite", {}),  # branch multipliers
+    # Mixtures of experts over Q8_0 experts: routers Q8_0 (as written here) or F32 (as llama-quantize
+    # keeps them)
+    "mixtral": ("mixtral", {}),
+    "qwen3-moe-float-router": ("qwen3_moe", {"moe_intermediate_size": 64}),
 }
+FLOAT_ROUTERS = {"qwen3-moe-float-router"}
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +47,14 @@ def tokenizer_fields():
     return tokenizer_fields(resolve_model(None).path)
 
 
-def _quantized_oracle(path):
+def _quantized_oracle(path, float_routers: bool):
     """transformers' model of `path` with the tensors the file quantizes replaced by what the file
     holds: each rounded through Q8_0 (gguf-py's own quantize and dequantize)."""
     hf = load_hf(path)
     with torch.no_grad():
         for name, param in hf.named_parameters():
-            if param.dim() >= 2 and param.shape[-1] % 32 == 0 and "norm" not in name:
+            router = name.endswith((".gate.weight", "router.weight"))
+            if param.dim() >= 2 and param.shape[-1] % 32 == 0 and "norm" not in name and not (router and float_routers):
                 blocks = gguf.quants.quantize(param.numpy(), Q8_0)
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, Q8_0)).reshape(param.shape))
     return hf
@@ -60,12 +66,16 @@ def test_each_familys_fused_step_is_the_layer_loop_bitwise_and_transformers_gree
     monkeypatch.setenv("PAGEDLLM_MODEL_CACHE", "0")
     family, overrides = CASES[case]
     path = tiny_models(family, **overrides)
-    file = write_gguf(path, family, tmp_path / "q8.gguf", tokenizer=tokenizer_fields, qtype=Q8_0)
+    file = write_gguf(path, family, tmp_path / "q8.gguf", tokenizer=tokenizer_fields, qtype=Q8_0,
+                      float_routers=case in FLOAT_ROUTERS)
     # (no prefix caching: the second run would compute its prompts on cached blocks, not as the first)
     llm = LLM(str(file), max_model_len=256, num_gpu_blocks=128, int8_activations="off", enable_prefix_caching=False)
     try:
         model = llm.llm_engine.executor.worker.model
         assert model.fused_layers is not None, case
+        moes = [layer.moe for layer in model.fused_layers.layers if layer.moe is not None]
+        assert bool(moes) == (family in ("mixtral", "qwen3_moe"))  # (the experts in the C++ step too)
+        assert all(m.gate.quant_method.dense == (case in FLOAT_ROUTERS) for m in moes)
         prompts = random_prompts(3, [30, 21, 9], seed=11)
         params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, logprobs=5)
         calls: list[int] = []
@@ -83,7 +93,7 @@ def test_each_familys_fused_step_is_the_layer_loop_bitwise_and_transformers_gree
         if case == "phi3-longrope":
             return  # transformers re-encodes its whole cache once a sequence crosses 32 tokens; a paged
             # cache keeps its keys (model/rotary.py): their tokens part there by design
-        oracle = _quantized_oracle(path)
+        oracle = _quantized_oracle(path, case in FLOAT_ROUTERS)
         assert ours == [hf_greedy(oracle, p, 12, ignore_eos=True) for p in prompts]
     finally:
         llm.llm_engine.shutdown()

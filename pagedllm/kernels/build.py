@@ -144,6 +144,8 @@ def load() -> ctypes.CDLL:
     lib.decoder_layers_f32.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P]
     lib.decoder_layers_f32.restype = None
     lib.decoder_layers_num_parts.restype = ctypes.c_int
+    lib.moe_layer_f32.argtypes = [_P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.moe_layer_f32.restype = None
     for suffix in ("f32", "bf16"):
         getattr(lib, f"fused_add_rms_norm_{suffix}").argtypes = [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
         getattr(lib, f"rotary_neox_{suffix}").argtypes = [_P, ctypes.c_int64, _P, _P, _P] + [ctypes.c_int] * 5

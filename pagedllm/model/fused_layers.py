@@ -10,8 +10,9 @@ A family says what its layers are (`CausalLM.fused_decoder_plan`: a `FusedLayer`
 shape, plus what the others add to it: q/k head norms (Qwen3, Gemma 3), Gemma's norms over the
 attention's and the MLP's outputs ("sandwich") with their (1 + w) weights, GELU's tanh form,
 attention soft caps (Gemma 2), per-layer rotary tables (Gemma 3's local and global) and partial
-or LongRoPE rotaries (Phi-3/4, their table rows given per step), Granite's branch multiplier.
-Mixtures of experts take the loop.
+or LongRoPE rotaries (Phi-3/4, their table rows given per step), Granite's branch multiplier,
+and mixtures of experts over GGUF-packed experts (Mixtral, Qwen3-MoE: `moe_forward`, which the
+loop's `SparseMoE` runs too on a float32 CPU).
 
 `pagedllm bench latency --profile` still sees each part: while a profile is taken, the C++ side
 adds each part's nanoseconds to `part_ns` (`PARTS`, in the order of its enum).
@@ -53,14 +54,49 @@ class _Projection(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _P) for name in (
         "input_norm", "pre_mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm")] + [
-        ("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection), ("down", _Projection),
+        ("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection), ("down", _Projection), ("moe", _P),
         ("key_cache", _P), ("value_cache", _P), ("cos_cache", _P), ("sin_cache", _P)] + [
         (name, ctypes.c_int32) for name in ("rotary", "rotary_dim", "kv_group", "sliding_window", "activation")] + [
         (name, ctypes.c_float) for name in ("scale", "logits_soft_cap", "branch_scale")]
 
 
+class _MoE(ctypes.Structure):
+    _fields_ = [("router", _P), ("router_blocks", _P), ("gate_ups", _P), ("downs", _P)] + [
+        (name, ctypes.c_int32) for name in (
+        "num_experts", "top_k", "intermediate_size", "norm_topk_prob", "activation")]
+
+
 # decoder_layers.cpp's Activation: the MLP activations it computes, by transformers' names.
 ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
+
+
+def moe_supported(moe) -> bool:
+    """Whether a mixture (`moe.SparseMoE`) runs as decoder_layers.cpp's `moe_forward`: float32
+    router on one rank, GGUF-packed experts of types with kernels, an activation it computes."""
+    from pagedllm.model.quant.experts import GGUFExperts
+
+    method, router = moe.experts.experts_method, moe.gate
+    float_router = router.weight.dtype == torch.float32 and router.quant_method.dense
+    return (moe.tp.size == 1 and router.weight.device.type == "cpu" and isinstance(method, GGUFExperts)
+            and (float_router or router.quant_method.fused_parts is not None)
+            and moe.experts.hidden_act in ACTIVATIONS
+            and all(m.fused_parts is not None for m in (*method.gate_ups, *method.downs)))
+
+
+def moe_struct(moe) -> tuple[_MoE, tuple]:
+    """The C++ view of a mixture (`moe_supported`), and what must outlive it."""
+    method = moe.experts.experts_method
+    gate_ups = (_Projection * len(method.gate_ups))(*(_projection_of(m) for m in method.gate_ups))
+    downs = (_Projection * len(method.downs))(*(_projection_of(m) for m in method.downs))
+    if moe.gate.quant_method.dense:  # float32 [E, H]
+        router, blocks = moe.gate.weight.detach().contiguous(), None
+    else:
+        router, blocks = None, _projection(moe.gate)
+    struct = _MoE(router.data_ptr() if router is not None else None,
+                  ctypes.addressof(blocks) if blocks is not None else None, ctypes.addressof(gate_ups),
+                  ctypes.addressof(downs), len(method.downs), moe.top_k, moe.experts.per_rank,
+                  int(moe.norm_topk_prob), ACTIVATIONS[moe.experts.hidden_act])
+    return struct, (gate_ups, downs, router, blocks)
 
 
 class _Step(ctypes.Structure):
@@ -76,11 +112,11 @@ class _Step(ctypes.Structure):
 
 def _projection(linear) -> _Projection:
     """The C++ view of a projection with a `GGUFLinear` method (its packed parts and bias)."""
-    method = linear.quant_method
-    parts = []
-    for part in method.fused_parts:
-        parts.append(_ProjectionPart(part.data.data_ptr(), gguf.TYPE_IDS[part.qtype], part.out_features))
-    bias = getattr(linear, "bias", None)
+    return _projection_of(linear.quant_method, getattr(linear, "bias", None))
+
+
+def _projection_of(method, bias: torch.Tensor | None = None) -> _Projection:
+    parts = [_ProjectionPart(p.data.data_ptr(), gguf.TYPE_IDS[p.qtype], p.out_features) for p in method.fused_parts]
     return _Projection((_ProjectionPart * _MAX_PARTS)(*parts), bias.data_ptr() if bias is not None else None,
                        len(parts), method.out_features, method.in_features, method.int8_rows)
 
@@ -96,11 +132,12 @@ class FusedLayer:
     pre_mlp_norm: torch.Tensor
     qkv: nn.Module
     o: nn.Module
-    gate_up: nn.Module
-    down: nn.Module
+    gate_up: nn.Module | None  # (None in a layer of experts)
+    down: nn.Module | None
     attn: Attention
     rotary: RotaryEmbedding
     activation: str = "silu"
+    moe: nn.Module | None = None  # a `moe.SparseMoE` in place of the dense MLP
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None
@@ -109,7 +146,7 @@ class FusedLayer:
 
     @property
     def projections(self) -> tuple[nn.Module, ...]:
-        return (self.qkv, self.o, self.gate_up, self.down)
+        return tuple(p for p in (self.qkv, self.o, self.gate_up, self.down) if p is not None)
 
     @property
     def norms(self) -> tuple[torch.Tensor, ...]:
@@ -159,7 +196,8 @@ class FusedDecoderLayers:
         self.hidden_size = first.input_norm.shape[0]
         self.num_heads, self.num_kv_heads = first.attn.num_heads, first.attn.num_kv_heads
         self.head_dim = first.attn.head_dim
-        self.intermediate_size = first.down.quant_method.in_features
+        dense = [layer for layer in plan.layers if layer.down is not None]
+        self.intermediate_size = dense[0].down.quant_method.in_features if dense else 1
         self.eps = plan.eps
 
     @staticmethod
@@ -182,9 +220,11 @@ class FusedDecoderLayers:
         projections = [p for layer in layers for p in layer.projections]
         if not all(p.quant_method.fused_parts is not None for p in projections):
             return False
-        shapes = {(layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim,
-                   layer.down.quant_method.in_features) for layer in layers}
-        return len(shapes) == 1  # (the step's scratch is sized once)
+        if any(layer.moe is not None and not moe_supported(layer.moe) for layer in layers):
+            return False
+        shapes = {(layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim) for layer in layers}
+        intermediate = {layer.down.quant_method.in_features for layer in layers if layer.down is not None}
+        return len(shapes) == 1 and len(intermediate) <= 1  # (the step's scratch is sized once)
 
     def applies(self, hidden: torch.Tensor, metadata) -> bool:
         """A step of at most MAX_ROWS tokens, none of them a prompt without cached context that a
@@ -211,13 +251,19 @@ class FusedDecoderLayers:
         if self._bound_to != bound:
             layers = []
             rotary_index = {id(r): i for i, r in enumerate(self.rotaries)}
+            self._moes = []
             for layer, attn in zip(self.layers, attns):
-                qkv, o, gate_up, down = (_projection(p) for p in layer.projections)
+                qkv, o = _projection(layer.qkv), _projection(layer.o)
+                gate_up, down = (_projection(p) if p is not None else _Projection() for p in (layer.gate_up, layer.down))
+                moe = None
+                if layer.moe is not None:
+                    self._moes.append(moe_struct(layer.moe))
+                    moe = ctypes.addressof(self._moes[-1][0])
                 norms = (layer.input_norm, layer.pre_mlp_norm, layer.attn_out_norm, layer.mlp_out_norm,
                          layer.q_norm, layer.k_norm)
                 rotary = layer.rotary
                 layers.append(_Layer(
-                    *(n.data_ptr() if n is not None else None for n in norms), qkv, o, gate_up, down,
+                    *(n.data_ptr() if n is not None else None for n in norms), qkv, o, gate_up, down, moe,
                     attn.key_cache.data_ptr(), attn.value_cache.data_ptr(), rotary.cos.data_ptr(),
                     rotary.sin.data_ptr(), rotary_index[id(rotary)], rotary.rotary_dim, attn.kv_cache_group,
                     attn.sliding_window or 0, ACTIVATIONS[layer.activation], attn.scale,

@@ -145,21 +145,26 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     def fused_decoder_plan(self):
         """Llama-shaped layers (q/k head norms, a partial or LongRoPE rotary, Granite's branch
-        multiplier included) with a dense MLP, on one rank: what the C++ layer loop computes
-        (quantized projections and the activation are checked by the caller)."""
+        multiplier included) with a dense MLP or a mixture of experts, on one rank: what the C++
+        layer loop computes (quantized projections, experts and the activation are checked by the
+        caller)."""
         from pagedllm.model.fused_layers import FusedDecoderPlan, FusedLayer, norm_weight
 
         cfg = self.cfg
-        if self.tp.size != 1 or cfg.moe is not None:
+        if self.tp.size != 1:
             return None
         layers = []
         for block in self.model.layers:
-            attn = block.self_attn
+            attn, mlp = block.self_attn, block.mlp
             heads = {}
             if attn.q_norm is not None:
                 heads = dict(q_norm=norm_weight(attn.q_norm), k_norm=norm_weight(attn.k_norm))
+            if isinstance(mlp, GatedMLP):
+                mlp_parts = dict(gate_up=mlp.gate_up_proj, down=mlp.down_proj, activation=mlp.hidden_act)
+            else:  # a mixture of experts
+                mlp_parts = dict(gate_up=None, down=None, activation=mlp.experts.hidden_act, moe=mlp)
             layers.append(FusedLayer(
                 norm_weight(block.input_layernorm), norm_weight(block.post_attention_layernorm), attn.qkv_proj,
-                attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj, attn.attn, attn.rotary,
-                block.mlp.hidden_act, branch_scale=getattr(block, "residual_multiplier", 1.0), **heads))
+                attn.o_proj, attn=attn.attn, rotary=attn.rotary, **mlp_parts,
+                branch_scale=getattr(block, "residual_multiplier", 1.0), **heads))
         return FusedDecoderPlan(layers, cfg.rms_norm_eps)

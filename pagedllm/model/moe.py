@@ -18,6 +18,7 @@ layer's do; else they are dequantized.
 
 from __future__ import annotations
 
+import ctypes
 import re
 
 import torch
@@ -68,6 +69,7 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.per_rank = tp.split(intermediate_size, "moe_intermediate_size")
+        self.hidden_act = hidden_act
         self.act = activation(hidden_act)
         self.gate_up_proj = _new_param(num_experts, 2 * self.per_rank, hidden_size, dtype=dtype, loader=self.weight_loader)
         self.down_proj = _new_param(num_experts, hidden_size, self.per_rank, dtype=dtype, loader=self.weight_loader)
@@ -173,6 +175,8 @@ class SparseMoE(nn.Module):
         self.experts = Experts(moe.num_experts, hidden_size, moe.intermediate_size, hidden_act, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and self._kernel() is not None:
+            return self._forward_kernel(x)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
@@ -182,3 +186,29 @@ class SparseMoE(nn.Module):
         expert_ids, slots = expert_ids.sort(dim=-1)
         weights = weights.gather(-1, slots)
         return self.tp.all_reduce(self.experts(x, expert_ids, weights))
+
+    def _kernel(self):
+        """The C++ mixture (decoder_layers.cpp's `moe_forward`, what the fused decoder step runs)
+        where it serves this layer: GGUF-packed experts, a float32 router, one rank; built once
+        per binding of the experts' storage. None elsewhere (the torch path above)."""
+        from pagedllm.kernels import ops as fused_ops
+        from pagedllm.model.fused_layers import moe_struct, moe_supported
+
+        key = (self.experts.gate_up_proj.data_ptr(), self.experts.down_proj.data_ptr(), self.gate.weight.data_ptr())
+        cached = self.__dict__.get("_kernel_struct")
+        if cached is None or cached[0] != key:
+            if fused_ops._lib() is None or not moe_supported(self):
+                self.__dict__["_kernel_struct"] = (key, None)
+                return None
+            self.__dict__["_kernel_struct"] = cached = (key, moe_struct(self))
+        return cached[1]
+
+    def _forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        from pagedllm.kernels import ops as fused_ops
+
+        struct, _ = self._kernel()
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        fused_ops._lib().moe_layer_f32(out.data_ptr(), x.data_ptr(), ctypes.addressof(struct), x.shape[0], x.shape[1],
+                                       torch.get_num_threads())
+        return out

@@ -14,9 +14,12 @@
 // With `part_ns`, the nanoseconds of each part are added to it (the step profile's parts,
 // model/fused_layers.py's PARTS).
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #include "gguf_matmul.h"
@@ -69,6 +72,19 @@ struct Projection {
 
 enum Activation { kSilu = 0, kGeluTanh = 1 };
 
+// A sparse mixture of experts (Mixtral, Qwen3-MoE) in place of the dense MLP: a router [E, H],
+// each expert's gate-and-up projection (two parts: gate's rows, then up's) and down projection,
+// GGUF-packed.
+struct MoE {
+  const float* router;             // float32 [E, H] (llama.cpp keeps routers in F32), or null ...
+  const Projection* router_blocks;  // ... a GGUF-packed router
+  const Projection* gate_ups;  // [num_experts]
+  const Projection* downs;     // [num_experts]
+  int32_t num_experts, top_k, intermediate_size;
+  int32_t norm_topk_prob;  // the top k's probabilities rescaled to sum to 1
+  int32_t activation;      // Activation
+};
+
 // One layer as its family shapes it. Norm weights are as the kernel multiplies (Gemma's 1 + w
 // already added); a null norm is a norm the family does not have.
 struct Layer {
@@ -78,7 +94,8 @@ struct Layer {
   const float* mlp_out_norm;     // Gemma: post_feedforward_layernorm, over the MLP's output
   const float* q_norm;           // Qwen3, Gemma 3: an RMSNorm over each query head
   const float* k_norm;           // ... and each key head
-  Projection qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;  // (gate_up and down unused where `moe` is set)
+  const MoE* moe;          // null: the dense MLP
   float* key_cache;
   float* value_cache;
   const float* cos_cache;  // the layer's rotary table: [rows, rotary_dim]
@@ -163,6 +180,101 @@ void gather_columns(float* dst, const float* src, int rows, int64_t stride, int 
     std::memcpy(dst + static_cast<int64_t>(r) * width, src + r * stride + offset, sizeof(float) * width);
 }
 
+void gated(float* out, const float* x, int rows, int dim, int activation, int threads) {
+  if (activation == kGeluTanh)
+    gelu_tanh_and_mul_f32(out, x, rows, dim, threads);
+  else
+    silu_and_mul_f32(out, x, rows, dim, threads);
+}
+
+// The router's logits: y [T, E] = x [T, H] W^T, each a float32 dot product in one fixed order.
+void router_logits(float* y, const float* x, const float* w, int T, int E, int H, int threads) {
+  const int th = static_cast<int64_t>(T) * E * H >= (1 << 18) ? threads : 1;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(th)
+  for (int t = 0; t < T; ++t)
+    for (int e = 0; e < E; ++e) {
+      const float* a = x + static_cast<int64_t>(t) * H;
+      const float* b = w + static_cast<int64_t>(e) * H;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int h = 0; h < H; ++h) sum += a[h] * b[h];
+      y[static_cast<int64_t>(t) * E + e] = sum;
+    }
+}
+
+// One token's routing: softmax over the E logits, the top k (ties: the lower expert first), their
+// probabilities rescaled to sum to 1 where asked, then ordered by expert (ascending).
+void route(const float* logits, int E, int k, bool normalize, int32_t* ids, float* weights) {
+  float max = logits[0];
+  for (int e = 1; e < E; ++e) max = logits[e] > max ? logits[e] : max;
+  std::vector<float> probs(E);
+  float total = 0.0f;
+  for (int e = 0; e < E; ++e) total += probs[e] = std::exp(logits[e] - max);
+  for (int e = 0; e < E; ++e) probs[e] /= total;
+  std::vector<int32_t> order(E);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int32_t a, int32_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
+  float chosen = 0.0f;
+  for (int j = 0; j < k; ++j) chosen += probs[order[j]];
+  std::sort(order.begin(), order.begin() + k);
+  for (int j = 0; j < k; ++j) {
+    ids[j] = order[j];
+    weights[j] = normalize ? probs[order[j]] / chosen : probs[order[j]];
+  }
+}
+
+// out [T, H] = sum over each token's k experts (ascending) of weight x expert(x): the pairs
+// grouped by expert (in token order within one), each expert's rows in one product.
+void moe_forward(float* out, const float* x, const MoE& m, int T, int H, int threads) {
+  const int E = m.num_experts, k = m.top_k, I = m.intermediate_size, pairs = T * k;
+  std::vector<float> logits(static_cast<size_t>(T) * E), weights(pairs);
+  std::vector<int32_t> ids(pairs);
+  if (m.router != nullptr)
+    router_logits(logits.data(), x, m.router, T, E, H, threads);
+  else
+    project(logits.data(), x, *m.router_blocks, T, threads);
+  for (int t = 0; t < T; ++t)
+    route(logits.data() + static_cast<int64_t>(t) * E, E, k, m.norm_topk_prob != 0, ids.data() + t * k,
+          weights.data() + t * k);
+  std::vector<int32_t> order(pairs);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return ids[a] < ids[b]; });
+  std::vector<float> rows(static_cast<size_t>(pairs) * H), gate_up(static_cast<size_t>(pairs) * 2 * I),
+      act(static_cast<size_t>(pairs) * I), down(static_cast<size_t>(pairs) * H), per_pair(static_cast<size_t>(pairs) * H);
+  for (int begin = 0; begin < pairs;) {
+    const int e = ids[order[begin]];
+    int end = begin;
+    while (end < pairs && ids[order[end]] == e) ++end;
+    const int count = end - begin;
+    for (int i = 0; i < count; ++i)
+      std::memcpy(rows.data() + static_cast<int64_t>(i) * H, x + static_cast<int64_t>(order[begin + i] / k) * H,
+                  sizeof(float) * H);
+    project(gate_up.data(), rows.data(), m.gate_ups[e], count, threads);
+    gated(act.data(), gate_up.data(), count, I, m.activation, threads);
+    project(down.data(), act.data(), m.downs[e], count, threads);
+    for (int i = 0; i < count; ++i)
+      std::memcpy(per_pair.data() + static_cast<int64_t>(order[begin + i]) * H, down.data() + static_cast<int64_t>(i) * H,
+                  sizeof(float) * H);
+    begin = end;
+  }
+  // each pair's output times its weight, then summed over the token's experts in ascending order
+  for (int t = 0; t < T; ++t) {
+    float* o = out + static_cast<int64_t>(t) * H;
+    const float* y0 = per_pair.data() + static_cast<int64_t>(t) * k * H;
+    const float w0 = weights[t * k];
+    for (int h = 0; h < H; ++h) o[h] = y0[h] * w0;
+    for (int j = 1; j < k; ++j) {
+      const float* yj = y0 + static_cast<int64_t>(j) * H;
+      const float wj = weights[t * k + j];
+      for (int h = 0; h < H; ++h) {
+        const float weighted = yj[h] * wj;
+        o[h] = o[h] + weighted;
+      }
+    }
+  }
+}
+
 // x *= scale, over n floats (a Granite branch; a float product, as torch's).
 void scale_in_place(float* x, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) x[i] *= scale;
@@ -224,15 +336,17 @@ void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, floa
     if (layer.branch_scale != 1.0f) scale_in_place(hidden, static_cast<int64_t>(T) * H, layer.branch_scale);
     fused_add_rms_norm_f32(s->normed, residual, hidden, layer.pre_mlp_norm, T, H, s->eps, threads);
     timer.lap(kNorms);
-    project(s->gate_up, s->normed, layer.gate_up, T, threads);
-    timer.lap(kProjections);
-    if (layer.activation == kGeluTanh)
-      gelu_tanh_and_mul_f32(s->act, s->gate_up, T, s->intermediate_size, threads);
-    else
-      silu_and_mul_f32(s->act, s->gate_up, T, s->intermediate_size, threads);
-    timer.lap(kActivation);
-    project(hidden, s->act, layer.down, T, threads);
-    timer.lap(kProjections);
+    if (layer.moe != nullptr) {
+      moe_forward(hidden, s->normed, *layer.moe, T, H, threads);
+      timer.lap(kProjections);
+    } else {
+      project(s->gate_up, s->normed, layer.gate_up, T, threads);
+      timer.lap(kProjections);
+      gated(s->act, s->gate_up, T, s->intermediate_size, layer.activation, threads);
+      timer.lap(kActivation);
+      project(hidden, s->act, layer.down, T, threads);
+      timer.lap(kProjections);
+    }
     if (layer.mlp_out_norm != nullptr) {
       fused_add_rms_norm_f32(hidden, nullptr, hidden, layer.mlp_out_norm, T, H, s->eps, threads);
       timer.lap(kNorms);
@@ -242,5 +356,11 @@ void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, floa
 }
 
 int decoder_layers_num_parts() { return kNumParts; }
+
+// A mixture-of-experts MLP alone (the Python layer loop's, `model.moe.SparseMoE` on a float32 CPU
+// with GGUF-packed experts): the very code the fused step runs. out, x: [T, H].
+void moe_layer_f32(float* out, const float* x, const MoE* moe, int num_tokens, int hidden_size, int num_threads) {
+  moe_forward(out, x, *moe, num_tokens, hidden_size, num_threads);
+}
 
 }  // extern "C"
