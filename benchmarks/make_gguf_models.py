@@ -2,7 +2,8 @@
 model's tokenizer (49152 tokens), and the other families' shapes (`qwen3-0.6b`: Qwen3-0.6B's,
 its 151,936-token vocabulary padded from the default tokenizer as the converter pads one;
 `gemma3-1b`: Gemma-3-1B's, made from the real Gemma 3 270M file, its 262,144-token tokenizer
-included), converted by llama.cpp's own `convert_hf_to_gguf.py` and quantized by its
+included; `phi4-mini`; `qwen3-30b-a3b-8l`: 8 of Qwen3-30B-A3B's 48 mixture-of-experts layers),
+converted by llama.cpp's own `convert_hf_to_gguf.py` and quantized by its
 `llama-quantize` to Q4_K_M: files as llama.cpp users have them (no weights can be downloaded
 here).
 
@@ -58,6 +59,14 @@ SHAPES = {
                       original_max_position_embeddings=4096, rms_norm_eps=1e-5, hidden_act="silu",
                       rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 48,
                                     "long_factor": [round(32.0 ** (i / 47), 4) for i in range(48)]}),
+    # Qwen3-30B-A3B's layers (128 experts of 768, 8 per token, GQA 8:1, head_dim 128), 8 of its 48:
+    # the whole model's 61 GB of F16 do not fit this machine's disk; a token's work per layer, the
+    # routing and the head are the model's, the step about 1/6 of its layers'.
+    "qwen3-30b-a3b-8l": dict(architecture="Qwen3Moe", hidden_size=2048, intermediate_size=6144,
+                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                             norm_topk_prob=True, num_hidden_layers=8, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                             rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu"),
     # For the tests: the same structure, small.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, **COMMON),
