@@ -52,6 +52,25 @@ def test_qwen3_shape_is_qwen3_0_6bs_with_its_vocabulary(tokenizer):
     assert sum(make_gguf_models._numel(s) for s in shapes.values()) / 1e9 == pytest.approx(0.5960, abs=1e-4)
 
 
+def test_phi4_mini_and_the_moe_shape_are_those_models_and_readable_by_the_converter(tmp_path, tokenizer):
+    config = make_gguf_models.llama_config("phi4-mini", tokenizer)
+    shapes = make_gguf_models.parameter_shapes(config)
+    assert sum(make_gguf_models._numel(s) for s in shapes.values()) / 1e9 == pytest.approx(3.8360, abs=1e-4)
+    assert shapes["model.layers.31.self_attn.qkv_proj.weight"] == ((24 + 2 * 8) * 128, 3072)
+    config.save_pretrained(str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
+    make_gguf_models._readable_by_the_converter(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    # llama.cpp's Phi-3 converter: LongRoPE's factors under rope_scaling (half the turning dims
+    # each), a BPE vocabulary only from a GPT2Tokenizer
+    assert written["rope_scaling"]["type"] == "longrope" and len(written["rope_scaling"]["long_factor"]) == 48
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "GPT2Tokenizer"
+    moe = make_gguf_models.llama_config("qwen3-30b-a3b-8l", tokenizer)
+    shapes = make_gguf_models.parameter_shapes(moe)
+    assert shapes["model.layers.7.mlp.experts.gate_up_proj"] == (128, 2 * 768, 2048)  # Qwen3-30B-A3B's layer
+    assert "model.layers.8.mlp.gate.weight" not in shapes and shapes["model.layers.0.mlp.gate.weight"] == (128, 2048)
+
+
 def test_a_gemma3_file_scaled_to_other_widths_loads_at_them(tmp_path, tiny_models, monkeypatch):
     """The scaled file keeps every key of its source (the tokenizer's, the rotary bases, the
     window) but the widths and depth, and llama.cpp's tensor names at the new shape; pagedllm
