@@ -97,3 +97,30 @@ def test_each_familys_fused_step_is_the_layer_loop_bitwise_and_transformers_gree
         assert ours == [hf_greedy(oracle, p, 12, ignore_eos=True) for p in prompts]
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_experts_take_int8_activations_as_the_other_products_and_stay_bitwise(tiny_models, tmp_path, tokenizer_fields,
+                                                                             monkeypatch):
+    """With int8 activations on, a mixture's GGUF experts take them too (as llama.cpp multiplies
+    its experts), and the C++ step stays bitwise the loop on them."""
+    from pagedllm.kernels.gguf import MAX_ROWS
+
+    monkeypatch.setenv("PAGEDLLM_MODEL_CACHE", "0")
+    path = tiny_models("mixtral")
+    file = write_gguf(path, "mixtral", tmp_path / "q8.gguf", tokenizer=tokenizer_fields, qtype=Q8_0)
+    llm = LLM(str(file), max_model_len=256, num_gpu_blocks=128, int8_activations="on", enable_prefix_caching=False)
+    try:
+        model = llm.llm_engine.executor.worker.model
+        experts = [m.mlp.experts.experts_method for m in model.model.layers]
+        assert all(e.int8_rows == MAX_ROWS for method in experts for e in (*method.gate_ups, *method.downs))
+        prompts = random_prompts(3, [30, 21, 9], seed=3)
+        params = SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True, logprobs=3)
+        calls: list[int] = []
+        with _counting(model.fused_layers, calls):
+            fused = _run(llm, prompts, params)
+            assert 3 in calls
+            with _without(model):
+                loop = _run(llm, prompts, params)
+        assert fused == loop
+    finally:
+        llm.llm_engine.shutdown()

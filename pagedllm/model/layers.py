@@ -68,8 +68,13 @@ def prepare_linear_weights(model: nn.Module) -> int:
 def _int8_methods(model: nn.Module) -> list:
     """The methods of `model`'s projections that can run on int8 activations: GGUF blocks that
     the CPU kernels multiply (none where the weights were dequantized: a GPU, 16-bit dtypes,
-    batch-invariant mode)."""
-    return [m.quant_method for m in _linear_layers(model) if m.quant_method.supports_int8]
+    batch-invariant mode), a mixture's GGUF-packed experts included (each expert's `GGUFLinear`)."""
+    methods = [m.quant_method for m in _linear_layers(model) if m.quant_method.supports_int8]
+    for module in (model.modules() if model is not None else ()):
+        experts = getattr(getattr(module, "experts_method", None), "gate_ups", None)
+        if experts is not None:
+            methods += [m for m in (*experts, *module.experts_method.downs) if m.supports_int8]
+    return methods
 
 
 def resolve_int8_activations(model: nn.Module, mode: str | None, batch_invariant: bool = False) -> str:

@@ -189,12 +189,16 @@ class SparseMoE(nn.Module):
 
     def _kernel(self):
         """The C++ mixture (decoder_layers.cpp's `moe_forward`, what the fused decoder step runs)
-        where it serves this layer: GGUF-packed experts, a float32 router, one rank; built once
-        per binding of the experts' storage. None elsewhere (the torch path above)."""
+        where it serves this layer: GGUF-packed experts, a float32 or GGUF-packed router, one
+        rank; built again when the storage or the int8 bounds change. None elsewhere (the torch
+        path above)."""
         from pagedllm.kernels import ops as fused_ops
         from pagedllm.model.fused_layers import moe_struct, moe_supported
 
-        key = (self.experts.gate_up_proj.data_ptr(), self.experts.down_proj.data_ptr(), self.gate.weight.data_ptr())
+        method = self.experts.experts_method
+        int8_rows = [getattr(m, "int8_rows", 0) for m in (self.gate.quant_method, *getattr(method, "gate_ups", ())[:1])]
+        key = (self.experts.gate_up_proj.data_ptr(), self.experts.down_proj.data_ptr(), self.gate.weight.data_ptr(),
+               *int8_rows)  # (the C++ view reads each product's int8 bound)
         cached = self.__dict__.get("_kernel_struct")
         if cached is None or cached[0] != key:
             if fused_ops._lib() is None or not moe_supported(self):

@@ -240,23 +240,41 @@ void moe_forward(float* out, const float* x, const MoE& m, int T, int H, int thr
   std::vector<int32_t> order(pairs);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return ids[a] < ids[b]; });
+  // Each expert's run of pairs [begin, end) in `order`; its rows, products and outputs live at the
+  // same offsets of the buffers, so experts never share memory.
+  std::vector<int> runs;
+  for (int p = 0; p < pairs; ++p)
+    if (p == 0 || ids[order[p]] != ids[order[p - 1]]) runs.push_back(p);
+  const int num_runs = static_cast<int>(runs.size());
+  runs.push_back(pairs);
   std::vector<float> rows(static_cast<size_t>(pairs) * H), gate_up(static_cast<size_t>(pairs) * 2 * I),
-      act(static_cast<size_t>(pairs) * I), down(static_cast<size_t>(pairs) * H), per_pair(static_cast<size_t>(pairs) * H);
-  for (int begin = 0; begin < pairs;) {
-    const int e = ids[order[begin]];
-    int end = begin;
-    while (end < pairs && ids[order[end]] == e) ++end;
-    const int count = end - begin;
+      act(static_cast<size_t>(pairs) * I), per_pair(static_cast<size_t>(pairs) * H);
+  const auto expert = [&](int r, int expert_threads) {
+    const int begin = runs[r], count = runs[r + 1] - begin, e = ids[order[begin]];
+    float* xr = rows.data() + static_cast<int64_t>(begin) * H;
+    float* gu = gate_up.data() + static_cast<int64_t>(begin) * 2 * I;
+    float* a = act.data() + static_cast<int64_t>(begin) * I;
+    float* y = per_pair.data() + static_cast<int64_t>(begin) * H;  // (rows in `order`, put in place below)
     for (int i = 0; i < count; ++i)
-      std::memcpy(rows.data() + static_cast<int64_t>(i) * H, x + static_cast<int64_t>(order[begin + i] / k) * H,
+      std::memcpy(xr + static_cast<int64_t>(i) * H, x + static_cast<int64_t>(order[begin + i] / k) * H, sizeof(float) * H);
+    project(gu, xr, m.gate_ups[e], count, expert_threads);
+    gated(a, gu, count, I, m.activation, expert_threads);
+    project(y, a, m.downs[e], count, expert_threads);
+  };
+  // A decode step's experts each take a row or two: a thread per expert (each product whole, so
+  // every output is the one the product computes on any number of threads); else each expert's
+  // product spread over the threads.
+  if (num_runs >= 2 * threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int r = 0; r < num_runs; ++r) expert(r, 1);
+  } else {
+    for (int r = 0; r < num_runs; ++r) expert(r, threads);
+  }
+  {  // pair order -> pair index
+    std::vector<float> by_order(per_pair);
+    for (int p = 0; p < pairs; ++p)
+      std::memcpy(per_pair.data() + static_cast<int64_t>(order[p]) * H, by_order.data() + static_cast<int64_t>(p) * H,
                   sizeof(float) * H);
-    project(gate_up.data(), rows.data(), m.gate_ups[e], count, threads);
-    gated(act.data(), gate_up.data(), count, I, m.activation, threads);
-    project(down.data(), act.data(), m.downs[e], count, threads);
-    for (int i = 0; i < count; ++i)
-      std::memcpy(per_pair.data() + static_cast<int64_t>(order[begin + i]) * H, down.data() + static_cast<int64_t>(i) * H,
-                  sizeof(float) * H);
-    begin = end;
   }
   // each pair's output times its weight, then summed over the token's experts in ascending order
   for (int t = 0; t < T; ++t) {

@@ -2,7 +2,8 @@
 as the linear layers' (this package) have. `FloatExperts`: float stacks; `GGUFExperts`: each
 expert's GGUF blocks as the kernels read them, a `GGUFLinear` per expert over views of two flat
 uint8 parameters. They are not linear layers' methods, so the passes over those (oneDNN packing,
-int8 activations, the fused decoder, batch-invariant mode) leave them alone."""
+the fused decoder, batch-invariant mode) leave them alone; int8 activations take a GGUF expert's
+`GGUFLinear` as any other (`layers._int8_methods`), as llama.cpp multiplies its experts."""
 
 from __future__ import annotations
 
