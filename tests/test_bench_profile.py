@@ -137,3 +137,23 @@ def test_latency_runs_its_batch_together_whatever_the_step_budget(tiny_llama, tm
     assert main(args) == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["batch"] == 6 and row["tpot_ms"] > 0
+
+
+def test_a_mixtures_bound_counts_the_experts_its_tokens_can_reach(tiny_models):
+    """A decode step of one sequence reads k of a mixture's E experts (the tiny Qwen3-MoE: 2 of
+    4 in each layer), of two sequences up to all four: the bound's bytes and FLOPs count those."""
+    import torch
+
+    from pagedllm.attention.reference import ReferenceAttentionBackend
+    from pagedllm.bench.latency import step_weights
+    from pagedllm.model import load_model
+    from pagedllm.transformers_utils import resolve_model
+
+    model = load_model(resolve_model(str(tiny_models("qwen3_moe"))), 128, ReferenceAttentionBackend(), torch.float32,
+                       torch.device("cpu"))
+    stored = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    expert_bytes = sum(p.numel() * p.element_size() for e in experts for p in (e.gate_up_proj, e.down_proj))
+    assert step_weights(model, 1) == (stored - expert_bytes / 2, sum(e.gate_up_proj.numel() + e.down_proj.numel()
+                                                                      for e in experts) / 2)
+    assert step_weights(model, 2) == (stored, 0.0)
