@@ -138,21 +138,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def step_weights(model, batch_size: int) -> tuple[float, float]:
-    """(bytes a decode step of `batch_size` sequences reads, parameters it leaves idle): the
-    weights as stored (quantized blocks count their bytes; a tied table once), read once a step,
-    but of a mixture's experts only the share its tokens can route to, min(E, batch x k) of E."""
+def step_weight_bytes(model, batch_size: int) -> float:
+    """The bytes a decode step of `batch_size` sequences reads: the weights as stored (quantized
+    blocks count their bytes; a tied table once), read once a step, but an embedding table apart
+    from the head (only its looked-up rows are read), and of a mixture's experts only the share
+    its tokens can route to, min(E, batch x k) of E."""
     from pagedllm.model.moe import SparseMoE
 
     stored = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
-    idle_bytes = idle_parameters = 0.0
+    table, head = getattr(model, "embedding_weight", None), getattr(getattr(model, "lm_head", None), "weight", None)
+    if table is not None and head is not None and table.data_ptr() != head.data_ptr():
+        stored -= table.numel() * table.element_size()
     for module in model.modules():
         if isinstance(module, SparseMoE):
             experts = module.experts
             idle = 1 - min(experts.num_experts, batch_size * module.top_k) / experts.num_experts
-            idle_bytes += idle * sum(p.numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj))
-            idle_parameters += idle * experts.num_experts * 3 * experts.hidden_size * experts.per_rank
-    return stored - idle_bytes, idle_parameters
+            stored -= idle * sum(p.numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj))
+    return stored
 
 
 def _profile(engine, args: argparse.Namespace, flops: float) -> dict:
@@ -175,8 +177,8 @@ def _profile(engine, args: argparse.Namespace, flops: float) -> dict:
     context = args.input_len + len(steps) // 2  # the mean context over the timed steps
     kv_bytes = 2 * args.batch_size * context * worker.num_layers * worker.num_kv_heads * worker.head_dim
     kv_bytes *= worker.cache_dtype.itemsize
-    weight_bytes, idle_parameters = step_weights(worker.model, args.batch_size)
-    flops_s = 2 * (engine.arch.num_parameters - idle_parameters) * args.batch_size / flops
+    weight_bytes = step_weight_bytes(worker.model, args.batch_size)
+    flops_s = 2 * engine.arch.num_parameters * args.batch_size / flops  # (a token's: a mixture's k experts)
     weights_s = weight_bytes / bandwidth
     matrix_s = max(flops_s, weights_s)
     bound_s = matrix_s + kv_bytes / bandwidth
