@@ -33,6 +33,16 @@ VIOLATION_CHECKS = (
     "negative_data_rejection",
 )
 BATCH = 5  # examples per hypothesis run; operations take turns, a batch each
+# A streamed request per route that documents server-sent events, sent before the fuzzing (a
+# generated case rarely is one that streams, and each event is checked against the document).
+STREAMED = {
+    "/v1/completions": {"prompt": "Hi", "max_tokens": 3, "stream": True},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True},
+    "/completion": {"prompt": "Hi", "n_predict": 3, "stream": True},
+    "/completions": {"prompt": "Hi", "n_predict": 3, "stream": True},
+    "/v1/messages": {"max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}], "stream": True},
+    "/v1/responses": {"input": "Hi", "max_output_tokens": 3, "stream": True},
+}
 
 
 def _checks():
@@ -62,6 +72,22 @@ class _Fuzzer:
         self.statuses: collections.Counter[str] = collections.Counter()  # "2xx", "4xx", ...
         self.violations: list[str] = []
         self.refused_valid = 0
+        self.streamed: list[str] = []  # routes whose documented event stream was checked
+
+    def check_streams(self) -> None:
+        """Each route documenting `text/event-stream` streams a request of STREAMED, every event
+        checked against the document (a route missing from STREAMED is a violation)."""
+        model = self.session.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        for operation in self.operations:
+            documented = operation.definition.raw.get("responses", {}).get("200", {}).get("content", {})
+            if "text/event-stream" not in documented:
+                continue
+            if operation.path not in STREAMED:
+                self.violations.append(f"{operation.label}: streams, but the fuzzer has no request that streams it")
+                continue
+            case = operation.Case(body={**STREAMED[operation.path], "model": model}, media_type="application/json")
+            self.streamed.append(operation.label)
+            self._send(operation, None, case)
 
     def run(self, budget_s: float) -> None:
         """A batch of every route in each mode first, however long that takes (a route never
@@ -107,7 +133,7 @@ class _Fuzzer:
 
         response = case.call(base_url=self.url, session=self.session, timeout=60)
         self.cases[operation.label] += 1
-        self.by_mode[mode.value] += 1
+        self.by_mode[mode.value if mode is not None else "streamed"] += 1
         self.statuses[f"{response.status_code // 100}xx"] += 1
         try:
             case.validate_response(response, checks=self.checks)
@@ -128,6 +154,7 @@ class _Fuzzer:
             "statuses": dict(self.statuses),
             "violations": self.violations,
             "refused_valid": self.refused_valid,
+            "streamed": self.streamed,
         }
 
 
@@ -135,6 +162,7 @@ def main() -> None:
     url, seconds = sys.argv[1], float(sys.argv[2])
     fuzzer = _Fuzzer(url)
     begin = time.monotonic()
+    fuzzer.check_streams()
     fuzzer.run(seconds)
     print(json.dumps({**fuzzer.summary(), "seconds": time.monotonic() - begin}))
 

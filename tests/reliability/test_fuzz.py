@@ -41,4 +41,8 @@ def test_fuzzing_every_route_finds_no_server_error_and_no_schema_violation(fuzze
         f"{len(found['violations'])}; schema-valid requests refused with a documented 400: {found['refused_valid']}",
     )
     assert set(found["cases"]) == set(found["routes"]), "a route was never fuzzed"
+    # Every route that streams streamed once, each event checked against the document (OpenAI's,
+    # llama-server's, Anthropic's and the Responses events alike).
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/messages",
+            "POST /v1/responses"} <= set(found["streamed"])
     assert statuses.get("5xx", 0) == 0 and not found["violations"], "\n".join(found["violations"][:20])

@@ -55,6 +55,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_router
 from pagedllm.entrypoints.openai.serving_llama import llama_router
 from pagedllm.entrypoints.openai.serving_responses import responses_router
+from pagedllm.entrypoints.openai.streaming import SSE_EVENT_SCHEMA
 
 logger = logging.getLogger("pagedllm")
 
@@ -74,9 +75,7 @@ _STREAMED_200 = {
     200: {
         "description": "The completion; with `stream`, server-sent events ending in `data: [DONE]`.",
         "content": {
-            "text/event-stream": {
-                "schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
-            }
+            "text/event-stream": {"schema": SSE_EVENT_SCHEMA}
         },
     }
 }

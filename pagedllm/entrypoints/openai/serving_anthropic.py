@@ -49,7 +49,7 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_base import engine_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.server_options import RequestFields
-from pagedllm.entrypoints.openai.streaming import DeltaTracker, EventStreamResponse, run_until_disconnect
+from pagedllm.entrypoints.openai.streaming import SSE_EVENT_SCHEMA, DeltaTracker, EventStreamResponse, run_until_disconnect
 from pagedllm.entrypoints.openai.tool_parsers.call_grammar import constrain_auto_calls
 from pagedllm.entrypoints.openai.tools import ToolCallStreamer, ToolParser, tool_message
 from pagedllm.sampling_params import SamplingParams
@@ -376,7 +376,7 @@ def _documented(*statuses: int) -> dict:
 _MESSAGE_200 = {
     200: {
         "description": "The message; with `stream`, Anthropic's server-sent events (`event: NAME`, `data: {json}`).",
-        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
     }
 }
 

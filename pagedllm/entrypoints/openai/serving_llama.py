@@ -28,7 +28,9 @@ from pagedllm.entrypoints.openai.llama_protocol import (
 from pagedllm.entrypoints.openai.server_options import api_key_check
 from pagedllm.entrypoints.openai.serving_base import InFlightRequest, clamp_logprob, engine_error
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion, without_generation
-from pagedllm.entrypoints.openai.streaming import DeltaTracker, EventStreamResponse, merge_streams, run_until_disconnect, sse
+from pagedllm.entrypoints.openai.streaming import (
+    SSE_EVENT_SCHEMA, DeltaTracker, EventStreamResponse, merge_streams, run_until_disconnect, sse,
+)
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
 
@@ -37,9 +39,7 @@ _STREAMED_200 = {
         "description": "llama-server's completion (a list of them for a list of prompts); with `stream`, "
         "server-sent events, the last with `\"stop\": true`.",
         "content": {
-            "text/event-stream": {
-                "schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
-            }
+            "text/event-stream": {"schema": SSE_EVENT_SCHEMA}
         },
     }
 }

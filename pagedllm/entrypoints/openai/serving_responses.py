@@ -47,7 +47,7 @@ from pagedllm.entrypoints.openai.responses_store import ResponseStore
 from pagedllm.entrypoints.openai.server_options import RequestFields, api_key_check
 from pagedllm.entrypoints.openai.serving_base import engine_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.streaming import DeltaTracker, EventStreamResponse, run_until_disconnect
+from pagedllm.entrypoints.openai.streaming import SSE_EVENT_SCHEMA, DeltaTracker, EventStreamResponse, run_until_disconnect
 from pagedllm.entrypoints.openai.tool_parsers.call_grammar import constrain_auto_calls
 from pagedllm.entrypoints.openai.tools import ToolCallStreamer, ToolParser, tool_message
 from pagedllm.outputs import RequestOutput
@@ -304,7 +304,7 @@ def _error_event(events: ResponseEvents, exc: OpenAIError) -> str:
 _RESPONSE_200 = {
     200: {
         "description": "The response; with `stream`, server-sent events (`event: TYPE`, `data: {json}`).",
-        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
     }
 }
 

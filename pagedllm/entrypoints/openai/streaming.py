@@ -18,6 +18,10 @@ from pagedllm.outputs import PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 DONE = "data: [DONE]\n\n"
+# The OpenAPI schema of one server-sent event as the routes document it (`text/event-stream`):
+# its `data` line, and the `event` name where the protocol gives one (Responses, Anthropic).
+SSE_EVENT_SCHEMA = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+                    "required": ["data"]}
 
 
 def sse(payload: dict) -> str:
