@@ -171,7 +171,7 @@ class FusedDecoderPlan:
 def norm_weight(norm: nn.Module) -> torch.Tensor:
     """The float32 weight an RMSNorm module's kernel multiplies by (Gemma's: 1 + w), or its own
     weight where the kernel does not serve its dtype (`supported` then refuses the plan)."""
-    weight = norm.kernel_weight(torch.empty(0))
+    weight = norm.kernel_weight(torch.float32)
     return weight if weight is not None else norm.weight
 
 

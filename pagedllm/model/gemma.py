@@ -56,7 +56,7 @@ class GemmaDecoderLayer(nn.Module):
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
-    def fused(self, layer_rotary):
+    def fused(self):
         """This layer as the C++ layer loop reads it (`model.fused_layers`)."""
         from pagedllm.model.fused_layers import FusedLayer, norm_weight
 
@@ -66,7 +66,7 @@ class GemmaDecoderLayer(nn.Module):
             heads = dict(q_norm=norm_weight(attn.q_norm), k_norm=norm_weight(attn.k_norm))
         return FusedLayer(norm_weight(self.input_layernorm), norm_weight(self.pre_feedforward_layernorm),
                           attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj, attn.attn,
-                          layer_rotary, self.mlp.hidden_act, attn_out_norm=norm_weight(self.post_attention_layernorm),
+                          attn.rotary, self.mlp.hidden_act, attn_out_norm=norm_weight(self.post_attention_layernorm),
                           mlp_out_norm=norm_weight(self.post_feedforward_layernorm), **heads)
 
 
@@ -116,7 +116,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
         if self.tp.size != 1:
             return None
-        return FusedDecoderPlan([block.fused(block.self_attn.rotary) for block in self.model.layers],
+        return FusedDecoderPlan([block.fused() for block in self.model.layers],
                                 self.cfg.rms_norm_eps)
 
     def layer_projections(self, layer: int) -> dict[str, nn.Parameter]:

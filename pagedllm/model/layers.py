@@ -138,14 +138,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _new_param(size, dtype=dtype, loader=default_weight_loader)
 
-    def kernel_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The weight the fused kernel multiplies x's rows by, or None where it does not serve x."""
-        return self.weight if self.weight.dtype == x.dtype else None
+    def kernel_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The weight the fused kernel multiplies rows of `dtype` by, or None where it does not serve them."""
+        return self.weight if self.weight.dtype == dtype else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, given the residual stream, (norm(residual + x), residual + x), the sum
         written into `residual` in place on the fused CPU path."""
-        weight = self.kernel_weight(x) if fused_ops.applies_to_layer(x) and x.dim() == 2 else None
+        weight = self.kernel_weight(x.dtype) if fused_ops.applies_to_layer(x) and x.dim() == 2 else None
         if weight is not None:
             out = fused_ops.rms_norm(x, weight, self.eps, residual)
             return out if residual is None else (out, residual)

@@ -22,9 +22,9 @@ class GemmaRMSNorm(RMSNorm):
         super().__init__(size, eps, dtype)
         self._shifted: tuple[tuple, torch.Tensor] | None = None
 
-    def kernel_weight(self, x: torch.Tensor | None = None) -> torch.Tensor | None:
-        """1 + weight in float32 (computed once per value of the weight), for float32 x."""
-        if x is not None and x.dtype != torch.float32:
+    def kernel_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """1 + weight in float32 (computed once per value of the weight), for float32 rows."""
+        if dtype != torch.float32:
             return None
         key = (self.weight.data_ptr(), self.weight._version)
         if self._shifted is None or self._shifted[0] != key:

@@ -254,7 +254,7 @@ void moe_forward(float* out, const float* x, const MoE& m, int T, int H, int thr
     float* xr = rows.data() + static_cast<int64_t>(begin) * H;
     float* gu = gate_up.data() + static_cast<int64_t>(begin) * 2 * I;
     float* a = act.data() + static_cast<int64_t>(begin) * I;
-    float* y = per_pair.data() + static_cast<int64_t>(begin) * H;  // (rows in `order`, put in place below)
+    float* y = per_pair.data() + static_cast<int64_t>(begin) * H;  // (rows in `order`)
     for (int i = 0; i < count; ++i)
       std::memcpy(xr + static_cast<int64_t>(i) * H, x + static_cast<int64_t>(order[begin + i] / k) * H, sizeof(float) * H);
     project(gu, xr, m.gate_ups[e], count, expert_threads);
@@ -270,20 +270,17 @@ void moe_forward(float* out, const float* x, const MoE& m, int T, int H, int thr
   } else {
     for (int r = 0; r < num_runs; ++r) expert(r, threads);
   }
-  {  // pair order -> pair index
-    std::vector<float> by_order(per_pair);
-    for (int p = 0; p < pairs; ++p)
-      std::memcpy(per_pair.data() + static_cast<int64_t>(order[p]) * H, by_order.data() + static_cast<int64_t>(p) * H,
-                  sizeof(float) * H);
-  }
+  std::vector<int32_t> place(pairs);  // pair -> its row in `order` (and in per_pair)
+  for (int p = 0; p < pairs; ++p) place[order[p]] = p;
   // each pair's output times its weight, then summed over the token's experts in ascending order
+  const auto row = [&](int pair) { return per_pair.data() + static_cast<int64_t>(place[pair]) * H; };
   for (int t = 0; t < T; ++t) {
     float* o = out + static_cast<int64_t>(t) * H;
-    const float* y0 = per_pair.data() + static_cast<int64_t>(t) * k * H;
+    const float* y0 = row(t * k);
     const float w0 = weights[t * k];
     for (int h = 0; h < H; ++h) o[h] = y0[h] * w0;
     for (int j = 1; j < k; ++j) {
-      const float* yj = y0 + static_cast<int64_t>(j) * H;
+      const float* yj = row(t * k + j);
       const float wj = weights[t * k + j];
       for (int h = 0; h < H; ++h) {
         const float weighted = yj[h] * wj;
