@@ -175,7 +175,7 @@ def quantize_activations(x: torch.Tensor, qtype: str = "Q8_0") -> tuple[torch.Te
 
 def read_bandwidth(megabytes: int = 1024, threads: int | None = None, repeats: int = 5) -> float:
     """Bytes per second read from memory the way the products read a weight (each thread its share
-    in four interleaved runs, prefetched; `megabytes` well past the caches): the best of `repeats`
+    in `row_streams()` interleaved runs, prefetched; `megabytes` well past the caches): the best of `repeats`
     passes, by the wall clock. The bound the one-row products are measured against."""
     import time
 
@@ -282,6 +282,23 @@ def set_isa(name: str | None) -> None:
     """Force a path (one of available_isas()); None: the best."""
     lib = _lib()
     _set_isa(lib, name if name is not None else ISAS[lib.gguf_best_isa()])
+
+
+# The interleaved runs a thread may read its rows of W in (csrc/gguf_common.h's kMaxStreams).
+MAX_ROW_STREAMS = 8
+
+
+def set_row_streams(streams: int) -> None:
+    """Read each thread's rows of W in `streams` interleaved runs (the hardware prefetchers follow
+    that many streams): a measurement's choice per machine (model/quant/int8_trial.py's
+    `choose_row_streams`). The products' results do not change, only the order rows are read in."""
+    if not 1 <= streams <= MAX_ROW_STREAMS or _lib().gguf_set_row_streams(streams):
+        raise ValueError(f"row streams must be 1 to {MAX_ROW_STREAMS}, got {streams}")
+
+
+def row_streams() -> int:
+    """The interleaved runs each thread reads its rows of W in (`set_row_streams`)."""
+    return _lib().gguf_row_streams()
 
 
 # Where each type keeps its float16 scales (byte offset in a block, uniform range): random bytes

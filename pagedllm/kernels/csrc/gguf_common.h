@@ -34,18 +34,25 @@ inline void prefetch_ahead(const uint8_t* p, int n) {
 #endif
 }
 
-// The rows of W that this thread of an OpenMP team reads (its static share), in kStreams
-// interleaved runs: a row from each of kStreams separate parts of the share in turn, so that the
-// hardware prefetchers follow several streams at once. One stream leaves DRAM's latency exposed
-// when each line takes some arithmetic (measured on one core of a 2-core Xeon VM: a 1-row int8
-// Q4_K product read 5.5 GB/s from DRAM in one stream, 8.7 GB/s in four; 15 GB/s from L2).
-constexpr int kStreams = 4;
+// The rows of W that this thread of an OpenMP team reads (its static share), in `row_streams()`
+// interleaved runs: a row from each of that many separate parts of the share in turn, so that the
+// hardware prefetchers follow several streams at once. Which count reads fastest depends on the
+// core's prefetchers, so it is measured per machine (model/quant/int8_trial.py's
+// choose_row_streams, set by gguf_set_row_streams), never fixed: on one core of a 2-core Xeon VM a
+// 1-row int8 Q4_K product read 5.5 GB/s from DRAM in one stream, 8.7 GB/s in four; on a 2-core
+// AVX-512 EPYC (Zen 4) the other way round, 1-row Q4_K/Q6_K products past the L3 at 2 threads
+// 25.7 GB/s in one stream, 20.9 GB/s in four (Phi-4-mini's layers; 8 streams 17 GB/s).
+constexpr int kMaxStreams = 8;
+inline int& row_streams() {
+  static int streams = 4;  // until a measurement sets it
+  return streams;
+}
 template <class Fn>
 inline void for_rows_streamed(int64_t count, Fn&& fn) {
-  const int teams = omp_get_num_threads(), me = omp_get_thread_num();
-  const int64_t lo = count * me / teams, hi = count * (me + 1) / teams, run = (hi - lo + kStreams - 1) / kStreams;
+  const int teams = omp_get_num_threads(), me = omp_get_thread_num(), streams = row_streams();
+  const int64_t lo = count * me / teams, hi = count * (me + 1) / teams, run = (hi - lo + streams - 1) / streams;
   for (int64_t i = 0; i < run; ++i)
-    for (int s = 0; s < kStreams; ++s) {
+    for (int s = 0; s < streams; ++s) {
       const int64_t n = lo + s * run + i;
       if (n < hi) fn(n);
     }

@@ -288,7 +288,7 @@ void gguf_quantize_activations(int qtype_id, int8_t* qx, float* dx, const float*
 }
 
 // Reads `bytes` at p (a multiple of 256) as the products read a weight: each of num_threads
-// threads its share in kStreams interleaved runs with software prefetch, 256 bytes a step (on AVX2:
+// threads its share in row_streams() interleaved runs with software prefetch, 256 bytes a step (on AVX2:
 // 32-byte loads summed as bytes). Returns a checksum, so that nothing is left out; a benchmark times
 // it for the machine's read bandwidth.
 uint64_t gguf_read_sum(const uint8_t* p, int64_t bytes, int num_threads) {
@@ -342,6 +342,15 @@ int64_t gguf_int8_peak(int64_t iterations, int num_threads) {
 // The ISA path gguf_matmul runs: 0 portable C++, 1 AVX2, 2 AVX-512 (VNNI), 3 AVX-512 and AMX.
 int gguf_isa() { return g_isa < 0 ? best_isa() : g_isa; }
 int gguf_best_isa() { return best_isa(); }
+
+// The interleaved runs each thread reads its rows of W in (gguf_common.h's for_rows_streamed):
+// 1 to kMaxStreams; returns nonzero (and changes nothing) outside.
+int gguf_set_row_streams(int streams) {
+  if (streams < 1 || streams > kMaxStreams) return 1;
+  row_streams() = streams;
+  return 0;
+}
+int gguf_row_streams() { return row_streams(); }
 // Selects the path (tests, benchmarks); returns 0, or -1 (unchanged) if this build lacks it.
 int gguf_set_isa(int isa) {
   if (isa < 0 || isa > best_isa()) return -1;

@@ -18,7 +18,11 @@ is kept in the cache folder as `int8-trials/<key>.json`, the key a hash of those
      "rows": {"Q4_K": 16, "Q6_K": 16, "Q4_1": 2147483647},
      "ways": {"Q4_K": {"1": "vnni", "2": "avx2", ...}, "Q6_K": {...}, "Q4_1": {...}}}
 
-so a later start on the same machine reads it instead of timing again (logged).
+so a later start on the same machine reads it instead of timing again (logged). The same file
+keeps "row_streams": how many interleaved runs each thread reads its rows of a weight in, timed
+once per machine on one-row products past the caches (`choose_row_streams`: one core's hardware
+prefetchers follow four streams best, another's one or two) and set for every GGUF product, on
+int8 or float32 activations alike (the order rows are read in changes no result).
 
 The GGUF kernels have more than one int8 way for a type (`gguf.int8_ways(qtype)`: VNNI or AMX
 beside the AVX2 way on AVX-512 CPUs, and everywhere the AVX2 way with every row of x alone,
@@ -67,6 +71,13 @@ TRIAL_SHAPE = (4096, 2048)
 # Winning at 2048 is taken to mean every size: only a budget set above the default then takes
 # int8 at sizes not measured, as llama.cpp does for every product.
 TRIAL_ROWS = (1, 4, 8, 16, 64, 256, 2048)
+
+
+# The row-streams trial (`choose_row_streams`): one-row products of Q4_K (Q4_K_M's most common
+# type) on a weight of this many MiB, past a server CPU's L3 as a model's weights are (a weight in
+# the caches reads alike in any order), at each count of interleaved runs a thread may read in.
+STREAMS_TRIAL_MIB = 128
+ROW_STREAMS = (1, 2, 4, 8)
 
 
 def _repeats(rows: int) -> int:
@@ -122,6 +133,49 @@ def choose_ways(qtype: str) -> dict[int, str]:
         gguf_kernels.set_int8_way(qtype, rows, chosen[rows])
         timings.append(f"{rows}: {chosen[rows]} (" + ", ".join(f"{way} {t * 1e6:.0f} us" for way, t in times.items()) + ")")
     logger.info("int8 ways for %s, by rows: %s", qtype, "; ".join(timings))
+    return chosen
+
+
+def _past_the_caches(qtype: str, out_features: int, in_features: int, gen: torch.Generator):
+    """A random `qtype` weight of about STREAMS_TRIAL_MIB / 2: one of out_features x in_features,
+    repeated (every copy at its own address, so read from memory as a model's weights are)."""
+    tile = gguf_kernels.random_weight(qtype, out_features, in_features, gen)
+    copies = max(1, (STREAMS_TRIAL_MIB << 19) // tile.nbytes)
+    return gguf_kernels.from_data(qtype, out_features * copies, in_features, tile.data.repeat(copies, 1))
+
+
+def choose_row_streams() -> int:
+    """Time one-row products on weights past the caches with each thread reading its rows in 1,
+    2, 4 and 8 interleaved runs (`gguf.set_row_streams`: how many streams the core's prefetchers
+    follow best is a property of the core), and set the fastest; returns it. A Q4_K weight
+    `TRIAL_SHAPE` and a Q6_K one of its transpose's shape (Q4_K_M's types; the count matters most
+    for Q6_K: on a Zen 4 EPYC its 1-row product read 26.5 GB/s in one stream, 18.4 in four, Q4_K's
+    28.6 and 27.1), each count timed in turn, the best of 5 rounds. On int8 activations by the
+    AVX2 way (the one-row way that walks rows so), on float32's where the path has no int8."""
+    gen = torch.Generator().manual_seed(3)
+    weights = [_past_the_caches("Q4_K", *TRIAL_SHAPE, gen), _past_the_caches("Q6_K", *TRIAL_SHAPE[::-1], gen)]
+    xs = [torch.randn(1, w.in_features, generator=gen) for w in weights]
+    int8 = "avx2" in gguf_kernels.int8_ways("Q4_K")
+    before = {q: gguf_kernels.int8_way(q, 1) for q in ("Q4_K", "Q6_K")} if int8 else {}
+    for qtype in before:
+        gguf_kernels.set_int8_way(qtype, 1, "avx2")
+
+    def products():
+        for x, w in zip(xs, weights):
+            gguf_kernels.matmul(x, w, int8=int8)
+
+    times = dict.fromkeys(ROW_STREAMS, float("inf"))
+    for _ in range(5):  # (rounds over the counts: a slower spell of the machine falls on each alike)
+        for streams in ROW_STREAMS:
+            gguf_kernels.set_row_streams(streams)
+            times[streams] = min(times[streams], best_wall_time(products, 1))
+    for qtype, way in before.items():
+        gguf_kernels.set_int8_way(qtype, 1, way)
+    chosen = min(times, key=times.__getitem__)  # (the fewer on a tie)
+    gguf_kernels.set_row_streams(chosen)
+    nbytes = sum(w.nbytes for w in weights)
+    logger.info("Weight rows read in %d interleaved run%s per thread (timed: %s)", chosen, "" if chosen == 1 else "s",
+                ", ".join(f"{n}: {nbytes / t / 1e9:.1f} GB/s" for n, t in times.items()))
     return chosen
 
 
@@ -242,19 +296,46 @@ def _stored_width_ways(path: Path, conds: dict) -> dict[str, dict[int, dict[int,
     return kept
 
 
-def _write(path: Path, conds: dict, results: dict, width_ways: dict) -> None:
+def _stored_row_streams(path: Path, conds: dict) -> int | None:
+    """The row streams kept at `path` for these conditions (`choose_row_streams`), None without."""
+    entry = read_json(path)
+    if not isinstance(entry, dict) or entry.get("version") != TRIAL_VERSION or entry.get("conditions") != conds:
+        return None
+    streams = entry.get("row_streams")
+    return streams if type(streams) is int and streams in ROW_STREAMS else None
+
+
+def _write(path: Path, conds: dict, results: dict, width_ways: dict, row_streams: int | None) -> None:
     try:
         write_json_entry(path, {
             "version": TRIAL_VERSION, "conditions": conds, "rows": {q: r for q, (r, _) in results.items()},
             "ways": {q: {str(b): way for b, way in w.items()} for q, (_, w) in results.items()},
             "width_ways": {q: {str(n): {str(b): way for b, way in w.items()} for n, w in widths.items()}
-                           for q, widths in width_ways.items()}})
+                           for q, widths in width_ways.items()},
+            **({"row_streams": row_streams} if row_streams is not None else {})})
     except OSError as exc:
         logger.debug("Could not keep the int8 trial's result (%s)", exc)
 
 
 _results: dict[tuple[str, str], int] = {}  # per process: (the conditions' file, qtype) -> rows
 _width_results: set[tuple[str, str, int]] = set()  # per process: (file, qtype, in_features) set
+_streams_set: set[str] = set()  # per process: the conditions' files whose row streams are set
+
+
+def set_row_streams_for_machine() -> None:
+    """Set the row streams measured for this machine (`choose_row_streams`): kept in the trial's
+    file, else timed now (a fraction of a second) and kept."""
+    conds = conditions()
+    path = trial_path(conds)
+    if str(path) in _streams_set:
+        return
+    streams = _stored_row_streams(path, conds)
+    if streams is not None:
+        gguf_kernels.set_row_streams(streams)
+    else:
+        streams = choose_row_streams()
+        _write(path, conds, _stored(path, conds, quiet=True), _stored_width_ways(path, conds), streams)
+    _streams_set.add(str(path))
 
 
 def int8_rows_that_pay(qtype: str) -> int:
@@ -277,7 +358,7 @@ def int8_rows_that_pay(qtype: str) -> int:
         ways = choose_ways(qtype)  # first: the rows where int8 pays are timed on the chosen ways
         rows = measure(qtype)
         merged = {**_stored(path, conds, quiet=True), qtype: (rows, ways)}  # with what another process stored
-        _write(path, conds, merged, _stored_width_ways(path, conds))
+        _write(path, conds, merged, _stored_width_ways(path, conds), _stored_row_streams(path, conds))
     _results[str(path), qtype] = rows
     return rows
 
@@ -299,5 +380,5 @@ def set_ways_for_width(qtype: str, in_features: int) -> None:
         ways = choose_width_ways(qtype, in_features)
         kept = _stored_width_ways(path, conds)  # (with what another process stored meanwhile)
         kept.setdefault(qtype, {})[in_features] = ways
-        _write(path, conds, _stored(path, conds, quiet=True), kept)
+        _write(path, conds, _stored(path, conds, quiet=True), kept, _stored_row_streams(path, conds))
     _width_results.add((str(path), qtype, in_features))
