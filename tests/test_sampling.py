@@ -176,3 +176,42 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 def test_top_k_minus_one_means_disabled_and_stop_string_becomes_list():
     params = SamplingParams(top_k=-1, stop="###")
     assert params.top_k == 0 and params.stop == ["###"]
+
+
+def test_a_plain_greedy_batch_takes_the_fast_path_and_gets_the_general_paths_tokens(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 49152, generator=gen) * 4
+    items = [item(SamplingParams(temperature=0), request_id=f"r{i}") for i in range(5)]
+    fast = Sampler()(logits.clone(), items)
+    general_calls = []
+    apply = __import__("pagedllm.sampling.sampler", fromlist=["apply_token_controls"]).apply_token_controls
+    monkeypatch.setattr("pagedllm.sampling.sampler.apply_token_controls",
+                        lambda raw, rows: general_calls.append(len(rows)) or apply(raw, rows))
+    assert Sampler()(logits.clone(), items) == fast and general_calls == []  # (the fast path: no controls looked at)
+    expected = torch.log_softmax(logits, -1)
+    for r, (sample,) in enumerate(fast):
+        assert sample.token_id == int(logits[r].argmax()) and sample.top_logprobs is None
+        assert math.isclose(sample.logprob, expected[r, sample.token_id].item(), rel_tol=1e-5, abs_tol=1e-6)
+    # the general path on the same rows gives the very same tokens and log-probabilities
+    monkeypatch.setattr("pagedllm.sampling.sampler._plain_greedy", lambda it: False)
+    assert Sampler()(logits.clone(), items) == fast and general_calls == [5]
+
+
+@pytest.mark.parametrize("change", ["logprobs", "logit_bias", "repetition_penalty", "min_tokens", "temperature"])
+def test_one_row_that_is_not_plain_greedy_takes_the_batch_the_general_way(change):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 1000, generator=gen) * 0.01  # near-flat rows ...
+    logits[:, 2] = 0.05  # ... whose argmax is token 2 (EOS), by less than a penalty of 2 leaves it
+    params = {"logprobs": {"logprobs": 2}, "logit_bias": {"logit_bias": {5: 100.0}},
+              "repetition_penalty": {"repetition_penalty": 2.0}, "min_tokens": {"min_tokens": 4},
+              "temperature": {"temperature": 1.0}}[change]
+    plain = [item(SamplingParams(temperature=0), request_id=f"p{i}") for i in range(2)]
+    other = item(SamplingParams(**{"temperature": 0, "seed": 3, **params}), request_id="o", prompt=[2], output=[9])
+    (*plain_samples, (sample,)) = Sampler()(logits.clone(), [*plain, other])
+    assert [s[0].token_id for s in plain_samples] == [2, 2]
+    if change == "logprobs":  # listed: only the general path lists them
+        assert sample.token_id == 2 and sample.top_logprobs is not None
+    elif change == "logit_bias":
+        assert sample.token_id == 5
+    else:  # penalised, suppressed (EOS before min_tokens) or drawn from 1000 near-equal tokens: not the argmax
+        assert sample.token_id != 2
