@@ -68,6 +68,8 @@ class _Plan:
 
 def _plan(metadata: AttentionMetadata, batch_invariant: bool, sliding_window: int | None = None,
           soft_capped: bool = False) -> _Plan:
+    if metadata.num_decodes == len(metadata.query_lens):  # decodes only (the common step)
+        return _decode_plan(metadata, sliding_window, soft_capped)
     query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
     seq_lens = np.asarray(metadata.seq_lens_list, dtype=np.int64)
     starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
@@ -96,6 +98,15 @@ def _plan(metadata: AttentionMetadata, batch_invariant: bool, sliding_window: in
         sliding_window=sliding_window,
         soft_capped=soft_capped,
     )
+
+
+def _decode_plan(metadata: AttentionMetadata, sliding_window: int | None, soft_capped: bool) -> _Plan:
+    """`_plan` of a step of decodes only: one item of one token per sequence, no fresh prompt."""
+    seqs = torch.arange(metadata.num_decodes, dtype=torch.int32)
+    return _Plan(item_seq=seqs, item_first_token=seqs, item_num_tokens=torch.ones_like(seqs),
+                 token_context=torch.tensor(metadata.seq_lens_list, dtype=torch.int32),
+                 block_tables=metadata.block_tables.to(torch.int32).contiguous(), fresh_prompts=[],
+                 sliding_window=sliding_window, soft_capped=soft_capped)
 
 
 class CPUAttentionBackend(AttentionBackend):

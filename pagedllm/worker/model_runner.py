@@ -29,6 +29,15 @@ def build_attention_metadata(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Flat input ids and positions, and the metadata of a batch (decodes must come first),
     with one block table and slot mapping per KV cache group."""
+    if all(len(item.token_ids) == 1 for item in items):
+        return _decode_metadata(items, block_size, device)
+    return _batch_metadata(items, block_size, device)
+
+
+def _batch_metadata(
+    items: list[ScheduledSequence], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """`build_attention_metadata` of any batch: each sequence's tokens expanded to positions."""
     num_seqs = len(items)
     query_lens = np.fromiter((len(item.token_ids) for item in items), dtype=np.int64, count=num_seqs)
     starts = np.fromiter((item.start_position for item in items), dtype=np.int64, count=num_seqs)
@@ -63,6 +72,36 @@ def build_attention_metadata(
             )
         )
     return torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), metadata
+
+
+def _decode_metadata(
+    items: list[ScheduledSequence], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """`build_attention_metadata` of a batch of decodes only (one token each, at its start
+    position): the same tensors, with none of the general case's per-token expansion."""
+    num_seqs = len(items)
+    positions = np.fromiter((item.start_position for item in items), dtype=np.int64, count=num_seqs)
+    input_ids = np.fromiter((item.token_ids[0] for item in items), dtype=np.int64, count=num_seqs)
+    rows, columns, offsets = np.arange(num_seqs), positions // block_size, positions % block_size
+    seq_lens = positions + 1
+    lens, starts, context = seq_lens.tolist(), _on(np.arange(num_seqs + 1, dtype=np.int64), device), _on(seq_lens, device)
+
+    def group(tables: list[list[int | None]]) -> AttentionMetadata:
+        array = block_table_array(tables)
+        return AttentionMetadata(
+            slot_mapping=_on(array[rows, columns].astype(np.int64) * block_size + offsets, device),
+            query_start_loc=starts, seq_lens=context, block_tables=_on(array, device), query_lens=[1] * num_seqs,
+            seq_lens_list=lens, block_size=block_size, num_decodes=num_seqs)
+
+    metadata = group([item.block_table for item in items])
+    metadata.other_groups = [group([item.other_block_tables[g] for item in items])
+                             for g in range(len(items[0].other_block_tables))]
+    return _on(input_ids, device), _on(positions, device), metadata
+
+
+def _on(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 class ModelRunner:
