@@ -73,9 +73,10 @@ TRIAL_SHAPE = (4096, 2048)
 TRIAL_ROWS = (1, 4, 8, 16, 64, 256, 2048)
 
 
-# The row-streams trial (`choose_row_streams`): one-row products of Q4_K (Q4_K_M's most common
-# type) on a weight of this many MiB, past a server CPU's L3 as a model's weights are (a weight in
-# the caches reads alike in any order), at each count of interleaved runs a thread may read in.
+# The row-streams trial (`choose_row_streams`): one-row products of Q4_K and Q6_K (Q4_K_M's
+# types) on weights of this many MiB in all, past a server CPU's L3 as a model's weights are (a
+# weight in the caches reads alike in any order), at each count of interleaved runs a thread may
+# read in.
 STREAMS_TRIAL_MIB = 128
 ROW_STREAMS = (1, 2, 4, 8)
 
