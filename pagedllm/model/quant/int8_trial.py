@@ -282,10 +282,7 @@ def _stored(path: Path, conds: dict, quiet: bool = False) -> dict[str, tuple[int
 def _stored_width_ways(path: Path, conds: dict) -> dict[str, dict[int, dict[int, str]]]:
     """The width ways kept at `path` for these conditions (an entry of `_stored`'s kind), qtype ->
     {in_features: ways}; what is not a choice of `choose_width_ways` is left out."""
-    entry = read_json(path)
-    if not isinstance(entry, dict) or entry.get("version") != TRIAL_VERSION or entry.get("conditions") != conds:
-        return {}
-    stored = entry.get("width_ways")
+    stored = _entry(path, conds).get("width_ways")
     kept: dict[str, dict[int, dict[int, str]]] = {}
     for qtype, widths in (stored.items() if isinstance(stored, dict) else ()):
         if qtype not in gguf_kernels.TYPE_IDS or not isinstance(widths, dict):
@@ -299,14 +296,24 @@ def _stored_width_ways(path: Path, conds: dict) -> dict[str, dict[int, dict[int,
 
 def _stored_row_streams(path: Path, conds: dict) -> int | None:
     """The row streams kept at `path` for these conditions (`choose_row_streams`), None without."""
-    entry = read_json(path)
-    if not isinstance(entry, dict) or entry.get("version") != TRIAL_VERSION or entry.get("conditions") != conds:
-        return None
-    streams = entry.get("row_streams")
+    streams = _entry(path, conds).get("row_streams")
     return streams if type(streams) is int and streams in ROW_STREAMS else None
 
 
-def _write(path: Path, conds: dict, results: dict, width_ways: dict, row_streams: int | None) -> None:
+def _entry(path: Path, conds: dict) -> dict:
+    """The entry kept at `path` if it is one of this version measured under these conditions, else {}."""
+    entry = read_json(path)
+    ok = isinstance(entry, dict) and entry.get("version") == TRIAL_VERSION and entry.get("conditions") == conds
+    return entry if ok else {}
+
+
+def _write(path: Path, conds: dict, results: dict | None = None, width_ways: dict | None = None,
+           row_streams: int | None = None) -> None:
+    """Keep the trial's results for these conditions: what is given, and what the file holds (as
+    another process may have stored it meanwhile) for the rest."""
+    results = _stored(path, conds, quiet=True) if results is None else results
+    width_ways = _stored_width_ways(path, conds) if width_ways is None else width_ways
+    row_streams = _stored_row_streams(path, conds) if row_streams is None else row_streams
     try:
         write_json_entry(path, {
             "version": TRIAL_VERSION, "conditions": conds, "rows": {q: r for q, (r, _) in results.items()},
@@ -335,7 +342,7 @@ def set_row_streams_for_machine() -> None:
         gguf_kernels.set_row_streams(streams)
     else:
         streams = choose_row_streams()
-        _write(path, conds, _stored(path, conds, quiet=True), _stored_width_ways(path, conds), streams)
+        _write(path, conds, row_streams=streams)
     _streams_set.add(str(path))
 
 
@@ -359,7 +366,7 @@ def int8_rows_that_pay(qtype: str) -> int:
         ways = choose_ways(qtype)  # first: the rows where int8 pays are timed on the chosen ways
         rows = measure(qtype)
         merged = {**_stored(path, conds, quiet=True), qtype: (rows, ways)}  # with what another process stored
-        _write(path, conds, merged, _stored_width_ways(path, conds), _stored_row_streams(path, conds))
+        _write(path, conds, merged)
     _results[str(path), qtype] = rows
     return rows
 
@@ -381,5 +388,5 @@ def set_ways_for_width(qtype: str, in_features: int) -> None:
         ways = choose_width_ways(qtype, in_features)
         kept = _stored_width_ways(path, conds)  # (with what another process stored meanwhile)
         kept.setdefault(qtype, {})[in_features] = ways
-        _write(path, conds, _stored(path, conds, quiet=True), kept, _stored_row_streams(path, conds))
+        _write(path, conds, width_ways=kept)
     _width_results.add((str(path), qtype, in_features))
