@@ -25,6 +25,39 @@ def best_wall_time(fn, repeats: int) -> float:
     return best
 
 
+def read_cpu_times() -> tuple[float, float]:
+    """(seconds of CPU time the whole machine has spent busy, seconds this process has), since boot
+    (Linux's /proc; steal time counts as busy: another virtual machine's)."""
+    import os
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
+    busy = sum(fields[:8]) - fields[3] - fields[4]
+    with open("/proc/self/stat") as f:
+        after_name = f.read().rpartition(")")[2].split()
+    own = int(after_name[11]) + int(after_name[12])  # utime, stime
+    return busy / ticks, own / ticks
+
+
+def load_mark() -> tuple[float, float, float] | None:
+    """A mark to measure other processes' load from (`others_load`); None where /proc is not."""
+    try:
+        return (time.monotonic(), *read_cpu_times())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def others_load(mark: tuple[float, float, float] | None) -> float:
+    """Cores other processes (and other virtual machines, by steal time) kept busy on average
+    since `mark`; 0.0 where it cannot be read."""
+    now = load_mark()
+    if mark is None or now is None or now[0] <= mark[0]:
+        return 0.0
+    return max(0.0, (now[1] - mark[1]) - (now[2] - mark[2])) / (now[0] - mark[0])
+
+
 def release_free_memory() -> None:
     """Ask the C allocator to give freed heap pages back to the system (glibc keeps them
     otherwise, and they count in the process's resident memory); nothing where it is not glibc."""

@@ -151,8 +151,10 @@ def test_the_trial_takes_int8_up_to_its_last_win_and_every_size_past_the_largest
 
 @pytest.fixture
 def trial_cache(tmp_path, monkeypatch):
-    """A fresh cache folder and process memory; `measured` counts the trials that ran."""
+    """A fresh cache folder and process memory, on a quiet machine (whatever else this one runs);
+    `measured` counts the trials that ran."""
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(int8_trial, "others_load", lambda mark: 0.0)
     monkeypatch.setattr(int8_trial, "_results", {})
     measured: list[str] = []
     monkeypatch.setattr(int8_trial, "measure", lambda qtype: measured.append(qtype) or _fixed_trial(qtype))
@@ -176,6 +178,43 @@ def test_the_trial_is_kept_per_machine_and_reused_without_timing(trial_cache, mo
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         assert int8_trial.int8_rows_that_pay("Q4_K") == 16 and int8_trial.int8_rows_that_pay("Q4_1") == 4
     assert "measured on this CPU and kernel library before" in caplog.text
+
+
+def test_a_trial_on_a_busy_machine_serves_its_process_and_is_not_kept(trial_cache, monkeypatch, caplog):
+    """Other processes past BUSY_CORES while it was timed: the rows (and ways, and row streams)
+    are used, and the next start times them again."""
+    monkeypatch.setattr(int8_trial, "others_load", lambda mark: 1.2)
+    monkeypatch.setattr(int8_trial, "_streams_set", set())
+    streams = int8_trial.gguf_kernels.row_streams()
+    monkeypatch.setattr(int8_trial, "choose_row_streams", lambda: streams)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        assert int8_trial.int8_rows_that_pay("Q4_K") == 16
+        int8_trial.set_row_streams_for_machine()
+    assert "kept 1.2 cores busy" in caplog.text and not trial_cache.path.exists()
+    _new_process(monkeypatch)
+    monkeypatch.setattr(int8_trial, "others_load", lambda mark: 0.1)  # quiet now: timed again, and kept
+    assert int8_trial.int8_rows_that_pay("Q4_K") == 16
+    assert trial_cache.measured == ["Q4_K", "Q4_K"] and json.loads(trial_cache.path.read_text())["rows"] == {"Q4_K": 16}
+
+
+def test_other_processes_load_is_read_from_the_machines_counters():
+    """A busy loop in another process shows as about a core; this process's own work does not."""
+    import subprocess
+    import sys
+    import time
+
+    from pagedllm.utils import load_mark, others_load
+
+    mark = load_mark()
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # our own work
+        pass
+    own_only = others_load(mark)
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 0.6\nwhile time.monotonic() < end: pass"])
+    mark = load_mark()
+    child.wait()
+    assert others_load(mark) - own_only > 0.5  # (whatever else the machine runs counts in both)
+    assert others_load(None) == 0.0
 
 
 def test_other_conditions_are_measured_anew(trial_cache, monkeypatch):

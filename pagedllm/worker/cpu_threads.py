@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.utils import read_cpu_times
+
 logger = logging.getLogger("pagedllm")
 
 INTERVAL_S = 1.0
@@ -33,19 +35,6 @@ INTERVAL_S = 1.0
 # deschedules a thread in many regions of a step.
 BUSY_CORE = 0.25
 QUIET_READINGS = 3
-
-
-def read_cpu_times() -> tuple[float, float]:
-    """(seconds of CPU time the whole machine has spent busy, seconds this process has), since boot."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
-    busy = sum(fields[:8]) - fields[3] - fields[4]
-    with open("/proc/self/stat") as f:
-        after_name = f.read().rpartition(")")[2].split()
-    own = int(after_name[11]) + int(after_name[12])  # utime, stime
-    return busy / ticks, own / ticks
 
 
 def threads_for(others_load: float, max_threads: int, cores: int) -> int:

@@ -36,8 +36,10 @@ VNNI; 2048 wide, a tie). So each narrower width a model's weights have is timed 
 decode buckets, on a weight of the trial's bytes (`choose_width_ways`), kept as
 "width_ways" {qtype: {in_features: {bucket: way}}} and set for products of that width only. A type with one way
 on this path stores {}. An entry that is not valid JSON, was measured under other conditions or holds a row count the trial cannot
-give is ignored and measured again, never fatal. Delete `int8-trials/` under the cache folder
-(`pagedllm.paths.cache_dir()`) to measure again, for instance after a trial on a busy machine.
+give is ignored and measured again, never fatal. A trial during which other processes kept more
+than `BUSY_CORES` cores busy (`/proc/stat`, steal time included) serves the process that ran it
+and is not kept. Delete `int8-trials/` under the cache folder (`pagedllm.paths.cache_dir()`) to
+measure again.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from pagedllm.kernels import gguf as gguf_kernels
 from pagedllm.model.quant.gguf import EVERY_SIZE
 from pagedllm.paths import cache_dir
 from pagedllm.transformers_utils.file_cache import entry_key, read_json, write_json_entry
-from pagedllm.utils import best_wall_time, cpu_model_and_flags
+from pagedllm.utils import best_wall_time, cpu_model_and_flags, load_mark, others_load
 
 logger = logging.getLogger("pagedllm")
 
@@ -325,6 +327,24 @@ def _write(path: Path, conds: dict, results: dict | None = None, width_ways: dic
         logger.debug("Could not keep the int8 trial's result (%s)", exc)
 
 
+# Other processes' load (cores, on average over a trial) past which the trial's timings serve
+# this process but are not kept: a trial taken on a Zen 4 EPYC beside llama.cpp's build chose the
+# VNNI way for Q4_K at 1 row and four row streams, where the same trial on the quiet machine chose
+# the AVX2 way (the faster there) and one stream; kept, that choice would have stayed until the
+# kernels changed.
+BUSY_CORES = 0.25
+
+
+def _quiet_since(mark, what: str) -> bool:
+    """Whether the machine stayed quiet enough since `mark` to keep what was timed; says why not."""
+    load = others_load(mark)
+    if load > BUSY_CORES:
+        logger.warning("Other processes kept %.1f cores busy while %s was timed: the result serves this process "
+                       "and is not kept (timed again at the next start)", load, what)
+        return False
+    return True
+
+
 _results: dict[tuple[str, str], int] = {}  # per process: (the conditions' file, qtype) -> rows
 _width_results: set[tuple[str, str, int]] = set()  # per process: (file, qtype, in_features) set
 _streams_set: set[str] = set()  # per process: the conditions' files whose row streams are set
@@ -341,8 +361,10 @@ def set_row_streams_for_machine() -> None:
     if streams is not None:
         gguf_kernels.set_row_streams(streams)
     else:
+        mark = load_mark()
         streams = choose_row_streams()
-        _write(path, conds, row_streams=streams)
+        if _quiet_since(mark, "the weight rows' streams"):
+            _write(path, conds, row_streams=streams)
     _streams_set.add(str(path))
 
 
@@ -363,10 +385,12 @@ def int8_rows_that_pay(qtype: str) -> int:
         # Said before it starts: the trial takes seconds per type with nothing logged meanwhile.
         logger.info("Timing int8 against float32 activations for %s on this CPU (a few seconds; kept for the next "
                     "start in %s)...", qtype, path)
+        mark = load_mark()
         ways = choose_ways(qtype)  # first: the rows where int8 pays are timed on the chosen ways
         rows = measure(qtype)
-        merged = {**_stored(path, conds, quiet=True), qtype: (rows, ways)}  # with what another process stored
-        _write(path, conds, merged)
+        if _quiet_since(mark, f"int8 against float32 activations for {qtype}"):
+            merged = {**_stored(path, conds, quiet=True), qtype: (rows, ways)}  # with what another process stored
+            _write(path, conds, merged)
     _results[str(path), qtype] = rows
     return rows
 
@@ -385,8 +409,10 @@ def set_ways_for_width(qtype: str, in_features: int) -> None:
         set_width_ways(qtype, in_features, kept[qtype][in_features])
     else:
         logger.info("Timing the int8 ways of %s rows of %d on this CPU (kept in %s)...", qtype, in_features, path)
+        mark = load_mark()
         ways = choose_width_ways(qtype, in_features)
-        kept = _stored_width_ways(path, conds)  # (with what another process stored meanwhile)
-        kept.setdefault(qtype, {})[in_features] = ways
-        _write(path, conds, width_ways=kept)
+        if _quiet_since(mark, f"the int8 ways of {qtype} rows of {in_features}"):
+            kept = _stored_width_ways(path, conds)  # (with what another process stored meanwhile)
+            kept.setdefault(qtype, {})[in_features] = ways
+            _write(path, conds, width_ways=kept)
     _width_results.add((str(path), qtype, in_features))
