@@ -53,7 +53,12 @@ def others_load(mark: tuple[float, float, float] | None) -> float:
     """Cores other processes (and other virtual machines, by steal time) kept busy on average
     since `mark`; 0.0 where it cannot be read."""
     now = load_mark()
-    if mark is None or now is None or now[0] <= mark[0]:
+    return load_between(mark, now) if mark is not None and now is not None else 0.0
+
+
+def load_between(mark: tuple[float, float, float], now: tuple[float, float, float]) -> float:
+    """Other processes' cores busy between two (time, machine busy, own) readings; 0.0 for none elapsed."""
+    if now[0] <= mark[0]:
         return 0.0
     return max(0.0, (now[1] - mark[1]) - (now[2] - mark[2])) / (now[0] - mark[0])
 

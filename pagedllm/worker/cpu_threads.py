@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.utils import read_cpu_times
+from pagedllm.utils import load_between, read_cpu_times
 
 logger = logging.getLogger("pagedllm")
 
@@ -62,7 +62,7 @@ class ThreadGovernor:
         if now - self.last_time < INTERVAL_S:
             return self.threads
         busy, own = self.reader()
-        others = max(0.0, (busy - self.last_busy) - (own - self.last_own)) / (now - self.last_time)
+        others = load_between((self.last_time, self.last_busy, self.last_own), (now, busy, own))
         self.last_time, self.last_busy, self.last_own = now, busy, own
         target = threads_for(others, self.max_threads, self.cores)
         if target < self.threads:
