@@ -145,8 +145,8 @@ def test_logsumexp_and_argmax_rows_match_torch(vocab):
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_single_long_row_split_among_threads_matches_torch(threads):
-    """One sequence over a 262,144-token vocabulary (Gemma's): its columns are split among the
-    threads; the normaliser and greedy token are torch's, ties across parts, masked parts, an
+    """One sequence over a 262,144-token vocabulary (Gemma's): its columns' parts are shared among
+    the threads; the normaliser and greedy token are torch's, ties across parts, masked parts, an
     all-masked row and NaN included."""
     vocab = 262144
     previous = torch.get_num_threads()
@@ -169,6 +169,32 @@ def test_a_single_long_row_split_among_threads_matches_torch(threads):
             torch.testing.assert_close(ops.logsumexp_rows(x), log_norm, rtol=0, atol=0, equal_nan=True)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("vocab", [49152, 262144, 70001])
+def test_a_rows_normaliser_is_bitwise_the_same_in_any_batch_at_any_thread_count(vocab):
+    """Batch-invariant mode's log-probabilities: a row's normaliser and greedy token do not
+    depend on how many rows come with it or how many threads share them (a long row alone is cut
+    among the threads, rows of a batch go a thread each: the parts and their order are the same)."""
+    torch.manual_seed(vocab)
+    batch = torch.randn(5, vocab) * 4
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            whole = ops.logsumexp_and_argmax_rows(batch)
+            for r in range(batch.shape[0]):
+                alone = ops.logsumexp_and_argmax_rows(batch[r : r + 1].clone())
+                results.append((alone[0].item(), alone[1].item()))
+                results.append((whole[0][r].item(), whole[1][r].item()))
+            results.append(tuple(ops.logsumexp_rows(batch[1:3]).flatten().tolist()))
+            results.append(tuple(ops.logsumexp_rows(batch).flatten().tolist()[1:3]))
+    finally:
+        torch.set_num_threads(previous)
+    for r in range(batch.shape[0]):  # every thread count, alone and in the batch: one answer a row
+        assert len({results[t * (2 * batch.shape[0] + 2) + 2 * r + k] for t in range(3) for k in (0, 1)}) == 1
+    assert len({results[t * (2 * batch.shape[0] + 2) + 2 * batch.shape[0] + k] for t in range(3) for k in (0, 1)}) == 1
 
 
 @pytest.mark.parametrize("vocab", [7, 4096, 1003])

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -101,8 +102,8 @@ float exp_sum(const float* x, int64_t n, float max) {
   return total;
 }
 
-// Columns below which a single row's normaliser stays on one thread.
-constexpr int64_t kSplitColumns = 1 << 15;
+// The columns of one part of a row's normaliser (`logsumexp_rows_f32`).
+constexpr int64_t kPartColumns = 1 << 15;
 
 // The first token whose running sum of weights exceeds target (the cumulative distribution
 // inverted at target); if rounding leaves the sum just short, the last token of positive weight.
@@ -148,53 +149,47 @@ int64_t draw(const float* x, int64_t n, float max, float inv_t, float target) {
 
 extern "C" {
 
-// x: [rows, row_stride] float32; out: [rows]; argmax: [rows] or null (not wanted). The row is
-// read from memory once: the later passes find it in the core's cache. Fewer rows than threads
-// (a decode step of one sequence over a vocabulary of 150k-260k): each row's columns are split
-// among the threads, each part's maximum, sum and first maximum combined after.
+// x: [rows, row_stride] float32; out: [rows]; argmax: [rows] or null (not wanted). Each row is
+// cut into parts of kPartColumns columns (one part below that), each part's maximum, sum of
+// weights and first maximum found, and the parts combined in order: the same sums in the same
+// order whatever the number of rows and threads, so a row's result does not depend on its batch
+// (batch-invariant mode relies on it). The parts of all rows are shared among the threads: a
+// decode step of one sequence over a vocabulary of 150k-260k keeps every thread busy. Each part
+// is read from memory once: its later passes find it in the core's cache.
 void logsumexp_rows_f32(float* out, int64_t* argmax, const float* x, int rows, int64_t cols, int64_t row_stride,
                         int num_threads) {
-  if (rows < num_threads && cols >= kSplitColumns) {
-    constexpr int kMaxParts = 64;
-    const int parts = num_threads < kMaxParts ? num_threads : kMaxParts;
-    for (int r = 0; r < rows; ++r) {
-      const float* row = x + r * row_stride;
-      float part_max[kMaxParts], part_sum[kMaxParts];
-      int64_t part_first[kMaxParts];
-#pragma omp parallel for schedule(static) num_threads(parts)
-      for (int p = 0; p < parts; ++p) {
-        const int64_t lo = cols * p / parts, hi = cols * (p + 1) / parts;
-        part_max[p] = row_max(row + lo, hi - lo);
-        part_sum[p] = part_max[p] == -INFINITY || part_max[p] != part_max[p] ? 0.0f
-                                                                             : exp_sum(row + lo, hi - lo, part_max[p]);
-        const int64_t first = argmax != nullptr ? first_index_of(row + lo, hi - lo, part_max[p]) : -1;
-        part_first[p] = first < 0 ? -1 : lo + first;
-      }
-      float max = -INFINITY;
-      bool nan = false;
-      for (int p = 0; p < parts; ++p) {
-        nan = nan || part_max[p] != part_max[p];
-        max = part_max[p] > max ? part_max[p] : max;
-      }
-      if (nan) max = NAN;
-      float total = 0.0f;
-      int64_t first = -1;
-      for (int p = 0; p < parts; ++p) {
-        if (part_max[p] == -INFINITY || nan) continue;
-        total += part_sum[p] * std::exp(part_max[p] - max);
-        if (first < 0 && part_max[p] == max) first = part_first[p];
-      }
-      out[r] = max == -INFINITY ? -INFINITY : nan ? NAN : max + std::log(total);
-      if (argmax != nullptr) argmax[r] = nan ? -1 : first;
-    }
-    return;
+  const int64_t parts = cols > kPartColumns ? (cols + kPartColumns - 1) / kPartColumns : 1;
+  const int64_t items = rows * parts;
+  std::vector<float> part_max(items), part_sum(items);
+  std::vector<int64_t> part_first(items);
+#pragma omp parallel for schedule(static) num_threads(items < num_threads ? static_cast<int>(items) : num_threads)
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t r = i / parts, p = i % parts;
+    const int64_t lo = p * kPartColumns, hi = p + 1 == parts ? cols : lo + kPartColumns;
+    const float* part = x + r * row_stride + lo;
+    const float max = row_max(part, hi - lo);
+    part_max[i] = max;
+    part_sum[i] = max == -INFINITY || max != max ? 0.0f : exp_sum(part, hi - lo, max);
+    const int64_t first = argmax != nullptr ? first_index_of(part, hi - lo, max) : -1;
+    part_first[i] = first < 0 ? -1 : lo + first;
   }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int r = 0; r < rows; ++r) {
-    const float* row = x + r * row_stride;
-    const float max = row_max(row, cols);
-    out[r] = max == -INFINITY ? -INFINITY : max + std::log(exp_sum(row, cols, max));
-    if (argmax != nullptr) argmax[r] = first_index_of(row, cols, max);
+    const float* maxes = part_max.data() + r * parts;
+    float max = -INFINITY;
+    bool nan = false;
+    for (int64_t p = 0; p < parts; ++p) {
+      nan = nan || maxes[p] != maxes[p];
+      max = maxes[p] > max ? maxes[p] : max;
+    }
+    float total = 0.0f;
+    int64_t first = -1;
+    for (int64_t p = 0; p < parts && !nan; ++p) {
+      if (maxes[p] == -INFINITY) continue;
+      total += part_sum[r * parts + p] * std::exp(maxes[p] - max);  // (exactly the sum with one part)
+      if (first < 0 && maxes[p] == max) first = part_first[r * parts + p];
+    }
+    out[r] = nan ? NAN : max == -INFINITY ? -INFINITY : max + std::log(total);
+    if (argmax != nullptr) argmax[r] = nan ? -1 : first;
   }
 }
 
