@@ -1,5 +1,5 @@
-"""A step of decodes only builds its inputs by a shorter way (worker/model_runner.py's
-_decode_metadata, attention/cpu.py's _decode_plan): the very tensors the general way builds."""
+"""A step of decodes only builds its inputs by a shorter way (worker/decode_inputs.py's
+decode_metadata, attention/cpu.py's _decode_plan): the very tensors the general way builds."""
 
 from __future__ import annotations
 
@@ -65,6 +65,6 @@ def test_the_decode_way_builds_the_general_ways_tensors(seed, num_seqs, num_grou
 def test_a_step_with_a_prompt_takes_the_general_way(monkeypatch):
     items = _decodes(5, 2, 1)
     items.append(dataclasses.replace(items[0], seq_id=9, token_ids=[1, 2, 3], start_position=0, block_table=[7]))
-    monkeypatch.setattr(model_runner, "_decode_metadata", lambda *a: pytest.fail("a prompt is not a decode"))
+    monkeypatch.setattr(model_runner, "decode_metadata", lambda *a: pytest.fail("a prompt is not a decode"))
     _, positions, metadata = model_runner.build_attention_metadata(items, BLOCK, torch.device("cpu"))
     assert positions.tolist()[-3:] == [0, 1, 2] and metadata.query_lens == [1, 1, 3] and metadata.num_decodes == 2

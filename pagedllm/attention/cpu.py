@@ -21,6 +21,7 @@ of into as many partitions as keep the threads busy.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,11 +103,19 @@ def _plan(metadata: AttentionMetadata, batch_invariant: bool, sliding_window: in
 
 def _decode_plan(metadata: AttentionMetadata, sliding_window: int | None, soft_capped: bool) -> _Plan:
     """`_plan` of a step of decodes only: one item of one token per sequence, no fresh prompt."""
-    seqs = torch.arange(metadata.num_decodes, dtype=torch.int32)
-    return _Plan(item_seq=seqs, item_first_token=seqs, item_num_tokens=torch.ones_like(seqs),
-                 token_context=torch.tensor(metadata.seq_lens_list, dtype=torch.int32),
+    seqs, ones = _decode_items(metadata.num_decodes)
+    return _Plan(item_seq=seqs, item_first_token=seqs, item_num_tokens=ones,
+                 token_context=metadata.seq_lens.to(torch.int32),
                  block_tables=metadata.block_tables.to(torch.int32).contiguous(), fresh_prompts=[],
                  sliding_window=sliding_window, soft_capped=soft_capped)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_items(num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode plan's item arrays (0, 1, ..., and ones), the same every step of that many
+    sequences: kept, never written (the kernels only read them)."""
+    seqs = torch.arange(num_seqs, dtype=torch.int32)
+    return seqs, torch.ones_like(seqs)
 
 
 class CPUAttentionBackend(AttentionBackend):

@@ -154,6 +154,8 @@ def _hook_points(engine) -> list[tuple[object, str, str, bool]]:
         (type(worker.runner.sampler), "__call__", "sampling", False),
         (fused_layers.FusedDecoderLayers, "__call__", _FUSED, True),
     ]
+    if worker.runner.decode_inputs is not None:  # decode steps' inputs, advanced in place
+        points.append((type(worker.runner.decode_inputs), "build", "input_prep", False))
     owner = next(c for c in backend_class.__mro__ if "write_kv" in c.__dict__)
     return [*points, (owner, "write_kv", "kv_write", False)]
 

@@ -191,6 +191,8 @@ class FusedDecoderLayers:
         self._layers = None
         self._group_windows: dict[int, int | None] = {}
         self._bound_to = None
+        self._scratch_step: tuple[int, _Step, torch.Tensor] | None = None  # `_step`'s
+        self._pointer_arrays: tuple | None = None  # `_addresses`'
         self.part_ns: ctypes.Array | None = None  # set while a step profile is taken
         first = plan.layers[0]
         self.hidden_size = first.input_norm.shape[0]
@@ -271,6 +273,7 @@ class FusedDecoderLayers:
             self._layers = (_Layer * len(layers))(*layers)
             self._group_windows = {attn.kv_cache_group: attn.sliding_window for attn in attns}
             self._bound_to = bound
+            self._scratch_step = None  # (it holds the pools' strides)
         return self._layers
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, metadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,31 +285,52 @@ class FusedDecoderLayers:
         # only the block tables differ, as int32 the kernel reads.
         plan = self.backend.plan(metadata, self._group_windows.get(0))
         tables = [plan.block_tables, *(m.block_tables.to(torch.int32).contiguous() for m in groups[1:])]
-        slot_mappings = (_P * len(groups))(*(m.slot_mapping.data_ptr() for m in groups))
-        block_tables = (_P * len(groups))(*(t.data_ptr() for t in tables))
-        table_strides = (ctypes.c_int64 * len(groups))(*(t.shape[1] for t in tables))
         positions = [r.table_positions(positions, metadata).contiguous() for r in self.rotaries]
-        rotary_positions = (_P * len(positions))(*(p.data_ptr() for p in positions))
-        key_cache = self.layers[0].attn.key_cache
-        T, H, I = hidden.shape[0], self.hidden_size, self.intermediate_size
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        widths = (q_width + 2 * kv_width, q_width, q_width, kv_width, kv_width, H, 2 * I, I)
-        scratch = torch.empty(T * sum(widths), dtype=torch.float32)
-        pointers, offset = [], 0
-        for width in widths:
-            pointers.append(scratch.data_ptr() + 4 * offset)
-            offset += T * width
+        step = self._step(hidden.shape[0])
+        step.rotary_positions, step.slot_mappings, step.block_tables, step.block_table_strides = self._addresses(
+            positions, [m.slot_mapping for m in groups], tables)
+        step.item_seq, step.item_first_token = plan.item_seq.data_ptr(), plan.item_first_token.data_ptr()
+        step.item_num_tokens, step.num_items = plan.item_num_tokens.data_ptr(), plan.item_seq.shape[0]
+        step.token_context, step.num_threads = plan.token_context.data_ptr(), torch.get_num_threads()
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
-        step = _Step(
-            T, H, self.num_heads, self.num_kv_heads, self.head_dim, key_cache.shape[2], I, torch.get_num_threads(),
-            self.eps, ctypes.addressof(rotary_positions), ctypes.addressof(slot_mappings), key_cache.stride(0), key_cache.stride(1), ctypes.addressof(block_tables),
-            ctypes.addressof(table_strides), plan.item_seq.data_ptr(), plan.item_first_token.data_ptr(),
-            plan.item_num_tokens.data_ptr(), plan.item_seq.shape[0], plan.token_context.data_ptr(), *pointers,
-        )
         self.lib.decoder_layers_f32(ctypes.addressof(layers), len(layers), ctypes.byref(step), hidden.data_ptr(),
                                     residual.data_ptr(), ctypes.cast(self.part_ns, _P) if self.part_ns is not None else None)
         return hidden, residual
+
+    def _step(self, num_tokens: int) -> _Step:
+        """The C++ step of `num_tokens` tokens with its scratch (the last size's kept: a batch
+        decodes at one size for many steps); the caller fills in the step's own pointers."""
+        if self._scratch_step is None or self._scratch_step[0] != num_tokens:
+            T, H, I = num_tokens, self.hidden_size, self.intermediate_size
+            q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            widths = (q_width + 2 * kv_width, q_width, q_width, kv_width, kv_width, H, 2 * I, I)
+            scratch = torch.empty(T * sum(widths), dtype=torch.float32)
+            pointers, offset = [], 0
+            for width in widths:
+                pointers.append(scratch.data_ptr() + 4 * offset)
+                offset += T * width
+            key_cache = self.layers[0].attn.key_cache
+            step = _Step(T, H, self.num_heads, self.num_kv_heads, self.head_dim, key_cache.shape[2], I, 0, self.eps,
+                         None, None, key_cache.stride(0), key_cache.stride(1), None, None, None, None, None, 0, None,
+                         *pointers)
+            self._scratch_step = (num_tokens, step, scratch)
+        return self._scratch_step[1]
+
+    def _addresses(self, positions: list[torch.Tensor], slot_mappings: list[torch.Tensor],
+                   tables: list[torch.Tensor]) -> tuple[int, int, int, int]:
+        """The addresses of the arrays of pointers (rotary positions, slot mappings, block
+        tables) and of the tables' strides: built again only when a tensor moved (a decode
+        step's inputs are advanced in place: `worker.decode_inputs`)."""
+        key = (*(p.data_ptr() for p in positions), *(m.data_ptr() for m in slot_mappings),
+               *(t.data_ptr() for t in tables), *(t.shape[1] for t in tables))
+        if self._pointer_arrays is None or self._pointer_arrays[0] != key:
+            arrays = ((_P * len(positions))(*(p.data_ptr() for p in positions)),
+                      (_P * len(slot_mappings))(*(m.data_ptr() for m in slot_mappings)),
+                      (_P * len(tables))(*(t.data_ptr() for t in tables)),
+                      (ctypes.c_int64 * len(tables))(*(t.shape[1] for t in tables)))
+            self._pointer_arrays = (key, arrays, tuple(ctypes.addressof(a) for a in arrays))
+        return self._pointer_arrays[2]
 
 
 def enable_fused_layers(model, backend) -> bool:

@@ -19,6 +19,7 @@ from pagedllm.sampling import Sampler, prompt_logprobs
 from pagedllm.utils import cdiv
 from pagedllm.worker.block_tables import block_table_array
 from pagedllm.worker.cuda_graphs import DecodeGraphs
+from pagedllm.worker.decode_inputs import DecodeInputs, decode_metadata
 
 # The float32 logits computed at once for prompt log-probabilities (as many rows as fit).
 PROMPT_LOGPROBS_BYTES = 64 << 20
@@ -30,7 +31,7 @@ def build_attention_metadata(
     """Flat input ids and positions, and the metadata of a batch (decodes must come first),
     with one block table and slot mapping per KV cache group."""
     if all(len(item.token_ids) == 1 for item in items):
-        return _decode_metadata(items, block_size, device)
+        return decode_metadata(items, block_size, device)
     return _batch_metadata(items, block_size, device)
 
 
@@ -74,36 +75,6 @@ def _batch_metadata(
     return torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), metadata
 
 
-def _decode_metadata(
-    items: list[ScheduledSequence], block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """`build_attention_metadata` of a batch of decodes only (one token each, at its start
-    position): the same tensors, with none of the general case's per-token expansion."""
-    num_seqs = len(items)
-    positions = np.fromiter((item.start_position for item in items), dtype=np.int64, count=num_seqs)
-    input_ids = np.fromiter((item.token_ids[0] for item in items), dtype=np.int64, count=num_seqs)
-    rows, columns, offsets = np.arange(num_seqs), positions // block_size, positions % block_size
-    seq_lens = positions + 1
-    lens, starts, context = seq_lens.tolist(), _on(np.arange(num_seqs + 1, dtype=np.int64), device), _on(seq_lens, device)
-
-    def group(tables: list[list[int | None]]) -> AttentionMetadata:
-        array = block_table_array(tables)
-        return AttentionMetadata(
-            slot_mapping=_on(array[rows, columns].astype(np.int64) * block_size + offsets, device),
-            query_start_loc=starts, seq_lens=context, block_tables=_on(array, device), query_lens=[1] * num_seqs,
-            seq_lens_list=lens, block_size=block_size, num_decodes=num_seqs)
-
-    metadata = group([item.block_table for item in items])
-    metadata.other_groups = [group([item.other_block_tables[g] for item in items])
-                             for g in range(len(items[0].other_block_tables))]
-    return _on(input_ids, device), _on(positions, device), metadata
-
-
-def _on(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device)
-
-
 class ModelRunner:
     def __init__(self, model, block_size: int, device: torch.device, sampler: Sampler | None,
                  graphs: DecodeGraphs | None = None, num_kv_cache_groups: int = 1) -> None:
@@ -114,6 +85,8 @@ class ModelRunner:
         self.sampler = sampler  # only the driver samples
         self.graphs = graphs  # decode and verify steps replay CUDA graphs where they apply
         self.vocab_size = model.cfg.vocab_size
+        # A CPU step of decodes only advances the last one's inputs where it can.
+        self.decode_inputs = DecodeInputs(block_size) if device.type == "cpu" else None
 
     @torch.inference_mode()
     def time_prefill(self, num_tokens: int, repeats: int = 1) -> list[float]:
@@ -150,7 +123,10 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.applies(items):
             hidden, query_lens = self.graphs.run(items)  # each sequence's q rows, its tokens last
         else:
-            input_ids, positions, metadata = build_attention_metadata(items, self.block_size, self.device)
+            if self.decode_inputs is not None and all(len(item.token_ids) == 1 for item in items):
+                input_ids, positions, metadata = self.decode_inputs.build(items)
+            else:
+                input_ids, positions, metadata = build_attention_metadata(items, self.block_size, self.device)
             hidden = self.model(input_ids, positions, metadata)
             query_lens = metadata.query_lens
 
@@ -170,7 +146,9 @@ class ModelRunner:
             # Only the driver pools: after the final norm every rank holds the full hidden states.
             self._pool(hidden, starts, pooling_items, result)
         if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            # (rows are distinct and ascending: as many as hidden's are all of them, in order)
+            picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+            logits = self.model.compute_logits(picked)
             if logits is not None and self.sampler is not None:
                 # The sampler runs where the logits are: on a GPU only the chosen tokens come back.
                 samples = self.sampler(logits.float(), [item for _, item in sampling])

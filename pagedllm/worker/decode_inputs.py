@@ -1,0 +1,106 @@
+"""The inputs of a step of decodes only (one token a sequence), and those of the next step
+advanced in place.
+
+Between two decode steps of the same sequences nothing in the inputs moves but by one: every
+position, context length and KV slot is one further, and the block tables are the same (15 steps
+in 16 at a block size of 16). `DecodeInputs` keeps a CPU step's arrays and metadata and, when the
+next batch is that, adds one to them rather than building them again; any other batch (a
+sequence joining or leaving, one entering a new block, a table that changed: copy-on-write, a
+block leaving a sliding window) is built anew. Either way the tensors are those
+`build_attention_metadata` gives (tests/test_decode_inputs.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.core.scheduler_output import ScheduledSequence
+from pagedllm.worker.block_tables import block_table_array
+
+
+def decode_metadata(
+    items: list[ScheduledSequence], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """`build_attention_metadata` of a batch of decodes only (one token each, at its start
+    position): the same tensors, with none of the general case's per-token expansion."""
+    num_seqs = len(items)
+    positions = np.fromiter((item.start_position for item in items), dtype=np.int64, count=num_seqs)
+    input_ids = np.fromiter((item.token_ids[0] for item in items), dtype=np.int64, count=num_seqs)
+    rows, columns, offsets = np.arange(num_seqs), positions // block_size, positions % block_size
+    seq_lens = positions + 1
+    lens, starts, context = seq_lens.tolist(), _on(np.arange(num_seqs + 1, dtype=np.int64), device), _on(seq_lens, device)
+
+    def group(tables: list[list[int | None]]) -> AttentionMetadata:
+        array = block_table_array(tables)
+        return AttentionMetadata(
+            slot_mapping=_on(array[rows, columns].astype(np.int64) * block_size + offsets, device),
+            query_start_loc=starts, seq_lens=context, block_tables=_on(array, device), query_lens=[1] * num_seqs,
+            seq_lens_list=lens, block_size=block_size, num_decodes=num_seqs)
+
+    metadata = group([item.block_table for item in items])
+    metadata.other_groups = [group([item.other_block_tables[g] for item in items])
+                             for g in range(len(items[0].other_block_tables))]
+    return _on(input_ids, device), _on(positions, device), metadata
+
+
+def _on(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
+class DecodeInputs:
+    """A CPU worker's decode-step inputs, kept for the next step (see the module's docstring).
+    The tensors it returns are updated in place by the next `build`: nothing may keep them past
+    its step (the model and sampler do not)."""
+
+    _CPU = torch.device("cpu")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._seq_ids: list[int] = []
+        self._starts: list[int] = []
+        self._tables: list[list[list[int | None]]] = []  # copies: the scheduler's lists change
+        self._inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None = None
+        self._arrays: list[np.ndarray] = []  # positions, context lengths, each group's slots: all + 1 a step
+        self.num_advanced = 0  # steps served by advancing the last one's inputs (tests read it)
+
+    def build(self, items: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) of a batch of decodes only."""
+        if self._inputs is not None and self._follows(items):
+            return self._advance(items)
+        self._inputs = input_ids, positions, metadata = decode_metadata(items, self.block_size, self._CPU)
+        groups = [metadata, *metadata.other_groups]
+        # (On a CPU each tensor is a view of the array it was made from.)
+        self._arrays = [positions.numpy(), metadata.seq_lens.numpy(), *(m.slot_mapping.numpy() for m in groups)]
+        self._seq_ids = [item.seq_id for item in items]
+        self._starts = [item.start_position for item in items]
+        self._tables = [[list(table) for table in item.block_tables] for item in items]
+        return self._inputs
+
+    def _follows(self, items: list[ScheduledSequence]) -> bool:
+        """Whether `items` are the last step's sequences, in its order, each one token further
+        within the block it wrote last, with the same block tables."""
+        if len(items) != len(self._seq_ids):
+            return False
+        block_size = self.block_size
+        for item, seq_id, start, tables in zip(items, self._seq_ids, self._starts, self._tables):
+            position = item.start_position
+            if (item.seq_id != seq_id or position != start + 1 or position % block_size == 0
+                    or item.block_table != tables[0] or item.other_block_tables != tables[1:]):
+                return False
+        return True
+
+    def _advance(self, items: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids, _, metadata = self._inputs
+        for array in self._arrays:
+            array += 1
+        input_ids.numpy()[:] = [item.token_ids[0] for item in items]
+        self._starts = [start + 1 for start in self._starts]
+        lens = self._arrays[1].tolist()
+        for group in (metadata, *metadata.other_groups):
+            group.seq_lens_list = lens
+            group.backend_plan = None  # derived from the step's lengths: the backend plans again
+        self.num_advanced += 1
+        return self._inputs
