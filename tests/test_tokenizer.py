@@ -30,6 +30,36 @@ def test_incremental_detokenization_matches_full_decode_with_split_characters(to
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "text only grows"
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_backends_decode_is_the_tokenizers_own(tokenizer, skip_special_tokens):
+    """The detokenizer calls the Rust tokenizer directly (transformers' wrapping costs more than
+    the decode): every window it decodes reads as tokenizer.decode reads it, special tokens,
+    split characters and leading spaces included."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": TRICKY_TEXT}], add_generation_prompt=True)
+    ids = list(getattr(ids, "input_ids", ids))
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens)
+    assert detok._backend is not None  # the default model's tokenizer takes the direct call
+    for start in range(0, len(ids), 3):
+        for end in (start + 1, start + 4, start + 9):
+            window = ids[start:end]
+            assert detok._decode(window) == tokenizer.decode(window, skip_special_tokens=skip_special_tokens,
+                                                             clean_up_tokenization_spaces=False)
+
+
+def test_a_tokenizer_that_decodes_its_own_way_keeps_its_decode(tokenizer):
+    class Shouting(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting.__new__(Shouting)
+    shouting.__dict__.update(tokenizer.__dict__)
+    detok = IncrementalDetokenizer(shouting, [])
+    assert detok._backend is None
+    for token in tokenizer.encode("quiet words"):
+        detok.add_token(token)
+    assert detok.text == "QUIET WORDS"
+
+
 def test_detokenizer_fork_is_independent(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"))
     for t in tokenizer.encode(" one"):

@@ -7,6 +7,24 @@ from __future__ import annotations
 _PROMPT_CONTEXT_TOKENS = 5
 
 
+def backend_decoder(tokenizer):
+    """The `tokenizers.Tokenizer` whose `decode(ids, skip_special_tokens=s)` is exactly
+    `tokenizer.decode(ids, skip_special_tokens=s, clean_up_tokenization_spaces=False)` (a
+    transformers fast tokenizer that overrides neither step), or None. Two decodes a token a
+    sequence: transformers' own layers around the call (its argument conversions) cost more than
+    the decode of a handful of ids."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    kind = type(tokenizer)
+    if (isinstance(tokenizer, TokenizersBackend) and kind.decode is PreTrainedTokenizerBase.decode
+            and kind._decode is TokenizersBackend._decode):
+        return tokenizer._tokenizer
+    return None
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into a growing string.
 
@@ -23,6 +41,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._backend = backend_decoder(tokenizer)
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self.token_ids = context
         self.prefix_offset = 0
@@ -36,6 +55,8 @@ class IncrementalDetokenizer:
         return twin
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:  # the very call tokenizer.decode ends in, without its wrapping
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(
             ids,
             skip_special_tokens=self.skip_special_tokens,
