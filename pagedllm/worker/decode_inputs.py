@@ -1,13 +1,14 @@
 """The inputs of a step of decodes only (one token a sequence), and those of the next step
 advanced in place.
 
-Between two decode steps of the same sequences nothing in the inputs moves but by one: every
-position, context length and KV slot is one further, and the block tables are the same (15 steps
-in 16 at a block size of 16). `DecodeInputs` keeps a CPU step's arrays and metadata and, when the
-next batch is that, adds one to them rather than building them again; any other batch (a
-sequence joining or leaving, one entering a new block, a table that changed: copy-on-write, a
-block leaving a sliding window) is built anew. Either way the tensors are those
-`build_attention_metadata` gives (tests/test_decode_inputs.py).
+Between two decode steps of the same sequences the inputs move by one: every position, context
+length and KV slot is one further, and the block tables are the same but for the sequences that
+entered a new block (one in 16 steps each at a block size of 16), had their last block copied on
+write, or saw a block leave a sliding window. `DecodeInputs` keeps a CPU step's arrays and
+metadata and, when the next batch is the same sequences one token further, adds one to them and
+writes again only the rows whose tables changed; a batch whose sequences changed (one joining or
+leaving) or whose tables outgrow the arrays (the longest entering a new block) is built anew.
+Either way the tensors are those `build_attention_metadata` gives (tests/test_decode_inputs.py).
 """
 
 from __future__ import annotations
@@ -64,40 +65,59 @@ class DecodeInputs:
         self._tables: list[list[list[int | None]]] = []  # copies: the scheduler's lists change
         self._inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None = None
         self._arrays: list[np.ndarray] = []  # positions, context lengths, each group's slots: all + 1 a step
+        self._block_tables: list[np.ndarray] = []  # each group's, as the metadata holds them
         self.num_advanced = 0  # steps served by advancing the last one's inputs (tests read it)
 
     def build(self, items: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, metadata) of a batch of decodes only."""
-        if self._inputs is not None and self._follows(items):
-            return self._advance(items)
+        changed = self._changed_rows(items) if self._inputs is not None else None
+        if changed is not None and self._fits(items, changed):
+            return self._advance(items, changed)
         self._inputs = input_ids, positions, metadata = decode_metadata(items, self.block_size, self._CPU)
         groups = [metadata, *metadata.other_groups]
         # (On a CPU each tensor is a view of the array it was made from.)
         self._arrays = [positions.numpy(), metadata.seq_lens.numpy(), *(m.slot_mapping.numpy() for m in groups)]
+        self._block_tables = [m.block_tables.numpy() for m in groups]
         self._seq_ids = [item.seq_id for item in items]
         self._starts = [item.start_position for item in items]
         self._tables = [[list(table) for table in item.block_tables] for item in items]
         return self._inputs
 
-    def _follows(self, items: list[ScheduledSequence]) -> bool:
-        """Whether `items` are the last step's sequences, in its order, each one token further
-        within the block it wrote last, with the same block tables."""
+    def _changed_rows(self, items: list[ScheduledSequence]) -> list[int] | None:
+        """None unless `items` are the last step's sequences, in its order, each one token
+        further; then the rows whose block tables changed or whose token starts a block (their
+        slots are not the last one's + 1)."""
         if len(items) != len(self._seq_ids):
-            return False
-        block_size = self.block_size
-        for item, seq_id, start, tables in zip(items, self._seq_ids, self._starts, self._tables):
-            position = item.start_position
-            if (item.seq_id != seq_id or position != start + 1 or position % block_size == 0
-                    or item.block_table != tables[0] or item.other_block_tables != tables[1:]):
-                return False
-        return True
+            return None
+        block_size, changed = self.block_size, []
+        for row, (item, seq_id, start, tables) in enumerate(zip(items, self._seq_ids, self._starts, self._tables)):
+            if item.seq_id != seq_id or item.start_position != start + 1:
+                return None
+            if (item.start_position % block_size == 0 or item.block_table != tables[0]
+                    or item.other_block_tables != tables[1:]):
+                changed.append(row)
+        return changed
 
-    def _advance(self, items: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _fits(self, items: list[ScheduledSequence], changed: list[int]) -> bool:
+        """Whether each changed row's tables fit the arrays' width (else the step is built anew)."""
+        widths = [array.shape[1] for array in self._block_tables]
+        return all(len(table) <= width for row in changed for table, width in zip(items[row].block_tables, widths))
+
+    def _advance(self, items: list[ScheduledSequence], changed: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids, _, metadata = self._inputs
         for array in self._arrays:
             array += 1
         input_ids.numpy()[:] = [item.token_ids[0] for item in items]
         self._starts = [start + 1 for start in self._starts]
+        block_size, slots = self.block_size, self._arrays[2:]
+        for row in changed:  # its tables written again, its slots looked up
+            item = items[row]
+            position = item.start_position
+            tables = item.block_tables
+            for table, array, slot in zip(tables, self._block_tables, slots):
+                array[row] = block_table_array([table], width=array.shape[1])[0]
+                slot[row] = int(array[row, position // block_size]) * block_size + position % block_size
+            self._tables[row] = [list(table) for table in tables]
         lens = self._arrays[1].tolist()
         for group in (metadata, *metadata.other_groups):
             group.seq_lens_list = lens
