@@ -103,7 +103,7 @@ float exp_sum(const float* x, int64_t n, float max) {
 }
 
 // The columns of one part of a row's normaliser (`logsumexp_rows_f32`).
-constexpr int64_t kPartColumns = 1 << 15;
+constexpr int64_t kPartColumns = 1 << 13;
 
 // The first token whose running sum of weights exceeds target (the cumulative distribution
 // inverted at target); if rounding leaves the sum just short, the last token of positive weight.
@@ -150,29 +150,28 @@ int64_t draw(const float* x, int64_t n, float max, float inv_t, float target) {
 extern "C" {
 
 // x: [rows, row_stride] float32; out: [rows]; argmax: [rows] or null (not wanted). Each row is
-// cut into parts of kPartColumns columns (one part below that), each part's maximum, sum of
-// weights and first maximum found, and the parts combined in order: the same sums in the same
-// order whatever the number of rows and threads, so a row's result does not depend on its batch
-// (batch-invariant mode relies on it). The parts of all rows are shared among the threads: a
-// decode step of one sequence over a vocabulary of 150k-260k keeps every thread busy. Each part
-// is read from memory once: its later passes find it in the core's cache.
+// cut into parts of kPartColumns columns (one part below that), each part's maximum and sum of
+// weights found, and the parts combined in order: the same sums in the same order whatever the
+// number of rows and threads, so a row's result does not depend on its batch (batch-invariant
+// mode relies on it). The parts of all rows are shared among the threads: a decode step of one
+// sequence over a vocabulary of 150k-260k keeps every thread busy. The greedy token is then
+// looked up in the first part that holds the maximum. Each part is read from memory once: its
+// later passes find it in the core's cache.
 void logsumexp_rows_f32(float* out, int64_t* argmax, const float* x, int rows, int64_t cols, int64_t row_stride,
                         int num_threads) {
-  const int64_t parts = cols > kPartColumns ? (cols + kPartColumns - 1) / kPartColumns : 1;
+  if (rows <= 0 || cols <= 0) return;
+  const int64_t parts = (cols + kPartColumns - 1) / kPartColumns;
   const int64_t items = rows * parts;
   std::vector<float> part_max(items), part_sum(items);
-  std::vector<int64_t> part_first(items);
 #pragma omp parallel for schedule(static) num_threads(items < num_threads ? static_cast<int>(items) : num_threads)
   for (int64_t i = 0; i < items; ++i) {
-    const int64_t r = i / parts, p = i % parts;
-    const int64_t lo = p * kPartColumns, hi = p + 1 == parts ? cols : lo + kPartColumns;
-    const float* part = x + r * row_stride + lo;
+    const int64_t lo = i % parts * kPartColumns, hi = lo + kPartColumns < cols ? lo + kPartColumns : cols;
+    const float* part = x + i / parts * row_stride + lo;
     const float max = row_max(part, hi - lo);
     part_max[i] = max;
     part_sum[i] = max == -INFINITY || max != max ? 0.0f : exp_sum(part, hi - lo, max);
-    const int64_t first = argmax != nullptr ? first_index_of(part, hi - lo, max) : -1;
-    part_first[i] = first < 0 ? -1 : lo + first;
   }
+#pragma omp parallel for schedule(static) num_threads(rows < num_threads ? rows : num_threads)
   for (int r = 0; r < rows; ++r) {
     const float* maxes = part_max.data() + r * parts;
     float max = -INFINITY;
@@ -182,14 +181,20 @@ void logsumexp_rows_f32(float* out, int64_t* argmax, const float* x, int rows, i
       max = maxes[p] > max ? maxes[p] : max;
     }
     float total = 0.0f;
-    int64_t first = -1;
+    int64_t winner = -1;  // the first part holding the maximum
     for (int64_t p = 0; p < parts && !nan; ++p) {
       if (maxes[p] == -INFINITY) continue;
       total += part_sum[r * parts + p] * std::exp(maxes[p] - max);  // (exactly the sum with one part)
-      if (first < 0 && maxes[p] == max) first = part_first[r * parts + p];
+      if (winner < 0 && maxes[p] == max) winner = p;
     }
     out[r] = nan ? NAN : max == -INFINITY ? -INFINITY : max + std::log(total);
-    if (argmax != nullptr) argmax[r] = nan ? -1 : first;
+    if (argmax == nullptr) continue;
+    if (nan || winner < 0) {
+      argmax[r] = -1;  // (the caller takes torch's answer)
+      continue;
+    }
+    const int64_t lo = winner * kPartColumns, hi = lo + kPartColumns < cols ? lo + kPartColumns : cols;
+    argmax[r] = lo + first_index_of(x + r * row_stride + lo, hi - lo, max);
   }
 }
 
