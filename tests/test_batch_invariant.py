@@ -35,8 +35,22 @@ def _fingerprint(output) -> tuple:
     return tuple(completion.token_ids), repr(logprobs)
 
 
+# Two threads whatever the machine's default: kernels that share one row among threads (a lone
+# sequence) and give rows a thread each (a batch) must sum in the same order; at one thread the
+# difference never shows.
+THREADS = 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _keep_thread_count():
+    previous = torch.get_num_threads()  # (the worker sets the process's count)
+    yield
+    torch.set_num_threads(previous)
+
+
 def _llm(model, **kwargs) -> LLM:
-    base = dict(max_model_len=512, batch_invariant=True, enable_prefix_caching=False, max_num_seqs=64)
+    base = dict(max_model_len=512, batch_invariant=True, enable_prefix_caching=False, max_num_seqs=64,
+                threads=THREADS)
     return LLM(str(model), **{**base, **kwargs})
 
 
