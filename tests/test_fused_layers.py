@@ -163,12 +163,12 @@ def test_fused_layers_address_each_kv_cache_groups_own_blocks():
     prompts = [[600 + 3 * i + j for j in range(40 + 9 * i)] for i in range(3)]
     tables = [(list(range(8 * i, 8 * i + 8)), list(range(32 + 8 * i, 40 + 8 * i))) for i in range(3)]
 
-    def run(lengths_done, tokens):
-        """One step (each sequence's next tokens) with the fused path, then the loop, from the
-        same cache; the loop's cache is kept."""
-        items = [ScheduledSequence(seq_id=i, request_id=str(i), token_ids=t, start_position=done, block_table=tables[i][0],
-                                   sampling_params=None, other_block_tables=[tables[i][1]])
-                 for i, (done, t) in enumerate(zip(lengths_done, tokens))]
+    def run(lengths_done, tokens, which=(0, 1, 2)):
+        """One step (the next tokens of the sequences `which`) with the fused path, then the
+        loop, from the same cache; the loop's cache is kept."""
+        items = [ScheduledSequence(seq_id=i, request_id=str(i), token_ids=tokens[i], start_position=lengths_done[i],
+                                   block_table=tables[i][0], sampling_params=None, other_block_tables=[tables[i][1]])
+                 for i in which]
         saved = [t.clone() for t in cache.key_caches + cache.value_caches]
         outs = []
         for use_fused in (True, False):
@@ -189,9 +189,11 @@ def test_fused_layers_address_each_kv_cache_groups_own_blocks():
         chunk = [p[1:] for p in prompts]  # chunks over a cached context: past the window, through the kernel
         run(done, chunk)
         done = [len(p) for p in prompts]
-        for step in range(5):
-            a, b = run(done, [[700 + step + i] for i in range(3)])
+        # Decodes of 3, 2, 3, 1 and 3 sequences: the fused call's kept step struct, scratch and
+        # pointer arrays follow the batch's size and tensors.
+        for step, which in enumerate([(0, 1, 2), (0, 2), (0, 1, 2), (1,), (0, 1, 2)]):
+            a, b = run(done, [[700 + step + i] for i in range(3)], which)
             assert torch.equal(a, b)
-            done = [d + 1 for d in done]
+            done = [d + (i in which) for i, d in enumerate(done)]
     assert len(calls) >= 6  # the decode steps (and the first) went through the fused call
     llm.llm_engine.shutdown()

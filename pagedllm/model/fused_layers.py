@@ -249,7 +249,8 @@ class FusedDecoderLayers:
         attns = [layer.attn for layer in self.layers]
         if attns[0].key_cache is None:
             raise RuntimeError("Attention layer has no KV cache bound; call model.bind_kv_cache() first.")
-        bound = (attns[0].key_cache.data_ptr(), attns[-1].value_cache.data_ptr(), len(attns))
+        key_cache = attns[0].key_cache
+        bound = (key_cache.data_ptr(), attns[-1].value_cache.data_ptr(), len(attns), key_cache.shape, key_cache.stride())
         if self._bound_to != bound:
             layers = []
             rotary_index = {id(r): i for i, r in enumerate(self.rotaries)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 # How many prompt tokens precede the output in the decoding window, so that the first output
 # token decodes with its leading space (some tokenizers drop it at the start of a string).
 _PROMPT_CONTEXT_TOKENS = 5
@@ -13,16 +15,18 @@ def backend_decoder(tokenizer):
     transformers fast tokenizer that overrides neither step), or None. Two decodes a token a
     sequence: transformers' own layers around the call (its argument conversions) cost more than
     the decode of a handful of ids."""
+    return tokenizer._tokenizer if _decodes_directly(type(tokenizer)) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _decodes_directly(kind: type) -> bool:
     try:
         from transformers import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:
-        return None
-    kind = type(tokenizer)
-    if (isinstance(tokenizer, TokenizersBackend) and kind.decode is PreTrainedTokenizerBase.decode
-            and kind._decode is TokenizersBackend._decode):
-        return tokenizer._tokenizer
-    return None
+    except ImportError:  # (an older transformers: its own decode)
+        return False
+    return (issubclass(kind, TokenizersBackend) and kind.decode is PreTrainedTokenizerBase.decode
+            and kind._decode is TokenizersBackend._decode)
 
 
 class IncrementalDetokenizer:

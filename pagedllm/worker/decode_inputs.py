@@ -7,7 +7,7 @@ entered a new block (one in 16 steps each at a block size of 16), had their last
 write, or saw a block leave a sliding window. `DecodeInputs` keeps a CPU step's arrays and
 metadata and, when the next batch is the same sequences one token further, adds one to them and
 writes again only the rows whose tables changed; a batch whose sequences changed (one joining or
-leaving) or whose tables outgrow the arrays (the longest entering a new block) is built anew.
+leaving) or whose longest table changes length (the longest entering a new block) is built anew.
 Either way the tensors are those `build_attention_metadata` gives (tests/test_decode_inputs.py).
 """
 
@@ -99,12 +99,16 @@ class DecodeInputs:
         return changed
 
     def _fits(self, items: list[ScheduledSequence], changed: list[int]) -> bool:
-        """Whether each changed row's tables fit the arrays' width (else the step is built anew)."""
-        widths = [array.shape[1] for array in self._block_tables]
-        return all(len(table) <= width for row in changed for table, width in zip(items[row].block_tables, widths))
+        """Whether the arrays are still as wide as the longest table of each group, as a build
+        would make them (else the step is built anew): only a changed table can change that."""
+        if not changed:
+            return True
+        return all(array.shape[1] == max(len(item.block_tables[g]) for item in items)
+                   for g, array in enumerate(self._block_tables))
 
     def _advance(self, items: list[ScheduledSequence], changed: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids, _, metadata = self._inputs
+        inputs, self._inputs = self._inputs, None  # (if this fails part way, the next step builds anew)
+        input_ids, _, metadata = inputs
         for array in self._arrays:
             array += 1
         input_ids.numpy()[:] = [item.token_ids[0] for item in items]
@@ -123,4 +127,5 @@ class DecodeInputs:
             group.seq_lens_list = lens
             group.backend_plan = None  # derived from the step's lengths: the backend plans again
         self.num_advanced += 1
-        return self._inputs
+        self._inputs = inputs
+        return inputs
