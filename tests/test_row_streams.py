@@ -76,7 +76,7 @@ def test_the_count_is_kept_per_machine_read_back_and_kept_beside_the_int8_trial(
     int8_trial.set_row_streams_for_machine()
     int8_trial.set_row_streams_for_machine()  # (once per process)
     path = int8_trial.trial_path(int8_trial.conditions())
-    assert timed == [1] and json.loads(path.read_text())["row_streams"] == 1
+    assert timed == [1, 1] and json.loads(path.read_text())["row_streams"] == 1  # (timed twice, agreeing)
     # the int8 trial writes the same file later: the count stays
     monkeypatch.setattr(int8_trial, "measure", lambda qtype: 16)
     monkeypatch.setattr(int8_trial, "choose_ways", lambda qtype: {})
@@ -94,4 +94,27 @@ def test_the_count_is_kept_per_machine_read_back_and_kept_beside_the_int8_trial(
     monkeypatch.setattr(int8_trial, "_streams_set", set())
     monkeypatch.setattr(int8_trial, "choose_row_streams", fake_choose)
     int8_trial.set_row_streams_for_machine()
-    assert timed == [1, 1] and json.loads(path.read_text())["row_streams"] == 1
+    assert timed == [1] * 4 and json.loads(path.read_text())["row_streams"] == 1
+
+
+def test_two_timings_that_disagree_keep_nothing_and_use_the_fewer(tmp_path, monkeypatch, caplog):
+    """A trial is timed twice; a count chosen in one spell of a shared machine and not in the next
+    serves the process (the fewer streams) but is not kept, and the next start times again."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(int8_trial, "others_load", lambda mark: 0.0)
+    monkeypatch.setattr(int8_trial, "_streams_set", set())
+    choices = iter([4, 2, 2, 2])
+
+    def fake_choose():
+        streams = next(choices)
+        gk.set_row_streams(streams)
+        return streams
+
+    monkeypatch.setattr(int8_trial, "choose_row_streams", fake_choose)
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        int8_trial.set_row_streams_for_machine()
+    path = int8_trial.trial_path(int8_trial.conditions())
+    assert gk.row_streams() == 2 and not path.exists() and "disagree (4, 2)" in caplog.text
+    monkeypatch.setattr(int8_trial, "_streams_set", set())  # the next start: both timings agree, kept
+    int8_trial.set_row_streams_for_machine()
+    assert gk.row_streams() == 2 and json.loads(path.read_text())["row_streams"] == 2

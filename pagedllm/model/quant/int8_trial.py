@@ -21,8 +21,9 @@ is kept in the cache folder as `int8-trials/<key>.json`, the key a hash of those
 so a later start on the same machine reads it instead of timing again (logged). The same file
 keeps "row_streams": how many interleaved runs each thread reads its rows of a weight in, timed
 once per machine on one-row products past the caches (`choose_row_streams`: one core's hardware
-prefetchers follow four streams best, another's one or two) and set for every GGUF product, on
-int8 or float32 activations alike (the order rows are read in changes no result).
+prefetchers follow four streams best, another's one or two; timed twice, and kept only where the
+two agree) and set for every GGUF product, on int8 or float32 activations alike (the order rows
+are read in changes no result).
 
 The GGUF kernels have more than one int8 way for a type (`gguf.int8_ways(qtype)`: VNNI or AMX
 beside the AVX2 way on AVX-512 CPUs, and everywhere the AVX2 way with every row of x alone,
@@ -362,8 +363,14 @@ def set_row_streams_for_machine() -> None:
         gguf_kernels.set_row_streams(streams)
     else:
         mark = load_mark()
-        streams = choose_row_streams()
-        if _quiet_since(mark, "the weight rows' streams"):
+        streams, again = choose_row_streams(), choose_row_streams()
+        if again != streams:  # a spell of the machine decided it: not kept, timed at the next start
+            # (on a Zen 5 VM one trial kept four streams where quiet ones gave two: a step of
+            # Gemma-3-1B's shape 44.8 against 25.8 ms until the kernels changed)
+            logger.warning("Two timings of the weight rows' streams disagree (%d, %d): the fewer serves this process "
+                           "and nothing is kept (timed again at the next start)", streams, again)
+            gguf_kernels.set_row_streams(min(streams, again))
+        elif _quiet_since(mark, "the weight rows' streams"):
             _write(path, conds, row_streams=streams)
     _streams_set.add(str(path))
 
