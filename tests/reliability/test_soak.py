@@ -12,6 +12,10 @@ What "flat" means here, robust on a shared, noisy 2-core machine yet able to cat
 - CPU time per request (the server's own, so other processes' load does not count): at most
   1.5x from the second quarter to the last. A structure that grows with the requests served (a
   list scanned each step, a table never trimmed) makes every request cost more and shows here.
+  A shared VM also has slow spells in which the same work takes more CPU time (32 -> 52 ms a
+  request once on a 2-core Zen 5 VM, with nothing growing); the client (this process, whose
+  work per request is fixed) slows down with it, so where the client's own CPU per request grew
+  too, the bound grows by the same factor. A leak in the server does not slow the client.
 - latency: the median of the last quarter at most 2x that of the second quarter, plus 100 ms.
   A coarser bound than CPU's because latency also measures the neighbours: on a shared 2-core
   machine another process's busy minute halves the server's share of the cores and doubles its
@@ -43,6 +47,7 @@ class Sample:
     t: float
     rss: int
     cpu_s: float
+    client_cpu_s: float
     blocks_held: int
     running: int
     tasks: int
@@ -108,7 +113,7 @@ async def _soak(url: str, pid: int, seconds: float, sample_every: float) -> tupl
         while not done.is_set():
             s = (await http.get("/stats")).json()
             cpu = server.cpu_times()
-            samples.append(Sample(time.monotonic() - start, server.memory_info().rss, cpu.user + cpu.system,
+            samples.append(Sample(time.monotonic() - start, server.memory_info().rss, cpu.user + cpu.system, time.process_time(),
                                   s["num_total_blocks"] - s["num_free_blocks"], s["num_running"], s["num_tasks"], s["num_threads"]))
             try:
                 await asyncio.wait_for(done.wait(), sample_every)
@@ -162,25 +167,27 @@ def test_a_steady_load_leaves_the_server_flat(served, soak_seconds, figures):
     p50 = {q: statistics.median(v) for q, v in latencies.items() if v}
     counts = {q: len(v) for q, v in latencies.items()}
 
-    def cpu_at(t: float) -> float:
-        return min(samples, key=lambda s: abs(s.t - t)).cpu_s
+    def per_request(field: str) -> dict[int, float]:
+        def at(t: float) -> float:
+            return getattr(min(samples, key=lambda s: abs(s.t - t)), field)
+        return {q: (at((q + 1) * soak_seconds / 4) - at(q * soak_seconds / 4)) / max(1, counts[q]) for q in (1, 3)}
 
-    cpu_per_request = {
-        q: (cpu_at((q + 1) * soak_seconds / 4) - cpu_at(q * soak_seconds / 4)) / max(1, counts[q]) for q in (1, 3)
-    }
+    cpu_per_request, client_per_request = per_request("cpu_s"), per_request("client_cpu_s")
+    client_slowdown = max(1.0, client_per_request[3] / max(client_per_request[1], 1e-9))
     figures(
         "soak",
         f"{soak_seconds:.0f} s at {RATE:g} requests/s: {len(results)} requests, {len(errors)} errors; "
         f"RSS {half.rss / MIB:.0f} -> {last.rss / MIB:.0f} MiB over the second half ({rss_growth / MIB:+.1f} MiB, "
         f"bound {rss_bound / MIB:.0f}); p50 latency Q2 {p50[1] * 1e3:.0f} ms, Q4 {p50[3] * 1e3:.0f} ms; "
-        f"server CPU per request Q2 {cpu_per_request[1] * 1e3:.0f} ms, Q4 {cpu_per_request[3] * 1e3:.0f} ms; "
+        f"server CPU per request Q2 {cpu_per_request[1] * 1e3:.0f} ms, Q4 {cpu_per_request[3] * 1e3:.0f} ms "
+        f"(client's Q2 {client_per_request[1] * 1e3:.1f} ms, Q4 {client_per_request[3] * 1e3:.1f} ms); "
         f"blocks held peak {max(s.blocks_held for s in samples)}, after {end['num_total_blocks'] - end['num_free_blocks']}; "
         f"tasks {baseline['num_tasks']} -> {end['num_tasks']}, threads {baseline['num_threads']} -> {end['num_threads']} "
         f"(peak {max(s.tasks for s in samples)} tasks during the load)",
     )
     assert errors == [], errors[:5]
     assert rss_growth <= rss_bound, "RSS (MiB) over time: " + ", ".join(f"{s.t:.0f} s {s.rss / MIB:.0f}" for s in samples[::4])
-    assert cpu_per_request[3] <= 1.5 * cpu_per_request[1]
+    assert cpu_per_request[3] <= 1.5 * client_slowdown * cpu_per_request[1], (cpu_per_request, client_per_request)
     assert p50[3] <= 2 * p50[1] + 0.1
     assert end["num_free_blocks"] == end["num_total_blocks"] and end["num_free_cpu_blocks"] == end["num_cpu_blocks"]
     assert (end["num_tasks"], end["num_threads"]) == (baseline["num_tasks"], baseline["num_threads"])
