@@ -157,7 +157,9 @@ def load() -> ctypes.CDLL:
     lib.gelu_tanh_and_mul_f32.restype = None
     lib.logsumexp_rows_f32.argtypes = [_P, _P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.sample_rows_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _P, _P, ctypes.c_int]
-    for name in ("logsumexp_rows_f32", "sample_rows_f32"):
+    lib.sample_filtered_rows_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, _P, _P,
+                                             ctypes.c_int]
+    for name in ("logsumexp_rows_f32", "sample_rows_f32", "sample_filtered_rows_f32"):
         getattr(lib, name).restype = None
     return lib
 

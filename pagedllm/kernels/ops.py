@@ -125,6 +125,27 @@ def _logsumexp(x: torch.Tensor, argmax: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+def sample_filtered_rows(
+    x: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
+    uniform: torch.Tensor,
+) -> torch.Tensor:
+    """One draw per row from softmax(x / temperature) restricted by the row's top-k (0: none),
+    top-p (1.0: none) and min-p (0.0: none), as the sampling package's `filter_top_k_top_p_min_p`
+    then `sample_rows` give, without sorting the vocabulary (csrc/sampling_filtered.cpp).
+    x: [rows, n]; temperature, uniform: [rows] -> token ids [rows] (int64)."""
+    x = _rows(x)
+    temperature = temperature.to(torch.float32).contiguous()
+    uniform = uniform.to(torch.float32).contiguous()
+    k = torch.tensor(top_k, dtype=torch.int64)
+    p, m = torch.tensor(top_p, dtype=torch.float32), torch.tensor(min_p, dtype=torch.float32)
+    tokens = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().sample_filtered_rows_f32(
+        tokens.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), temperature.data_ptr(), k.data_ptr(),
+        p.data_ptr(), m.data_ptr(), uniform.data_ptr(), torch.get_num_threads(),
+    )
+    return tokens
+
+
 def sample_rows(x: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One draw per row from softmax(x / temperature) by inverting its cumulative distribution
     at `uniform` (in [0, 1)): the first token whose cumulative probability exceeds it.

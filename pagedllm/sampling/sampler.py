@@ -173,9 +173,7 @@ class Sampler:
         params = [items[r].sampling_params for r in random_rows]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
         top_k, top_p, min_p = [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params]
-        if filters_apply(top_k, top_p, min_p):
-            rows = filter_top_k_top_p_min_p(rows / temperature.unsqueeze(1), top_k, top_p, min_p)
-            temperature = torch.ones_like(temperature)
+        filtered = filters_apply(top_k, top_p, min_p)
         uniform = torch.rand(len(random_rows), generator=self._global)
         for j, p in enumerate(params):
             if p.seed is not None:
@@ -183,8 +181,12 @@ class Sampler:
                 uniform[j] = torch.rand(1, generator=gen)
         uniform = uniform.to(logits.device)
         if fused_ops.applies(rows):
-            drawn = fused_ops.sample_rows(rows, temperature, uniform)
+            drawn = self._draw_on_cpu(rows, temperature, top_k, top_p, min_p, uniform) if filtered \
+                else fused_ops.sample_rows(rows, temperature, uniform)
         else:
+            if filtered:
+                rows = filter_top_k_top_p_min_p(rows / temperature.unsqueeze(1), top_k, top_p, min_p)
+                temperature = torch.ones_like(temperature)
             cdf = torch.softmax(rows / temperature.unsqueeze(1), dim=-1).cumsum_(dim=-1)  # [rows, vocab]
             # The first token whose cumulative probability exceeds u: tokens of zero probability
             # (masked by the filters) have empty intervals and are never drawn.
@@ -192,6 +194,23 @@ class Sampler:
             drawn = drawn.clamp_(max=cdf.shape[1] - 1)
         chosen[random_rows] = drawn
         return chosen
+
+    @staticmethod
+    def _draw_on_cpu(rows: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],
+                     min_p: list[float], uniform: torch.Tensor) -> torch.Tensor:
+        """The draws of a batch where some rows filter: those by the one-pass filtered kernel, the
+        others by the plain one, as they would be drawn in a batch without filters (a row's draw
+        never depends on its neighbours' settings)."""
+        filters = [j for j in range(len(top_k)) if filters_apply(top_k[j : j + 1], top_p[j : j + 1], min_p[j : j + 1])]
+        if len(filters) == len(top_k):
+            return fused_ops.sample_filtered_rows(rows, temperature, top_k, top_p, min_p, uniform)
+        plain = sorted(set(range(len(top_k))) - set(filters))
+        drawn = torch.empty(len(top_k), dtype=torch.int64)
+        drawn[plain] = fused_ops.sample_rows(rows[plain], temperature[plain], uniform[plain])
+        drawn[filters] = fused_ops.sample_filtered_rows(
+            rows[filters], temperature[filters], [top_k[j] for j in filters], [top_p[j] for j in filters],
+            [min_p[j] for j in filters], uniform[filters])
+        return drawn
 
     @staticmethod
     def _beam_picks(controlled: torch.Tensor, items: list[ScheduledSequence], rows: list[int]) -> dict[int, torch.Tensor]:

@@ -17,8 +17,11 @@
 #include "simd.h"
 #define SAMPLING_AVX2 1
 #endif
+#include "sampling_rows.h"
 
 namespace {
+
+using pagedllm_sampling::row_max;
 
 #ifdef SAMPLING_AVX2
 using namespace pagedllm_simd;
@@ -32,28 +35,6 @@ inline __m256 weights8(const float* x, __m256 max, __m256 inv_t) {
 #endif
 
 inline float weight1(float x, float max, float inv_t) { return x == -INFINITY ? 0.0f : std::exp((x - max) * inv_t); }
-
-// The row's maximum; NaN if the row holds a NaN (as torch's max and logsumexp give).
-float row_max(const float* x, int64_t n) {
-  float max = -INFINITY;
-  bool nan = false;
-  int64_t j = 0;
-#ifdef SAMPLING_AVX2
-  __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    const __m256 v = _mm256_loadu_ps(x + j);
-    vmax = _mm256_max_ps(vmax, v);
-    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  max = hmax(vmax);
-  nan = _mm256_movemask_ps(vnan) != 0;
-#endif
-  for (; j < n; ++j) {
-    max = x[j] > max ? x[j] : max;
-    nan = nan || x[j] != x[j];
-  }
-  return nan ? NAN : max;
-}
 
 // The first j with x[j] == max (torch.argmax's tie rule); -1 if there is none (max is NaN).
 int64_t first_index_of(const float* x, int64_t n, float max) {
