@@ -100,6 +100,33 @@ def test_penalties_discourage_repeats():
     assert Sampler()(neg, [item(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0])])[0][0].token_id == 1
 
 
+@pytest.mark.parametrize("repetition, frequency, presence", [(1.3, 0.0, 0.0), (1.0, 0.4, 0.0), (1.0, 0.0, 0.7), (0.8, -0.3, 1.1)])
+def test_penalties_equal_their_whole_row_formulas(repetition, frequency, presence):
+    """The penalties touch only the tokens seen, and give bitwise what the whole-row formulas
+    give: transformers' RepetitionPenaltyLogitsProcessor over prompt and output tokens, then
+    logit - frequency * count - presence * (count > 0) over output tokens (OpenAI's)."""
+    from pagedllm.sampling.penalties import apply_penalties
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(4)
+    vocab = 5000
+    logits = torch.randn(3, vocab, generator=gen) * 4
+    logits[:, 7] = 0.0
+    outputs = [[7, 7, 9, 9, 9, 4999, 5003], [], [1, 2, 3, 2, 1]]  # (5003: an id past the vocabulary, ignored)
+    prompts = [[9, 11, 7, 5004], [100, 200, 100], []]
+    params = SamplingParams(temperature=1.0, repetition_penalty=repetition, frequency_penalty=frequency,
+                            presence_penalty=presence)
+    got = apply_penalties(logits, [item(params, output=o, prompt=q) for o, q in zip(outputs, prompts)])
+    for r, (output, prompt) in enumerate(zip(outputs, prompts)):
+        row = logits[r : r + 1].clone()
+        seen = torch.tensor([t for t in prompt + output if t < vocab], dtype=torch.long)
+        if repetition != 1.0 and len(seen):
+            row = RepetitionPenaltyLogitsProcessor(repetition)(seen.unsqueeze(0), row)
+        counts = torch.bincount(torch.tensor([t for t in output if t < vocab], dtype=torch.long), minlength=vocab).float()
+        row = row - frequency * counts - presence * (counts > 0).float()
+        assert torch.equal(got[r], row[0]), r
+
+
 def test_min_tokens_suppresses_eos_and_stop_tokens():
     logits = torch.tensor([[0.0, 0.0, 5.0, 4.0, 1.0]])  # 2 is EOS
     params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[3])
