@@ -197,7 +197,7 @@ def test_a_rows_normaliser_is_bitwise_the_same_in_any_batch_at_any_thread_count(
     assert len({results[t * (2 * batch.shape[0] + 2) + 2 * batch.shape[0] + k] for t in range(3) for k in (0, 1)}) == 1
 
 
-@pytest.mark.parametrize("vocab", [7, 4096, 1003])
+@pytest.mark.parametrize("vocab", [7, 4096, 1003, 70001])  # (70,001: nine parts of 8,192 columns)
 def test_sample_rows_inverts_the_cumulative_distribution(vocab):
     """At each uniform u, the kernel's token is the first whose cumulative probability exceeds
     u (what searchsorted on the torch cumsum gives), up to float rounding at interval edges."""
@@ -218,6 +218,30 @@ def test_sample_rows_inverts_the_cumulative_distribution(vocab):
     assert (tokens != expected).float().mean() < 0.05
 
 
+@pytest.mark.parametrize("vocab", [49152, 262144])
+def test_a_rows_draw_is_the_same_in_any_batch_at_any_thread_count(vocab):
+    """A row is cut into fixed parts whatever its batch and the threads, so its draw at a given
+    uniform does not move (a lone row's parts are shared among the threads)."""
+    gen = torch.Generator().manual_seed(vocab)
+    batch = torch.randn(5, vocab, generator=gen) * 0.5  # flat: a rounding moves the draw by tokens
+    batch[2, : vocab // 2] = float("-inf")  # whole parts without weight
+    temperature, uniform = torch.tensor([0.7, 1.0, 1.3, 0.9, 2.0]), torch.tensor([0.1, 0.5, 0.97, 0.0, 0.6])
+    previous = torch.get_num_threads()
+    draws = set()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            whole = ops.sample_rows(batch, temperature, uniform).tolist()
+            alone = [int(ops.sample_rows(batch[r : r + 1].clone(), temperature[r : r + 1], uniform[r : r + 1]))
+                     for r in range(5)]
+            draws.add(tuple(whole))
+            draws.add(tuple(alone))
+    finally:
+        torch.set_num_threads(previous)
+    assert len(draws) == 1, draws
+    assert min(draws.pop()[2:3]) >= vocab // 2
+
+
 def test_sample_rows_extremes_of_the_uniform_stay_on_allowed_tokens():
     x = torch.full((2, 50), float("-inf"))
     x[0, 10], x[0, 20] = 0.0, 0.0  # two equally likely tokens, the rest masked
@@ -225,6 +249,10 @@ def test_sample_rows_extremes_of_the_uniform_stay_on_allowed_tokens():
     low = ops.sample_rows(x, torch.ones(2), torch.zeros(2))
     high = ops.sample_rows(x, torch.ones(2), torch.full((2,), 1 - 2**-24))
     assert low.tolist() == [10, 49] and high.tolist() == [20, 49]
+    long = torch.full((1, 70001), float("-inf"))  # allowed tokens in the first, a middle and the last part
+    long[0, [10, 30000, 69999]] = 0.0
+    ends = [int(ops.sample_rows(long, torch.ones(1), torch.tensor([u]))) for u in (0.0, 0.5, 1 - 2**-24)]
+    assert ends == [10, 30000, 69999]
 
 
 # bfloat16: the kernels round where a bfloat16 model run by transformers rounds (after each torch

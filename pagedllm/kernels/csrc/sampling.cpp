@@ -3,7 +3,8 @@
 //                   if asked, the greedy token: the first j where x_j is the row's maximum (a
 //                   single long row split among the threads)
 //   sample_rows: the token whose interval of the cumulative distribution softmax(x / T) holds
-//                u * total, for a uniform u drawn by the caller
+//                u * total, for a uniform u drawn by the caller (rows cut into parts, as the
+//                normaliser's)
 // Each replaces a chain of torch operators (divide, softmax, cumsum, search) that each stream
 // the whole [rows, vocab] tensor through memory; here a row is read three times from cache.
 // Masked tokens (x = -inf) have probability exactly zero and are never drawn.
@@ -51,35 +52,22 @@ int64_t first_index_of(const float* x, int64_t n, float max) {
   return -1;
 }
 
-// Sum of the weights, in blocks of 8 added in order: `draw` walks the same blocks in the same
-// order, so its running sum reaches exactly this total.
-float row_total(const float* x, int64_t n, float max, float inv_t) {
+// Sum of the weights exp((x - max) * inv_t), the vector lanes added up at the end (a part's sum:
+// the same order at any thread count).
+float exp_sum(const float* x, int64_t n, float max, float inv_t) {
   float total = 0.0f;
   int64_t j = 0;
 #ifdef SAMPLING_AVX2
   const __m256 vmax = _mm256_set1_ps(max), vinv = _mm256_set1_ps(inv_t);
-  for (; j + 8 <= n; j += 8) total += hsum(weights8(x + j, vmax, vinv));
-#endif
-  for (; j < n; ++j) total += weight1(x[j], max, inv_t);
-  return total;
-}
-
-// Sum of exp(x - max) for the normaliser, which needs no particular order: the vector lanes are
-// added up at the end (row_total adds each block in turn, for `draw`).
-float exp_sum(const float* x, int64_t n, float max) {
-  float total = 0.0f;
-  int64_t j = 0;
-#ifdef SAMPLING_AVX2
-  const __m256 vmax = _mm256_set1_ps(max), one = _mm256_set1_ps(1.0f);
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   for (; j + 16 <= n; j += 16) {
-    a0 = _mm256_add_ps(a0, weights8(x + j, vmax, one));
-    a1 = _mm256_add_ps(a1, weights8(x + j + 8, vmax, one));
+    a0 = _mm256_add_ps(a0, weights8(x + j, vmax, vinv));
+    a1 = _mm256_add_ps(a1, weights8(x + j + 8, vmax, vinv));
   }
-  for (; j + 8 <= n; j += 8) a0 = _mm256_add_ps(a0, weights8(x + j, vmax, one));
+  for (; j + 8 <= n; j += 8) a0 = _mm256_add_ps(a0, weights8(x + j, vmax, vinv));
   total = hsum(_mm256_add_ps(a0, a1));
 #endif
-  for (; j < n; ++j) total += weight1(x[j], max, 1.0f);
+  for (; j < n; ++j) total += weight1(x[j], max, inv_t);
   return total;
 }
 
@@ -150,7 +138,7 @@ void logsumexp_rows_f32(float* out, int64_t* argmax, const float* x, int rows, i
     const float* part = x + i / parts * row_stride + lo;
     const float max = row_max(part, hi - lo);
     part_max[i] = max;
-    part_sum[i] = max == -INFINITY || max != max ? 0.0f : exp_sum(part, hi - lo, max);
+    part_sum[i] = max == -INFINITY || max != max ? 0.0f : exp_sum(part, hi - lo, max, 1.0f);
   }
 #pragma omp parallel for schedule(static) num_threads(rows < num_threads ? rows : num_threads)
   for (int r = 0; r < rows; ++r) {
@@ -179,15 +167,79 @@ void logsumexp_rows_f32(float* out, int64_t* argmax, const float* x, int rows, i
   }
 }
 
-// tokens[r]: the draw from softmax(x[r] * inv_temperature[r]) at uniform[r] in [0, 1).
+// tokens[r]: the draw from softmax(x[r] * inv_temperature[r]) at uniform[r] in [0, 1). As the
+// normaliser, each row is cut into parts of kPartColumns columns, the parts of all rows shared
+// among the threads: each part's maximum, then its sum of weights under the row's maximum; the
+// part where the running total of the parts, in order, passes u times the row's total is then
+// walked token by token (`draw`, from the parts before it). The same draw at any batch size and
+// thread count; a lone row of a 262k vocabulary is not left to one thread. A row holding NaN, or
+// nothing but -inf, gives token 0.
 void sample_rows_f32(int64_t* tokens, const float* x, int rows, int64_t cols, int64_t row_stride,
                      const float* inv_temperature, const float* uniform, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int r = 0; r < rows; ++r) {
-    const float* row = x + r * row_stride;
-    const float max = row_max(row, cols);
-    const float total = row_total(row, cols, max, inv_temperature[r]);
-    tokens[r] = draw(row, cols, max, inv_temperature[r], uniform[r] * total);
+  if (rows <= 0 || cols <= 0) return;
+  const int64_t parts = (cols + kPartColumns - 1) / kPartColumns;
+  const int64_t items = rows * parts;
+  const int team = items < num_threads ? static_cast<int>(items) : num_threads;
+  std::vector<float> part_max(items), part_sum(items), row_max_of(rows);
+  const auto part_of = [&](int64_t i, int64_t* n) {
+    const int64_t lo = i % parts * kPartColumns;
+    *n = lo + kPartColumns < cols ? kPartColumns : cols - lo;
+    return x + i / parts * row_stride + lo;
+  };
+#pragma omp parallel num_threads(team)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; ++i) {
+      int64_t n;
+      const float* part = part_of(i, &n);
+      part_max[i] = row_max(part, n);
+    }
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; ++r) {
+      float max = -INFINITY;
+      bool nan = false;
+      for (int64_t p = 0; p < parts; ++p) {
+        const float m = part_max[r * parts + p];
+        nan = nan || m != m;
+        max = m > max ? m : max;
+      }
+      row_max_of[r] = nan ? NAN : max;
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; ++i) {
+      int64_t n;
+      const float* part = part_of(i, &n);
+      const float max = row_max_of[i / parts];
+      part_sum[i] = max == -INFINITY || max != max || part_max[i] == -INFINITY
+                        ? 0.0f : exp_sum(part, n, max, inv_temperature[i / parts]);
+    }
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; ++r) {
+      const float max = row_max_of[r];
+      const float* sums = part_sum.data() + r * parts;
+      float total = 0.0f;
+      for (int64_t p = 0; p < parts; ++p) total += sums[p];
+      if (max != max || max == -INFINITY || !(total > 0.0f)) {
+        tokens[r] = 0;
+        continue;
+      }
+      const float target = uniform[r] * total;
+      float before = 0.0f, rest = INFINITY;  // (past every part by rounding: the last token of weight)
+      int64_t chosen = -1, last = 0;
+      for (int64_t p = 0; p < parts && chosen < 0; ++p) {
+        if (sums[p] <= 0.0f) continue;
+        if (before + sums[p] > target) {
+          chosen = p;
+          rest = target - before;
+        }
+        before += sums[p];
+        last = p;
+      }
+      chosen = chosen < 0 ? last : chosen;
+      int64_t n;
+      const float* part = part_of(r * parts + chosen, &n);
+      tokens[r] = chosen * kPartColumns + draw(part, n, max, inv_temperature[r], rest);
+    }
   }
 }
 
