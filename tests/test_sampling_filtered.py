@@ -151,3 +151,40 @@ def test_a_row_without_filters_draws_alike_beside_rows_with_them():
               for _ in range(100)]
     assert beside == alone
     assert len(set(alone)) > 50  # (100 steps of the seeded stream: different draws)
+
+
+@pytest.mark.parametrize("vocab", [1000, 262_144])
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_top_logprobs_in_one_pass_equal_torchs(vocab, k):
+    """The k most likely tokens with their log-probabilities, and the chosen token's rank, as
+    torch.topk over row - log_norm and a count give them (the sampling package's top_logprobs)."""
+    from pagedllm.sampling.sampler import top_logprobs
+
+    gen = torch.Generator().manual_seed(vocab + k)
+    x = torch.randn(4, vocab, generator=gen) * 3
+    x[1, ::3] = float("-inf")  # masked tokens
+    log_norm = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = torch.tensor([int(x[0].argmax()), 5, vocab - 1, int(x[3].topk(3).indices[2])])
+    values, ids, ranks = ops.top_logprobs_rows(x, log_norm, chosen, k)
+    for r in range(4):
+        expected = top_logprobs(x[r], log_norm[r], int(chosen[r]), k)
+        got = {t: (v, rank) for rank, (t, v) in enumerate(zip(ids[r].tolist(), values[r].tolist()), start=1)}
+        mine = int(chosen[r])
+        if mine not in got:
+            got[mine] = ((x[r, mine] - log_norm[r]).item(), int(ranks[r]))
+        assert got == expected, r
+        assert int(ranks[r]) == expected[mine][1]
+
+
+def test_the_sampler_reports_logprobs_as_its_torch_path(monkeypatch):
+    x = torch.randn(3, 4000, generator=torch.Generator().manual_seed(1)) * 3
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0.8, logprobs=0, seed=3),
+              SamplingParams(temperature=1.0, top_p=0.9, logprobs=20, seed=4)]
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(sampler_module.fused_ops, "applies", lambda x: False)
+        out = Sampler()(x.clone(), [item(q, request_id=f"r{i}") for i, q in enumerate(params)])
+        runs.append([(s[0].token_id, s[0].logprob, s[0].top_logprobs) for s in out])
+    assert runs[0] == runs[1]
+    assert [len(top) for _, _, top in runs[0]][0] in (5, 6) and all(top for _, _, top in runs[0])

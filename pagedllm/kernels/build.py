@@ -159,7 +159,9 @@ def load() -> ctypes.CDLL:
     lib.sample_rows_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _P, _P, ctypes.c_int]
     lib.sample_filtered_rows_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, _P, _P,
                                              ctypes.c_int]
-    for name in ("logsumexp_rows_f32", "sample_rows_f32", "sample_filtered_rows_f32"):
+    lib.top_logprobs_rows_f32.argtypes = [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _P, _P,
+                                          ctypes.c_int, ctypes.c_int]
+    for name in ("logsumexp_rows_f32", "sample_rows_f32", "sample_filtered_rows_f32", "top_logprobs_rows_f32"):
         getattr(lib, name).restype = None
     return lib
 

@@ -146,6 +146,24 @@ def sample_filtered_rows(
     return tokens
 
 
+def top_logprobs_rows(
+    x: torch.Tensor, log_norm: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's k largest log-probabilities x - log_norm with their token ids (from the largest;
+    ties: the lower id first; -inf / -1 past a row shorter than k) and the rank of the token
+    `chosen` (1 + the tokens of larger log-probability), in one pass of the row.
+    x: [rows, n]; log_norm: [rows] or [rows, 1]; chosen: [rows] -> ([rows, k], [rows, k], [rows])."""
+    x = _rows(x)
+    rows = x.shape[0]
+    log_norm = log_norm.reshape(rows).to(torch.float32).contiguous()
+    chosen = chosen.reshape(rows).to(torch.int64).contiguous()
+    values, ids = torch.empty(rows, k, dtype=torch.float32), torch.empty(rows, k, dtype=torch.int64)
+    ranks = torch.empty(rows, dtype=torch.int64)
+    _lib().top_logprobs_rows_f32(values.data_ptr(), ids.data_ptr(), ranks.data_ptr(), x.data_ptr(), rows, x.shape[1],
+                                 x.stride(0), log_norm.data_ptr(), chosen.data_ptr(), k, torch.get_num_threads())
+    return values, ids, ranks
+
+
 def sample_rows(x: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One draw per row from softmax(x / temperature) by inverting its cumulative distribution
     at `uniform` (in [0, 1)): the first token whose cumulative probability exceeds it.

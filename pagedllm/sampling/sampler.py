@@ -127,14 +127,13 @@ class Sampler:
         host = torch.stack([chosen.to(torch.float64), chosen_logprob.to(torch.float64)]).cpu()
         chosen_ids = host[0].long().tolist()
         chosen_logprobs = host[1].tolist()
+        asked = [r for r, item in enumerate(expanded) if r not in beam_candidates and item.sampling_params.logprobs is not None]
+        tops = self._top_logprobs(raw, log_norm, chosen, asked, expanded)
         for r, item in enumerate(expanded):
             if r in beam_candidates:
                 results[row_of[r]] = beam_candidates[r]
                 continue
-            top = None
-            if item.sampling_params.logprobs is not None:
-                top = top_logprobs(raw[r], log_norm[r], chosen_ids[r], item.sampling_params.logprobs)
-            results[row_of[r]].append(SampledToken(chosen_ids[r], chosen_logprobs[r], top))
+            results[row_of[r]].append(SampledToken(chosen_ids[r], chosen_logprobs[r], tops.get(r)))
         for i, item in enumerate(items):
             if item.draft_token_ids:
                 # The kept tokens are the target's own choices, which equal the proposal's there.
@@ -194,6 +193,30 @@ class Sampler:
             drawn = drawn.clamp_(max=cdf.shape[1] - 1)
         chosen[random_rows] = drawn
         return chosen
+
+    @staticmethod
+    def _top_logprobs(raw: torch.Tensor, log_norm: torch.Tensor, chosen: torch.Tensor, rows: list[int],
+                      items: list[ScheduledSequence]) -> dict[int, TopLogprobs]:
+        """The `logprobs` each row in `rows` asks for (`top_logprobs`); on a CPU, every row's in
+        one pass of the row (the top k by a heap, the chosen token's rank by a count)."""
+        if not rows:
+            return {}
+        if not fused_ops.applies(raw):
+            return {r: top_logprobs(raw[r], log_norm[r], int(chosen[r]), items[r].sampling_params.logprobs) for r in rows}
+        k = max(items[r].sampling_params.logprobs for r in rows)
+        index = torch.tensor(rows)
+        values, ids, ranks = fused_ops.top_logprobs_rows(raw[index], log_norm[index], chosen[index], k)
+        values, ids, ranks = values.tolist(), ids.tolist(), ranks.tolist()
+        tops: dict[int, TopLogprobs] = {}
+        for i, r in enumerate(rows):
+            wanted = items[r].sampling_params.logprobs
+            top: TopLogprobs = {t: (v, rank) for rank, (t, v) in enumerate(zip(ids[i][:wanted], values[i][:wanted]), start=1)
+                                if t >= 0}
+            mine = int(chosen[r])
+            if mine not in top:
+                top[mine] = ((raw[r, mine] - log_norm[r]).item(), ranks[i])
+            tops[r] = top
+        return tops
 
     @staticmethod
     def _draw_on_cpu(rows: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],

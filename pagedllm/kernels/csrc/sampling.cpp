@@ -9,6 +9,7 @@
 // the whole [rows, vocab] tensor through memory; here a row is read three times from cache.
 // Masked tokens (x = -inf) have probability exactly zero and are never drawn.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -22,7 +23,10 @@
 
 namespace {
 
+using pagedllm_sampling::before;
+using pagedllm_sampling::kth_largest_z;
 using pagedllm_sampling::row_max;
+using pagedllm_sampling::Token;
 
 #ifdef SAMPLING_AVX2
 using namespace pagedllm_simd;
@@ -239,6 +243,42 @@ void sample_rows_f32(int64_t* tokens, const float* x, int rows, int64_t cols, in
       int64_t n;
       const float* part = part_of(r * parts + chosen, &n);
       tokens[r] = chosen * kPartColumns + draw(part, n, max, inv_temperature[r], rest);
+    }
+  }
+}
+
+// The log-probabilities a request asks for, per row r: the k most likely tokens (ids[r * k + i],
+// values[r * k + i] = x - log_norm[r], from the most likely; ties: the lower id first) and the
+// rank of the chosen token chosen[r] (1 + how many tokens have a larger log-probability). The
+// values are the float32 differences torch's `row - log_norm` gives.
+void top_logprobs_rows_f32(float* values, int64_t* ids, int64_t* ranks, const float* x, int rows, int64_t cols,
+                           int64_t row_stride, const float* log_norm, const int64_t* chosen, int k, int num_threads) {
+#pragma omp parallel num_threads(rows < num_threads ? rows : num_threads)
+  {
+    std::vector<Token> heap;
+#pragma omp for schedule(dynamic, 1)
+    for (int r = 0; r < rows; ++r) {
+      const float* row = x + r * row_stride;
+      const float ln = log_norm[r];
+      if (k > 0) {
+        kth_largest_z(row, cols, 1.0f, k, heap);  // (the order of x is the order of x - ln)
+        std::sort(heap.begin(), heap.end(), before);
+        for (int i = 0; i < k; ++i) {
+          const bool have = i < static_cast<int>(heap.size());
+          ids[r * k + i] = have ? heap[i].j : -1;
+          values[r * k + i] = have ? row[heap[i].j] - ln : -INFINITY;
+        }
+      }
+      const float mine = row[chosen[r]] - ln;
+      int64_t above = 0, j = 0;
+#ifdef SAMPLING_AVX2
+      const __m256 vln = _mm256_set1_ps(ln), vmine = _mm256_set1_ps(mine);
+      for (; j + 8 <= cols; j += 8)
+        above += __builtin_popcount(
+            _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), vln), vmine, _CMP_GT_OQ)));
+#endif
+      for (; j < cols; ++j) above += row[j] - ln > mine;
+      ranks[r] = above + 1;
     }
   }
 }

@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <functional>
 #include <limits>
 #include <vector>
 
@@ -37,56 +36,10 @@ namespace {
 using namespace pagedllm_simd;
 #endif
 
+using pagedllm_sampling::before;
+using pagedllm_sampling::kth_largest_z;
 using pagedllm_sampling::row_max;
-
-struct Token {
-  float z;
-  int64_t j;
-};
-
-// The largest z first; among equal z, the lower token id.
-inline bool before(const Token& a, const Token& b) { return a.z > b.z || (a.z == b.z && a.j < b.j); }
-
-// The K-th largest z of the row (counting repeats; -inf where fewer than K are finite): a min-heap
-// of the K largest seen, a column entering only where it beats the heap's least.
-float kth_largest_z(const float* x, int64_t n, float t, int64_t k, std::vector<float>& heap) {
-  heap.clear();
-  std::greater<float> min_first;
-  int64_t j = 0;
-  for (; j < n && static_cast<int64_t>(heap.size()) < k; ++j) {
-    heap.push_back(x[j] / t);
-    std::push_heap(heap.begin(), heap.end(), min_first);
-  }
-  if (static_cast<int64_t>(heap.size()) < k) return -INFINITY;
-  float least = heap.front();
-#ifdef FILTERED_AVX2
-  const __m256 vt = _mm256_set1_ps(t);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + j), vt);
-    int above = _mm256_movemask_ps(_mm256_cmp_ps(z, _mm256_set1_ps(least), _CMP_GT_OQ));
-    if (above == 0) continue;
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, z);
-    for (; above != 0; above &= above - 1) {
-      const float v = lanes[__builtin_ctz(above)];
-      if (v <= least) continue;
-      std::pop_heap(heap.begin(), heap.end(), min_first);
-      heap.back() = v;
-      std::push_heap(heap.begin(), heap.end(), min_first);
-      least = heap.front();
-    }
-  }
-#endif
-  for (; j < n; ++j) {
-    const float v = x[j] / t;
-    if (v <= least) continue;
-    std::pop_heap(heap.begin(), heap.end(), min_first);
-    heap.back() = v;
-    std::push_heap(heap.begin(), heap.end(), min_first);
-    least = heap.front();
-  }
-  return least;
-}
+using pagedllm_sampling::Token;
 
 // The tokens with z >= floor, in vocabulary order (finite z only).
 void tokens_from(const float* x, int64_t n, float t, float floor, std::vector<Token>& out) {
@@ -164,7 +117,7 @@ void cut_top_p(std::vector<Token>& kept, float max, float p) {
 
 // One row's draw; scratch per thread.
 int64_t draw_filtered(const float* x, int64_t n, float t, int64_t k, float p, float min_p, float u,
-                      std::vector<float>& heap, std::vector<double>& mass, std::vector<Token>& kept,
+                      std::vector<Token>& heap, std::vector<double>& mass, std::vector<Token>& kept,
                       std::vector<Token>& edge) {
   const float max = row_max(x, n) / t;  // (division by t > 0 keeps the order)
   if (max != max || max == -INFINITY) return 0;  // (as the unfiltered draw does for such a row)
@@ -235,7 +188,7 @@ void sample_filtered_rows_f32(int64_t* tokens, const float* x, int rows, int64_t
                               const float* min_p, const float* uniform, int num_threads) {
 #pragma omp parallel num_threads(rows < num_threads ? rows : num_threads)
   {
-    std::vector<float> heap;
+    std::vector<Token> heap;
     std::vector<double> mass;
     std::vector<Token> kept, edge;
 #pragma omp for schedule(dynamic, 1)

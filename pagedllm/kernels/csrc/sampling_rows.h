@@ -1,8 +1,11 @@
-// A row of logits' maximum, shared by the sampling kernels (sampling.cpp, sampling_filtered.cpp).
+// Passes over a row of logits shared by the sampling kernels (sampling.cpp, sampling_filtered.cpp):
+// its maximum, and its K largest values.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "simd.h"
 
@@ -28,6 +31,50 @@ inline float row_max(const float* x, int64_t n) {
     nan = nan || x[j] != x[j];
   }
   return nan ? NAN : max;
+}
+
+// A token and its value z.
+struct Token {
+  float z;
+  int64_t j;
+};
+
+// The largest z first; among equal z, the lower token id.
+inline bool before(const Token& a, const Token& b) { return a.z > b.z || (a.z == b.z && a.j < b.j); }
+
+// The K largest z = x / t of the row in `heap` (a min-heap: a column enters only where it beats
+// the least kept, so of tokens tied at the K-th the first seen stay); returns the K-th largest z
+// (counting repeats; -inf where the row is shorter than K).
+inline float kth_largest_z(const float* x, int64_t n, float t, int64_t k, std::vector<Token>& heap) {
+  heap.clear();
+  const auto min_first = [](const Token& a, const Token& b) { return a.z > b.z; };
+  int64_t j = 0;
+  for (; j < n && static_cast<int64_t>(heap.size()) < k; ++j) {
+    heap.push_back({x[j] / t, j});
+    std::push_heap(heap.begin(), heap.end(), min_first);
+  }
+  if (static_cast<int64_t>(heap.size()) < k) return -INFINITY;
+  float least = heap.front().z;
+  const auto enter = [&](float v, int64_t at) {
+    if (v <= least) return;
+    std::pop_heap(heap.begin(), heap.end(), min_first);
+    heap.back() = {v, at};
+    std::push_heap(heap.begin(), heap.end(), min_first);
+    least = heap.front().z;
+  };
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vt = _mm256_set1_ps(t);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + j), vt);
+    int above = _mm256_movemask_ps(_mm256_cmp_ps(z, _mm256_set1_ps(least), _CMP_GT_OQ));
+    if (above == 0) continue;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, z);
+    for (; above != 0; above &= above - 1) enter(lanes[__builtin_ctz(above)], j + __builtin_ctz(above));
+  }
+#endif
+  for (; j < n; ++j) enter(x[j] / t, j);
+  return least;
 }
 
 }  // namespace pagedllm_sampling
