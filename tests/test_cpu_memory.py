@@ -49,14 +49,17 @@ def _faults(mode: str) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
 def test_steps_of_varying_sizes_reuse_the_pages_earlier_steps_freed():
-    kept = _faults("keep")
+    kept, default = _faults("keep"), _faults("default")
     assert kept["took"] is True
-    # The first round touches fresh pages; the later ones reuse pages the heap kept. Without it, glibc maps many of these
-    # temporaries afresh and unmaps them on free, how many depending on the order of sizes its
-    # adaptive threshold has seen (2k-30k faults per round on the 2-core Xeon, sometimes none):
-    # the settings themselves are checked deterministically below.
+    # The first round touches fresh pages; the later ones reuse pages the heap kept. Without it,
+    # glibc maps many of these temporaries afresh and unmaps them on free, how many depending on
+    # the order of sizes its adaptive threshold has seen (2k-30k faults per round on the 2-core
+    # Xeon, 12k-34k on a Zen 5 VM). Kept, the later rounds took 0 faults in fresh processes on
+    # that VM, and 6,144 a round (one 24 MiB temporary faulted afresh) in some runs inside the test
+    # suite and CI: so the later rounds are compared with the default's in the same environment,
+    # at most half of them. The settings themselves are checked deterministically below.
     assert kept["faults"][0] > 2000, kept
-    assert max(kept["faults"][1:]) < kept["faults"][0] / 4, kept
+    assert sum(kept["faults"][1:]) <= sum(default["faults"][1:]) / 2, (kept, default)
 
 
 # In a fresh process, malloc's first request of 20 MiB: by default above glibc's initial mmap

@@ -24,6 +24,8 @@ UNMEASURED_LOGPROB_PRICE = 4.0
 # Weight of the newest step in the running averages: recent steps count most (a prompt's later
 # chunks attend to more context and cost more per token).
 _ALPHA = 0.5
+# Seconds per prompt token below which the measured cost counts as none.
+NEGLIGIBLE_COST = 1e-12
 
 
 class StepBudget:
@@ -47,6 +49,10 @@ class StepBudget:
             # Without a plain cost yet, the log-probability tokens' cost counts as the plain
             # cost: an overestimate (smaller chunks) until plain chunks are seen.
             self.cost = _average(self.cost, above_base / prompt_tokens)
+            if self.cost < NEGLIGIBLE_COST:
+                # Chunks no slower than `base`, step after step, halve the average towards 0;
+                # below a picosecond it is 0 (no limit), not a subnormal whose quotients overflow.
+                self.cost = 0.0
             return
         self.extra = _average(self.extra, max(above_base - self.cost * prompt_tokens, 0.0) / logprob_tokens)
 
@@ -66,9 +72,9 @@ class StepBudget:
         if self.cost is None:
             return min(FIRST_CHUNK, self.max_chunk)
         room = self.max_step_seconds - (self.base or 0.0)
-        if self.cost <= 0:
+        if self.cost <= 0 or room >= self.cost * self.max_chunk:
             return self.max_chunk
-        return max(MIN_CHUNK, min(self.max_chunk, int(room / self.cost)))
+        return max(MIN_CHUNK, int(room / self.cost))
 
 
 def _average(old: float | None, new: float) -> float:

@@ -31,6 +31,23 @@ def test_chunks_start_small_then_fill_the_budget_after_the_decoding_is_paid():
     assert StepBudget(None, max_chunk=2048).chunk_limit is None
 
 
+def test_chunks_no_slower_than_the_base_step_after_step_never_overflow_the_limit():
+    """Each such chunk halves the running cost; after ~1,070 of them it was a subnormal float
+    whose quotient overflowed (`int(inf)`: an OverflowError inside the engine's step, seen in the
+    speculative-decoding tests' 4,000 short requests). Now the cost reaches 0 and the limit is the
+    whole budget, the log-probability price its unmeasured default."""
+    budget = StepBudget(0.5, max_chunk=2048)
+    budget.observe(0.05, prompt_tokens=0)
+    budget.observe(0.05 + 64 * 0.002, prompt_tokens=64)
+    budget.observe(0.05 + 64 * 0.004, prompt_tokens=64, logprob_tokens=64)  # an extra cost measured
+    for _ in range(1200):
+        budget.observe(0.05, prompt_tokens=64)
+        assert MIN_CHUNK <= budget.chunk_limit <= 2048
+        assert budget.logprob_price < float("inf")
+    assert budget.cost == 0.0 and budget.chunk_limit == 2048
+    assert budget.logprob_price == UNMEASURED_LOGPROB_PRICE
+
+
 def test_too_few_prompt_tokens_say_nothing_about_their_cost():
     budget = StepBudget(0.5, max_chunk=2048)
     budget.observe(3.0, prompt_tokens=MIN_CHUNK - 1)
