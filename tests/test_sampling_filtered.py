@@ -88,6 +88,17 @@ def test_top_p_finds_its_cut_however_far_down_the_row(scale):
     assert len(drawn) >= min(len(ids), 300) // 2
 
 
+def test_top_p_cut_far_below_the_largest():
+    """Ten likely tokens and 100,000 tokens 10 nats down holding as much mass again: top-p 0.9
+    cuts among the far ones, past the first buckets looked at (8 nats)."""
+    x = torch.full((100_010,), -10.0) + torch.rand(100_010, generator=torch.Generator().manual_seed(1)) * 0.01
+    x[:10] = 0.0
+    ids, _ = reference(x, 1.0, 0, 0.9, 0.0)
+    assert 10 < len(ids) < 100_000
+    drawn = check_draws(x, 1.0, 0, 0.9, 0.0, draws=200)
+    assert any(j >= 10 for j in drawn) and any(j < 10 for j in drawn)
+
+
 def test_masked_tokens_ties_and_a_k_past_the_vocabulary():
     x = logits(4096, 2.0, 3)
     x[1::2] = float("-inf")  # odd tokens forbidden (a grammar, logit_bias)

@@ -2,7 +2,8 @@
 // rows spread over threads: the filters of vLLM's sampler (the sampling package's
 // `filter_top_k_top_p_min_p`, kept for other devices) without sorting the vocabulary.
 //
-// z = x / T. Of a row's tokens:
+// z = x / T (computed as x * (1 / T): a vector multiply, where a divide takes ten times as long;
+// the same z to an ulp). Of a row's tokens:
 //   top-k (0 < k < n): those with z >= the k-th largest z (ties at it kept, as torch's mask does);
 //   top-p (p < 1): of those, in order of z from the largest, each token while the probability of
 //     the tokens before it (softmax over the tokens top-k kept) is below p;
@@ -13,9 +14,9 @@
 //
 // torch sorts the whole row for top-p (20 ms a token at a vocabulary of 262,144 on a 2-core EPYC).
 // Here top-k finds its k-th largest z with a heap over one pass of the row, and top-p among the
-// tokens top-k kept sorts those few; top-p alone sums the weights in buckets of z (1/64 wide,
-// down to 32 below the largest) in one pass, keeps every token of the buckets before the one where
-// the mass reaches p, and sorts only that bucket's tokens. Min-p alone is a threshold on z.
+// tokens top-k kept sorts those few; top-p alone sums the weights in buckets of z (1/64 wide, those
+// within 8 below the largest first, then down to 32), keeps every token of the buckets before the
+// one where the mass reaches p, and sorts only that bucket's tokens. Min-p alone is a threshold.
 
 #include <algorithm>
 #include <cmath>
@@ -42,14 +43,14 @@ using pagedllm_sampling::row_max;
 using pagedllm_sampling::Token;
 
 // The tokens with z >= floor, in vocabulary order (finite z only).
-void tokens_from(const float* x, int64_t n, float t, float floor, std::vector<Token>& out) {
+void tokens_from(const float* x, int64_t n, float inv_t, float floor, std::vector<Token>& out) {
   out.clear();
   floor = std::max(floor, -std::numeric_limits<float>::max());  // (a -inf z is never kept)
   int64_t j = 0;
 #ifdef FILTERED_AVX2
-  const __m256 vt = _mm256_set1_ps(t), vfloor = _mm256_set1_ps(floor);
+  const __m256 vt = _mm256_set1_ps(inv_t), vfloor = _mm256_set1_ps(floor);
   for (; j + 8 <= n; j += 8) {
-    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + j), vt);
+    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(x + j), vt);
     int kept = _mm256_movemask_ps(_mm256_cmp_ps(z, vfloor, _CMP_GE_OQ));
     if (kept == 0) continue;
     alignas(32) float lanes[8];
@@ -58,7 +59,7 @@ void tokens_from(const float* x, int64_t n, float t, float floor, std::vector<To
   }
 #endif
   for (; j < n; ++j) {
-    const float z = x[j] / t;
+    const float z = x[j] * inv_t;
     if (z >= floor) out.push_back({z, j});
   }
 }
@@ -75,18 +76,20 @@ inline int bucket_of(float z, float max) {
   return b < static_cast<float>(kBuckets - 1) ? static_cast<int>(b) : kBuckets - 1;
 }
 
-// mass[b]: the weights exp(z - max) of the tokens in bucket b (double sums).
-void bucket_masses(const float* x, int64_t n, float t, float max, std::vector<double>& mass) {
+// mass[b]: the weights exp(z - max) of the tokens in bucket b (double sums), for the first
+// `buckets` buckets (tokens further down are left out; at most kBuckets - 1: the last bucket's
+// weights, below e^-32 of the largest's, are in no sum).
+void bucket_masses(const float* x, int64_t n, float inv_t, float max, int buckets, std::vector<double>& mass) {
   mass.assign(kBuckets, 0.0);
   int64_t j = 0;
 #ifdef FILTERED_AVX2
-  const __m256 vt = _mm256_set1_ps(t), vmax = _mm256_set1_ps(max), per_nat = _mm256_set1_ps(kBucketsPerNat);
-  const __m256 last = _mm256_set1_ps(static_cast<float>(kBuckets - 1));
+  const __m256 vt = _mm256_set1_ps(inv_t), vmax = _mm256_set1_ps(max), per_nat = _mm256_set1_ps(kBucketsPerNat);
+  const __m256 bound = _mm256_set1_ps(static_cast<float>(buckets));
   for (; j + 8 <= n; j += 8) {
-    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + j), vt);
+    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(x + j), vt);
     const __m256 below = _mm256_mul_ps(_mm256_sub_ps(vmax, z), per_nat);
-    int near = _mm256_movemask_ps(_mm256_cmp_ps(below, last, _CMP_LT_OQ));  // (-inf z: never)
-    if (near == 0) continue;  // (the last bucket's weights, below e^-32, are left out of every sum)
+    int near = _mm256_movemask_ps(_mm256_cmp_ps(below, bound, _CMP_LT_OQ));  // (-inf z: never)
+    if (near == 0) continue;
     alignas(32) float zs[8], ws[8];
     _mm256_store_ps(zs, z);
     _mm256_store_ps(ws, exp8(_mm256_sub_ps(z, vmax)));
@@ -94,9 +97,49 @@ void bucket_masses(const float* x, int64_t n, float t, float max, std::vector<do
   }
 #endif
   for (; j < n; ++j) {
-    const float z = x[j] / t;
-    if (z != -INFINITY && bucket_of(z, max) < kBuckets - 1) mass[bucket_of(z, max)] += std::exp(static_cast<double>(z) - max);
+    const float z = x[j] * inv_t;
+    if ((max - z) * kBucketsPerNat < static_cast<float>(buckets)) mass[bucket_of(z, max)] += std::exp(static_cast<double>(z) - max);
   }
+}
+
+// Sum of every weight exp(z - max) of the row (float lanes, added up at the end).
+double total_weight(const float* x, int64_t n, float inv_t, float max) {
+  double total = 0.0;
+  int64_t j = 0;
+#ifdef FILTERED_AVX2
+  const __m256 vt = _mm256_set1_ps(inv_t), vmax = _mm256_set1_ps(max), minus_inf = _mm256_set1_ps(-INFINITY);
+  __m256 sum = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(x + j), vt);
+    sum = _mm256_add_ps(sum, _mm256_and_ps(exp8(_mm256_sub_ps(z, vmax)), _mm256_cmp_ps(z, minus_inf, _CMP_GT_OQ)));
+  }
+  total = hsum(sum);
+#endif
+  for (; j < n; ++j) {
+    const float z = x[j] * inv_t;
+    if (z != -INFINITY) total += std::exp(static_cast<double>(z) - max);
+  }
+  return total;
+}
+
+// The bucket where the mass of the buckets before it reaches p * total, and that mass: looked for
+// among the buckets within 8 nats of the largest first (a model's top-p cut lies there; only
+// those tokens are summed by bucket), then among all.
+int cut_bucket(const float* x, int64_t n, float inv_t, float max, float p, double total, std::vector<double>& mass,
+               double* before_cut) {
+  for (const int buckets : {static_cast<int>(8 * kBucketsPerNat), kBuckets - 1}) {
+    bucket_masses(x, n, inv_t, max, buckets, mass);
+    double before = 0.0;
+    for (int cut = 0; cut < buckets; ++cut) {
+      if (before + mass[cut] >= p * total) {
+        *before_cut = before;
+        return cut;
+      }
+      before += mass[cut];
+    }
+    *before_cut = before;
+  }
+  return kBuckets - 1;  // (the rest, by rounding: every token is then a candidate)
 }
 
 // Top-p over `kept`, every token top-k left: drops, in order of z, each token from the first
@@ -116,26 +159,23 @@ void cut_top_p(std::vector<Token>& kept, float max, float p) {
 }
 
 // One row's draw; scratch per thread.
-int64_t draw_filtered(const float* x, int64_t n, float t, int64_t k, float p, float min_p, float u,
+int64_t draw_filtered(const float* x, int64_t n, float inv_t, int64_t k, float p, float min_p, float u,
                       std::vector<Token>& heap, std::vector<double>& mass, std::vector<Token>& kept,
                       std::vector<Token>& edge) {
-  const float max = row_max(x, n) / t;  // (division by t > 0 keeps the order)
+  const float max = row_max(x, n) * inv_t;  // (a factor > 0 keeps the order)
   if (max != max || max == -INFINITY) return 0;  // (as the unfiltered draw does for such a row)
   const bool top_k = 0 < k && k < n, top_p = p < 1.0f;
   if (top_k) {
-    tokens_from(x, n, t, kth_largest_z(x, n, t, k, heap), kept);
+    tokens_from(x, n, inv_t, kth_largest_z(x, n, inv_t, k, heap), kept);
     if (top_p) cut_top_p(kept, max, p);
   } else if (top_p) {  // every token of the buckets before the cut's, and the cut's bucket sorted
-    bucket_masses(x, n, t, max, mass);
-    double total = 0.0;
-    for (double m : mass) total += m;
+    const double total = total_weight(x, n, inv_t, max);
     double before_cut = 0.0;
-    int cut = 0;
-    while (cut < kBuckets - 1 && before_cut + mass[cut] < p * total) before_cut += mass[cut++];
+    const int cut = cut_bucket(x, n, inv_t, max, p, total, mass, &before_cut);
     // The tokens of buckets up to the cut's (from a bucket further down: a z within rounding of a
     // bucket's edge is placed by bucket_of, as its weight was), the cut's own set aside to sort.
     const float floor = cut == kBuckets - 1 ? -INFINITY : max - static_cast<float>(cut + 2) / kBucketsPerNat;
-    tokens_from(x, n, t, floor, kept);
+    tokens_from(x, n, inv_t, floor, kept);
     edge.clear();
     size_t m = 0;
     for (const Token& c : kept) {
@@ -154,7 +194,7 @@ int64_t draw_filtered(const float* x, int64_t n, float t, int64_t k, float p, fl
       mass_before += std::exp(static_cast<double>(c.z) - max);
     }
   } else {  // min-p alone: the tokens it can keep, exp(z - max) >= min_p, lie at z >= max + log(min_p)
-    tokens_from(x, n, t, max + std::log(min_p) - 1e-3f, kept);
+    tokens_from(x, n, inv_t, max + std::log(min_p) - 1e-3f, kept);
   }
   const auto by_id = [](const Token& a, const Token& b) { return a.j < b.j; };
   if (!std::is_sorted(kept.begin(), kept.end(), by_id)) std::sort(kept.begin(), kept.end(), by_id);
@@ -193,7 +233,7 @@ void sample_filtered_rows_f32(int64_t* tokens, const float* x, int rows, int64_t
     std::vector<Token> kept, edge;
 #pragma omp for schedule(dynamic, 1)
     for (int r = 0; r < rows; ++r)
-      tokens[r] = draw_filtered(x + r * row_stride, cols, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
+      tokens[r] = draw_filtered(x + r * row_stride, cols, 1.0f / temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
                                 heap, mass, kept, edge);
   }
 }

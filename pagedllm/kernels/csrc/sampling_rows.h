@@ -42,15 +42,15 @@ struct Token {
 // The largest z first; among equal z, the lower token id.
 inline bool before(const Token& a, const Token& b) { return a.z > b.z || (a.z == b.z && a.j < b.j); }
 
-// The K largest z = x / t of the row in `heap` (a min-heap: a column enters only where it beats
+// The K largest z = x * inv_t of the row in `heap` (a min-heap: a column enters only where it beats
 // the least kept, so of tokens tied at the K-th the first seen stay); returns the K-th largest z
 // (counting repeats; -inf where the row is shorter than K).
-inline float kth_largest_z(const float* x, int64_t n, float t, int64_t k, std::vector<Token>& heap) {
+inline float kth_largest_z(const float* x, int64_t n, float inv_t, int64_t k, std::vector<Token>& heap) {
   heap.clear();
   const auto min_first = [](const Token& a, const Token& b) { return a.z > b.z; };
   int64_t j = 0;
   for (; j < n && static_cast<int64_t>(heap.size()) < k; ++j) {
-    heap.push_back({x[j] / t, j});
+    heap.push_back({x[j] * inv_t, j});
     std::push_heap(heap.begin(), heap.end(), min_first);
   }
   if (static_cast<int64_t>(heap.size()) < k) return -INFINITY;
@@ -63,9 +63,9 @@ inline float kth_largest_z(const float* x, int64_t n, float t, int64_t k, std::v
     least = heap.front().z;
   };
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256 vt = _mm256_set1_ps(t);
+  const __m256 vt = _mm256_set1_ps(inv_t);
   for (; j + 8 <= n; j += 8) {
-    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + j), vt);
+    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(x + j), vt);
     int above = _mm256_movemask_ps(_mm256_cmp_ps(z, _mm256_set1_ps(least), _CMP_GT_OQ));
     if (above == 0) continue;
     alignas(32) float lanes[8];
@@ -73,7 +73,7 @@ inline float kth_largest_z(const float* x, int64_t n, float t, int64_t k, std::v
     for (; above != 0; above &= above - 1) enter(lanes[__builtin_ctz(above)], j + __builtin_ctz(above));
   }
 #endif
-  for (; j < n; ++j) enter(x[j] / t, j);
+  for (; j < n; ++j) enter(x[j] * inv_t, j);
   return least;
 }
 
