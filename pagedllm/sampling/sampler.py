@@ -128,7 +128,7 @@ class Sampler:
         chosen_ids = host[0].long().tolist()
         chosen_logprobs = host[1].tolist()
         asked = [r for r, item in enumerate(expanded) if r not in beam_candidates and item.sampling_params.logprobs is not None]
-        tops = self._top_logprobs(raw, log_norm, chosen, asked, expanded)
+        tops = self._top_logprobs(raw, log_norm, chosen, chosen_ids, asked, expanded)
         for r, item in enumerate(expanded):
             if r in beam_candidates:
                 results[row_of[r]] = beam_candidates[r]
@@ -195,14 +195,14 @@ class Sampler:
         return chosen
 
     @staticmethod
-    def _top_logprobs(raw: torch.Tensor, log_norm: torch.Tensor, chosen: torch.Tensor, rows: list[int],
-                      items: list[ScheduledSequence]) -> dict[int, TopLogprobs]:
+    def _top_logprobs(raw: torch.Tensor, log_norm: torch.Tensor, chosen: torch.Tensor, chosen_ids: list[int],
+                      rows: list[int], items: list[ScheduledSequence]) -> dict[int, TopLogprobs]:
         """The `logprobs` each row in `rows` asks for (`top_logprobs`); on a CPU, every row's in
         one pass of the row (the top k by a heap, the chosen token's rank by a count)."""
         if not rows:
             return {}
         if not fused_ops.applies(raw):
-            return {r: top_logprobs(raw[r], log_norm[r], int(chosen[r]), items[r].sampling_params.logprobs) for r in rows}
+            return {r: top_logprobs(raw[r], log_norm[r], chosen_ids[r], items[r].sampling_params.logprobs) for r in rows}
         k = max(items[r].sampling_params.logprobs for r in rows)
         index = torch.tensor(rows)
         values, ids, ranks = fused_ops.top_logprobs_rows(raw[index], log_norm[index], chosen[index], k)
@@ -212,7 +212,7 @@ class Sampler:
             wanted = items[r].sampling_params.logprobs
             top: TopLogprobs = {t: (v, rank) for rank, (t, v) in enumerate(zip(ids[i][:wanted], values[i][:wanted]), start=1)
                                 if t >= 0}
-            mine = int(chosen[r])
+            mine = chosen_ids[r]
             if mine not in top:
                 top[mine] = ((raw[r, mine] - log_norm[r]).item(), ranks[i])
             tops[r] = top
@@ -224,7 +224,7 @@ class Sampler:
         """The draws of a batch where some rows filter: those by the one-pass filtered kernel, the
         others by the plain one, as they would be drawn in a batch without filters (a row's draw
         never depends on its neighbours' settings)."""
-        filters = [j for j in range(len(top_k)) if filters_apply(top_k[j : j + 1], top_p[j : j + 1], min_p[j : j + 1])]
+        filters = [j for j, (k, p, m) in enumerate(zip(top_k, top_p, min_p)) if k or p < 1.0 or m]
         if len(filters) == len(top_k):
             return fused_ops.sample_filtered_rows(rows, temperature, top_k, top_p, min_p, uniform)
         plain = sorted(set(range(len(top_k))) - set(filters))

@@ -30,16 +30,10 @@ using pagedllm_sampling::Token;
 
 #ifdef SAMPLING_AVX2
 using namespace pagedllm_simd;
-
-// exp((x - max) * inv_t) for 8 logits, exactly 0 where x is -inf.
-inline __m256 weights8(const float* x, __m256 max, __m256 inv_t) {
-  const __m256 v = _mm256_loadu_ps(x);
-  const __m256 finite = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ);
-  return _mm256_and_ps(exp8(_mm256_mul_ps(_mm256_sub_ps(v, max), inv_t)), finite);
-}
 #endif
-
-inline float weight1(float x, float max, float inv_t) { return x == -INFINITY ? 0.0f : std::exp((x - max) * inv_t); }
+using pagedllm_sampling::exp_sum;
+using pagedllm_sampling::weight1;
+using pagedllm_sampling::weights8;
 
 // The first j with x[j] == max (torch.argmax's tie rule); -1 if there is none (max is NaN).
 int64_t first_index_of(const float* x, int64_t n, float max) {
@@ -56,24 +50,6 @@ int64_t first_index_of(const float* x, int64_t n, float max) {
   return -1;
 }
 
-// Sum of the weights exp((x - max) * inv_t), the vector lanes added up at the end (a part's sum:
-// the same order at any thread count).
-float exp_sum(const float* x, int64_t n, float max, float inv_t) {
-  float total = 0.0f;
-  int64_t j = 0;
-#ifdef SAMPLING_AVX2
-  const __m256 vmax = _mm256_set1_ps(max), vinv = _mm256_set1_ps(inv_t);
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (; j + 16 <= n; j += 16) {
-    a0 = _mm256_add_ps(a0, weights8(x + j, vmax, vinv));
-    a1 = _mm256_add_ps(a1, weights8(x + j + 8, vmax, vinv));
-  }
-  for (; j + 8 <= n; j += 8) a0 = _mm256_add_ps(a0, weights8(x + j, vmax, vinv));
-  total = hsum(_mm256_add_ps(a0, a1));
-#endif
-  for (; j < n; ++j) total += weight1(x[j], max, inv_t);
-  return total;
-}
 
 // The columns of one part of a row's normaliser (`logsumexp_rows_f32`).
 constexpr int64_t kPartColumns = 1 << 13;

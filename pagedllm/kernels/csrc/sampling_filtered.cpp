@@ -38,6 +38,7 @@ using namespace pagedllm_simd;
 #endif
 
 using pagedllm_sampling::before;
+using pagedllm_sampling::exp_sum;
 using pagedllm_sampling::kth_largest_z;
 using pagedllm_sampling::row_max;
 using pagedllm_sampling::Token;
@@ -102,26 +103,6 @@ void bucket_masses(const float* x, int64_t n, float inv_t, float max, int bucket
   }
 }
 
-// Sum of every weight exp(z - max) of the row (float lanes, added up at the end).
-double total_weight(const float* x, int64_t n, float inv_t, float max) {
-  double total = 0.0;
-  int64_t j = 0;
-#ifdef FILTERED_AVX2
-  const __m256 vt = _mm256_set1_ps(inv_t), vmax = _mm256_set1_ps(max), minus_inf = _mm256_set1_ps(-INFINITY);
-  __m256 sum = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(x + j), vt);
-    sum = _mm256_add_ps(sum, _mm256_and_ps(exp8(_mm256_sub_ps(z, vmax)), _mm256_cmp_ps(z, minus_inf, _CMP_GT_OQ)));
-  }
-  total = hsum(sum);
-#endif
-  for (; j < n; ++j) {
-    const float z = x[j] * inv_t;
-    if (z != -INFINITY) total += std::exp(static_cast<double>(z) - max);
-  }
-  return total;
-}
-
 // The bucket where the mass of the buckets before it reaches p * total, and that mass: looked for
 // among the buckets within 8 nats of the largest first (a model's top-p cut lies there; only
 // those tokens are summed by bucket), then among all.
@@ -162,14 +143,14 @@ void cut_top_p(std::vector<Token>& kept, float max, float p) {
 int64_t draw_filtered(const float* x, int64_t n, float inv_t, int64_t k, float p, float min_p, float u,
                       std::vector<Token>& heap, std::vector<double>& mass, std::vector<Token>& kept,
                       std::vector<Token>& edge) {
-  const float max = row_max(x, n) * inv_t;  // (a factor > 0 keeps the order)
+  const float max_x = row_max(x, n), max = max_x * inv_t;  // (a factor > 0 keeps the order)
   if (max != max || max == -INFINITY) return 0;  // (as the unfiltered draw does for such a row)
   const bool top_k = 0 < k && k < n, top_p = p < 1.0f;
   if (top_k) {
     tokens_from(x, n, inv_t, kth_largest_z(x, n, inv_t, k, heap), kept);
     if (top_p) cut_top_p(kept, max, p);
   } else if (top_p) {  // every token of the buckets before the cut's, and the cut's bucket sorted
-    const double total = total_weight(x, n, inv_t, max);
+    const double total = exp_sum(x, n, max_x, inv_t);  // (every weight of the row)
     double before_cut = 0.0;
     const int cut = cut_bucket(x, n, inv_t, max, p, total, mass, &before_cut);
     // The tokens of buckets up to the cut's (from a bucket further down: a z within rounding of a

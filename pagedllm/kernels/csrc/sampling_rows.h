@@ -1,5 +1,5 @@
 // Passes over a row of logits shared by the sampling kernels (sampling.cpp, sampling_filtered.cpp):
-// its maximum, and its K largest values.
+// its maximum, its sum of weights, and its K largest values.
 #pragma once
 
 #include <algorithm>
@@ -31,6 +31,36 @@ inline float row_max(const float* x, int64_t n) {
     nan = nan || x[j] != x[j];
   }
   return nan ? NAN : max;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp((x - max) * inv_t) for 8 logits, exactly 0 where x is -inf.
+inline __m256 weights8(const float* x, __m256 max, __m256 inv_t) {
+  const __m256 v = _mm256_loadu_ps(x);
+  const __m256 finite = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ);
+  return _mm256_and_ps(pagedllm_simd::exp8(_mm256_mul_ps(_mm256_sub_ps(v, max), inv_t)), finite);
+}
+#endif
+
+inline float weight1(float x, float max, float inv_t) { return x == -INFINITY ? 0.0f : std::exp((x - max) * inv_t); }
+
+// Sum of the weights exp((x - max) * inv_t), the vector lanes added up at the end (a part's sum:
+// the same order at any thread count).
+inline float exp_sum(const float* x, int64_t n, float max, float inv_t) {
+  float total = 0.0f;
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vmax = _mm256_set1_ps(max), vinv = _mm256_set1_ps(inv_t);
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    a0 = _mm256_add_ps(a0, weights8(x + j, vmax, vinv));
+    a1 = _mm256_add_ps(a1, weights8(x + j + 8, vmax, vinv));
+  }
+  for (; j + 8 <= n; j += 8) a0 = _mm256_add_ps(a0, weights8(x + j, vmax, vinv));
+  total = pagedllm_simd::hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; j < n; ++j) total += weight1(x[j], max, inv_t);
+  return total;
 }
 
 // A token and its value z.
