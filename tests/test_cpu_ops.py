@@ -143,6 +143,27 @@ def test_logsumexp_and_argmax_rows_match_torch(vocab):
     assert argmax[2] == vocab // 3 and argmax[3] == vocab - 1
 
 
+@pytest.mark.parametrize("vocab", [5, 1003, 262144])
+def test_greedy_rows_is_the_argmax_and_its_log_probability_as_torch_gives_them(vocab):
+    """The sampler's one-call greedy step: each row's torch.argmax and x[argmax] - logsumexp(x),
+    bitwise the normaliser's subtraction (a row holding NaN: torch's argmax, the first NaN; an
+    all-masked row: token 0 and NaN)."""
+    torch.manual_seed(vocab)
+    x = torch.randn(5, vocab) * 4
+    x[1, [vocab // 3, vocab - 1]] = 100.0  # a tie: the first wins
+    x[2] = float("-inf")
+    x[3, [vocab // 2, vocab - 1]] = float("nan")
+    x[4, : vocab // 2] = float("-inf")
+    token_ids, logprobs = ops.greedy_rows(x)
+    assert token_ids == x.argmax(dim=-1).tolist()
+    assert token_ids[3] == vocab // 2 and token_ids[2] == 0
+    log_norm, argmax = ops.logsumexp_and_argmax_rows(x)
+    expected = (x.gather(1, argmax.unsqueeze(1)) - log_norm).squeeze(1)
+    torch.testing.assert_close(torch.tensor(logprobs), expected, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(torch.tensor(logprobs), torch.log_softmax(x.double(), dim=-1).gather(
+        1, argmax.unsqueeze(1)).squeeze(1).float(), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_single_long_row_split_among_threads_matches_torch(threads):
     """One sequence over a 262,144-token vocabulary (Gemma's): its columns' parts are shared among

@@ -131,6 +131,15 @@ def test_dequantize_rows_is_gguf_dequantize_bit_for_bit(qtype):
     assert np.array_equal(kernels.dequantize_rows(w, rows).numpy(), dense[rows.numpy()])
 
 
+@pytest.mark.parametrize("bad", [-1, OUT_FEATURES, 10**9])
+def test_dequantize_rows_refuses_an_index_outside_the_table(bad):
+    """The lookup's bounds are checked in the kernel (no tensor operations on the decode path):
+    a bad token id is a clear error and nothing is read outside the weight."""
+    w = weight("Q8_0", seed=5)
+    with pytest.raises(ValueError, match=rf"rows must be in \[0, {OUT_FEATURES}\)"):
+        kernels.dequantize_rows(w, torch.tensor([3, bad, 5]))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_blocks_from_gguf_quantizer(qtype, isa):
     """Blocks written by gguf-py's own quantizer, not only random bytes."""

@@ -122,11 +122,12 @@ def load() -> ctypes.CDLL:
         getattr(lib, f"write_kv_{types}").restype = None
     # kernels/gguf.py: the native GGUF block types
     lib.gguf_matmul.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    lib.gguf_dequantize_rows.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.gguf_dequantize_rows.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.gguf_quantize_activations.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
-    for name in ("gguf_matmul", "gguf_dequantize_rows", "gguf_quantize_activations"):
+    for name in ("gguf_matmul", "gguf_quantize_activations"):
         getattr(lib, name).restype = None
     lib.gguf_read_sum.argtypes = [_P, ctypes.c_int64, ctypes.c_int]
+    lib.gguf_dequantize_rows.restype = ctypes.c_int
     lib.gguf_read_sum.restype = ctypes.c_uint64
     lib.gguf_int8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     lib.gguf_int8_peak.restype = ctypes.c_int64
@@ -155,7 +156,7 @@ def load() -> ctypes.CDLL:
             getattr(lib, f"{name}_{suffix}").restype = None
     lib.gelu_tanh_and_mul_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.gelu_tanh_and_mul_f32.restype = None
-    lib.logsumexp_rows_f32.argtypes = [_P, _P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.logsumexp_rows_f32.argtypes = [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.sample_rows_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _P, _P, ctypes.c_int]
     lib.sample_filtered_rows_f32.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, _P, _P,
                                              ctypes.c_int]

@@ -142,14 +142,10 @@ def dequantize_rows(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.
     if rows is None:
         rows = torch.arange(w.out_features)
     rows = rows.reshape(-1).to(torch.int64).contiguous()
-    if rows.numel():
-        low, high = rows.aminmax()
-        if int(low) < 0 or int(high) >= w.out_features:
-            raise ValueError(f"rows must be in [0, {w.out_features})")
     out = torch.empty(rows.numel(), w.in_features, dtype=torch.float32)
-    if rows.numel():
-        _lib().gguf_dequantize_rows(TYPE_IDS[w.qtype], out.data_ptr(), w.data.data_ptr(), rows.data_ptr(), rows.numel(),
-                                    w.in_features, torch.get_num_threads())
+    if rows.numel() and _lib().gguf_dequantize_rows(TYPE_IDS[w.qtype], out.data_ptr(), w.data.data_ptr(), rows.data_ptr(),
+                                                    rows.numel(), w.out_features, w.in_features, torch.get_num_threads()):
+        raise ValueError(f"rows must be in [0, {w.out_features})")
     return out
 
 

@@ -106,21 +106,28 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
 
 def logsumexp_and_argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [rows, n] -> (logsumexp_rows(x), x.argmax(dim=-1)) with each row read from memory once
-    (the greedy token and its normaliser). Rows holding NaN get torch's argmax."""
+    (the greedy token and its normaliser); torch's argmax on rows holding NaN too."""
     argmax = torch.empty(x.shape[0], dtype=torch.int64)
-    log_norm = _logsumexp(x, argmax)
-    missing = argmax < 0
-    if missing.any():
-        argmax[missing] = x[missing].argmax(dim=-1)
-    return log_norm, argmax
+    return _logsumexp(x, argmax), argmax
 
 
-def _logsumexp(x: torch.Tensor, argmax: torch.Tensor | None) -> torch.Tensor:
+def greedy_rows(x: torch.Tensor) -> tuple[list[int], list[float]]:
+    """x: [rows, n] -> each row's greedy token x.argmax(dim=-1) and its log-probability
+    x[argmax] - logsumexp(x) (bitwise what `logsumexp_and_argmax_rows` then a gather and a
+    subtraction give), in one call: a decode step's sampling at a handful of greedy sequences."""
+    argmax = torch.empty(x.shape[0], dtype=torch.int64)
+    logprob = torch.empty(x.shape[0], dtype=torch.float32)
+    _logsumexp(x, argmax, logprob)
+    return argmax.tolist(), logprob.tolist()
+
+
+def _logsumexp(x: torch.Tensor, argmax: torch.Tensor | None, logprob: torch.Tensor | None = None) -> torch.Tensor:
     x = _rows(x)
     out = torch.empty(x.shape[0], 1, dtype=torch.float32)
     _lib().logsumexp_rows_f32(
-        out.data_ptr(), argmax.data_ptr() if argmax is not None else None, x.data_ptr(), x.shape[0], x.shape[1],
-        x.stride(0), torch.get_num_threads(),
+        out.data_ptr(), argmax.data_ptr() if argmax is not None else None,
+        logprob.data_ptr() if logprob is not None else None, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+        torch.get_num_threads(),
     )
     return out
 

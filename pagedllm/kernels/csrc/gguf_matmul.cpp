@@ -260,16 +260,22 @@ void gguf_matmul(int qtype_id, float* y, const float* x, const uint8_t* packed, 
   }
 }
 
-// out: [num_indices, in_features] float32, the rows `indices` of W dequantized exactly as gguf-py
-// does (embedding lookups, tests).
-void gguf_dequantize_rows(int qtype_id, float* out, const uint8_t* packed, const int64_t* indices, int64_t num_indices,
-                          int64_t in_features, int num_threads) {
+// out: [num_indices, in_features] float32, the rows `indices` of W (num_rows of them) dequantized
+// exactly as gguf-py does (embedding lookups, tests). Returns 0, or -1 (nothing written) where an
+// index is outside [0, num_rows): the check costs the caller no tensor operations (a decode step's
+// lookup of a token or two is mostly such fixed costs).
+int gguf_dequantize_rows(int qtype_id, float* out, const uint8_t* packed, const int64_t* indices, int64_t num_indices,
+                         int64_t num_rows, int64_t in_features, int num_threads) {
   const TypeSize t = type_size(qtype_id);
-  if (t.weights == 0) return;
+  if (t.weights == 0) return 0;
+  for (int64_t i = 0; i < num_indices; ++i)
+    if (indices[i] < 0 || indices[i] >= num_rows) return -1;
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+  const int threads = num_indices < num_threads ? static_cast<int>(num_indices) : num_threads;
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < num_indices; ++i)
     expand_row_portable(qtype_id, packed + indices[i] * row_bytes, num_blocks, out + i * in_features);
+  return 0;
 }
 
 // x quantized as the int8 path does for a product with W of type qtype_id (tests): qx [rows,

@@ -11,8 +11,8 @@ extern "C" {
 // in_features / weights-per-block blocks). use_int8: x quantized per block of 32 (VNNI).
 void gguf_matmul(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t rows, int64_t out_features,
                  int64_t in_features, int num_threads, int use_int8);
-void gguf_dequantize_rows(int qtype_id, float* out, const uint8_t* packed, const int64_t* indices, int64_t num_indices,
-                          int64_t in_features, int num_threads);
+int gguf_dequantize_rows(int qtype_id, float* out, const uint8_t* packed, const int64_t* indices, int64_t num_indices,
+                         int64_t num_rows, int64_t in_features, int num_threads);
 void gguf_quantize_activations(int qtype_id, int8_t* qx, float* dx, const float* x, int64_t rows, int64_t in_features);
 int gguf_isa();
 int gguf_best_isa();

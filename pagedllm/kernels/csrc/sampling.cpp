@@ -50,6 +50,13 @@ int64_t first_index_of(const float* x, int64_t n, float max) {
   return -1;
 }
 
+// The first NaN of the row (one is known to be there).
+int64_t first_nan(const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    if (x[j] != x[j]) return j;
+  return 0;
+}
+
 
 // The columns of one part of a row's normaliser (`logsumexp_rows_f32`).
 constexpr int64_t kPartColumns = 1 << 13;
@@ -98,7 +105,10 @@ int64_t draw(const float* x, int64_t n, float max, float inv_t, float target) {
 
 extern "C" {
 
-// x: [rows, row_stride] float32; out: [rows]; argmax: [rows] or null (not wanted). Each row is
+// x: [rows, row_stride] float32; out: [rows]; argmax: [rows] or null (not wanted), torch.argmax's
+// answer on every row (the first maximum; the first NaN of a row holding one; 0 where every token
+// is masked); chosen_logprob: [rows] or null, x[argmax] - out (the greedy token's log-probability,
+// as the sampler reports it; needs argmax). Each row is
 // cut into parts of kPartColumns columns (one part below that), each part's maximum and sum of
 // weights found, and the parts combined in order: the same sums in the same order whatever the
 // number of rows and threads, so a row's result does not depend on its batch (batch-invariant
@@ -106,8 +116,8 @@ extern "C" {
 // sequence over a vocabulary of 150k-260k keeps every thread busy. The greedy token is then
 // looked up in the first part that holds the maximum. Each part is read from memory once: its
 // later passes find it in the core's cache.
-void logsumexp_rows_f32(float* out, int64_t* argmax, const float* x, int rows, int64_t cols, int64_t row_stride,
-                        int num_threads) {
+void logsumexp_rows_f32(float* out, int64_t* argmax, float* chosen_logprob, const float* x, int rows, int64_t cols,
+                        int64_t row_stride, int num_threads) {
   if (rows <= 0 || cols <= 0) return;
   const int64_t parts = (cols + kPartColumns - 1) / kPartColumns;
   const int64_t items = rows * parts;
@@ -138,12 +148,16 @@ void logsumexp_rows_f32(float* out, int64_t* argmax, const float* x, int rows, i
     }
     out[r] = nan ? NAN : max == -INFINITY ? -INFINITY : max + std::log(total);
     if (argmax == nullptr) continue;
-    if (nan || winner < 0) {
-      argmax[r] = -1;  // (the caller takes torch's answer)
-      continue;
+    const float* row = x + r * row_stride;
+    if (nan) {
+      argmax[r] = first_nan(row, cols);
+    } else if (winner < 0) {
+      argmax[r] = 0;  // (every token masked: all equal)
+    } else {
+      const int64_t lo = winner * kPartColumns, hi = lo + kPartColumns < cols ? lo + kPartColumns : cols;
+      argmax[r] = lo + first_index_of(row + lo, hi - lo, max);
     }
-    const int64_t lo = winner * kPartColumns, hi = lo + kPartColumns < cols ? lo + kPartColumns : cols;
-    argmax[r] = lo + first_index_of(x + r * row_stride + lo, hi - lo, max);
+    if (chosen_logprob != nullptr) chosen_logprob[r] = row[argmax[r]] - out[r];
   }
 }
 
