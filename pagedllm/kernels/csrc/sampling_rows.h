@@ -16,15 +16,26 @@ inline float row_max(const float* x, int64_t n) {
   float max = -INFINITY;
   bool nan = false;
   int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 wmax = _mm512_set1_ps(-INFINITY);
+  __mmask16 wnan = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    wmax = _mm512_max_ps(wmax, v);
+    wnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  max = _mm512_reduce_max_ps(wmax);
+  nan = wnan != 0;
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+  __m256 vmax = _mm256_set1_ps(max), vnan = _mm256_setzero_ps();
   for (; j + 8 <= n; j += 8) {
     const __m256 v = _mm256_loadu_ps(x + j);
     vmax = _mm256_max_ps(vmax, v);
     vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   }
   max = pagedllm_simd::hmax(vmax);
-  nan = _mm256_movemask_ps(vnan) != 0;
+  nan = nan || _mm256_movemask_ps(vnan) != 0;
 #endif
   for (; j < n; ++j) {
     max = x[j] > max ? x[j] : max;
@@ -52,6 +63,19 @@ inline float exp_sum(const float* x, int64_t n, float max, float inv_t) {
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 vmax = _mm256_set1_ps(max), vinv = _mm256_set1_ps(inv_t);
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+#if defined(__AVX512F__)
+  {  // lanes 0-7 are a0's columns, 8-15 a1's: the same sums as the 8-wide loop below
+    const __m512 wmax = _mm512_set1_ps(max), winv = _mm512_set1_ps(inv_t), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 a = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+      const __m512 v = _mm512_loadu_ps(x + j);
+      const __mmask16 finite = _mm512_cmp_ps_mask(v, ninf, _CMP_GT_OQ);
+      a = _mm512_add_ps(a, _mm512_maskz_mov_ps(finite, pagedllm_simd::exp16(_mm512_mul_ps(_mm512_sub_ps(v, wmax), winv))));
+    }
+    a0 = _mm512_castps512_ps256(a);
+    a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+  }
+#endif
   for (; j + 16 <= n; j += 16) {
     a0 = _mm256_add_ps(a0, weights8(x + j, vmax, vinv));
     a1 = _mm256_add_ps(a1, weights8(x + j + 8, vmax, vinv));
