@@ -64,7 +64,10 @@ class DecodeInputs:
         self._starts: list[int] = []
         self._tables: list[list[list[int | None]]] = []  # copies: the scheduler's lists change
         self._inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None = None
-        self._arrays: list[np.ndarray] = []  # positions, context lengths, each group's slots: all + 1 a step
+        # Rows: positions, context lengths, each group's slots (the step's tensors are views of
+        # them): all one further a step, in one addition.
+        self._advancing = np.zeros((0, 0), dtype=np.int64)
+        self._input_ids = np.zeros(0, dtype=np.int64)  # the input_ids tensor's array
         self._block_tables: list[np.ndarray] = []  # each group's, as the metadata holds them
         self.num_advanced = 0  # steps served by advancing the last one's inputs (tests read it)
 
@@ -73,10 +76,15 @@ class DecodeInputs:
         changed = self._changed_rows(items) if self._inputs is not None else None
         if changed is not None and self._fits(items, changed):
             return self._advance(items, changed)
-        self._inputs = input_ids, positions, metadata = decode_metadata(items, self.block_size, self._CPU)
+        input_ids, positions, metadata = decode_metadata(items, self.block_size, self._CPU)
         groups = [metadata, *metadata.other_groups]
         # (On a CPU each tensor is a view of the array it was made from.)
-        self._arrays = [positions.numpy(), metadata.seq_lens.numpy(), *(m.slot_mapping.numpy() for m in groups)]
+        self._advancing = np.stack([positions.numpy(), metadata.seq_lens.numpy(), *(m.slot_mapping.numpy() for m in groups)])
+        positions, seq_lens = torch.from_numpy(self._advancing[0]), torch.from_numpy(self._advancing[1])
+        for g, group in enumerate(groups):
+            group.seq_lens, group.slot_mapping = seq_lens, torch.from_numpy(self._advancing[2 + g])
+        self._inputs = input_ids, positions, metadata
+        self._input_ids = input_ids.numpy()
         self._block_tables = [m.block_tables.numpy() for m in groups]
         self._seq_ids = [item.seq_id for item in items]
         self._starts = [item.start_position for item in items]
@@ -109,11 +117,10 @@ class DecodeInputs:
     def _advance(self, items: list[ScheduledSequence], changed: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         inputs, self._inputs = self._inputs, None  # (if this fails part way, the next step builds anew)
         input_ids, _, metadata = inputs
-        for array in self._arrays:
-            array += 1
-        input_ids.numpy()[:] = [item.token_ids[0] for item in items]
+        self._advancing += 1
+        self._input_ids[:] = [item.token_ids[0] for item in items]
         self._starts = [start + 1 for start in self._starts]
-        block_size, slots = self.block_size, self._arrays[2:]
+        block_size, slots = self.block_size, self._advancing[2:]
         for row in changed:  # its tables written again, its slots looked up
             item = items[row]
             position = item.start_position
@@ -122,7 +129,7 @@ class DecodeInputs:
                 array[row] = block_table_array([table], width=array.shape[1])[0]
                 slot[row] = int(array[row, position // block_size]) * block_size + position % block_size
             self._tables[row] = [list(table) for table in tables]
-        lens = self._arrays[1].tolist()
+        lens = self._advancing[1].tolist()
         for group in (metadata, *metadata.other_groups):
             group.seq_lens_list = lens
             group.backend_plan = None  # derived from the step's lengths: the backend plans again

@@ -87,6 +87,8 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         # A CPU step of decodes only advances the last one's inputs where it can.
         self.decode_inputs = DecodeInputs(block_size) if device.type == "cpu" else None
+        # Entered by every step: one context kept (the decorator builds two objects a call).
+        self._inference_mode = torch.inference_mode()
 
     @torch.inference_mode()
     def time_prefill(self, num_tokens: int, repeats: int = 1) -> list[float]:
@@ -112,8 +114,11 @@ class ModelRunner:
                 times.append(time.perf_counter() - start)
         return times
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+        with self._inference_mode:
+            return self._execute(output)
+
+    def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.sampler is not None:
             self.sampler.remove_requests(output.finished_request_ids)
         if not output.seqs:
