@@ -143,7 +143,7 @@ def load() -> ctypes.CDLL:
     lib.gguf_set_row_streams.argtypes = [ctypes.c_int]
     for name in ("gguf_isa", "gguf_best_isa", "gguf_set_isa", "gguf_set_row_streams", "gguf_row_streams"):
         getattr(lib, name).restype = ctypes.c_int
-    lib.decoder_layers_f32.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P]
+    lib.decoder_layers_f32.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P, _P, _P]
     lib.decoder_layers_f32.restype = None
     lib.decoder_layers_num_parts.restype = ctypes.c_int
     lib.moe_layer_f32.argtypes = [_P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]

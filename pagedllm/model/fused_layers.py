@@ -156,11 +156,13 @@ class FusedLayer:
 
 @dataclass
 class FusedDecoderPlan:
-    """What a model hands the fused path (`CausalLM.fused_decoder_plan`): its layers and the
-    norms' epsilon (one for every norm of the model)."""
+    """What a model hands the fused path (`CausalLM.fused_decoder_plan`): its layers, the
+    norms' epsilon (one for every norm of the model) and its final norm's weight as the kernel
+    multiplies (`norm_weight`): the call ends with the final norm, as the model's forward does."""
 
     layers: list[FusedLayer]
     eps: float
+    final_norm: torch.Tensor
 
     @property
     def rotaries(self) -> list[RotaryEmbedding]:
@@ -201,6 +203,7 @@ class FusedDecoderLayers:
         dense = [layer for layer in plan.layers if layer.down is not None]
         self.intermediate_size = dense[0].down.quant_method.in_features if dense else 1
         self.eps = plan.eps
+        self.final_norm = plan.final_norm
 
     @staticmethod
     def supported(plan: FusedDecoderPlan, backend) -> bool:
@@ -214,7 +217,7 @@ class FusedDecoderLayers:
         layers = plan.layers
         if any(r.cos.dtype != torch.float32 for r in plan.rotaries):
             return False
-        if any(n.dtype != torch.float32 for layer in layers for n in layer.norms):
+        if plan.final_norm.dtype != torch.float32 or any(n.dtype != torch.float32 for layer in layers for n in layer.norms):
             return False
         if any(layer.activation not in ACTIVATIONS or (layer.q_norm is None) != (layer.k_norm is None)
                for layer in layers):
@@ -277,9 +280,9 @@ class FusedDecoderLayers:
             self._scratch_step = None  # (it holds the pools' strides)
         return self._layers
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the embeddings [T, hidden_size] -> (last layer's output, residual stream), as
-        the loop leaves them for the final norm."""
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, metadata) -> torch.Tensor:
+        """hidden: the embeddings [T, hidden_size] -> the final norm of the last layer's output
+        and the residual stream (what the model's layer loop and final norm give)."""
         layers = self._layer_array()
         groups = [metadata, *metadata.other_groups]
         # One plan: every group has the same work items (a step with no fresh prompt: `applies`),
@@ -294,10 +297,11 @@ class FusedDecoderLayers:
         step.item_num_tokens, step.num_items = plan.item_num_tokens.data_ptr(), plan.item_seq.shape[0]
         step.token_context, step.num_threads = plan.token_context.data_ptr(), torch.get_num_threads()
         hidden = hidden.contiguous()
-        residual = torch.empty_like(hidden)
+        residual, out = torch.empty_like(hidden), torch.empty_like(hidden)
         self.lib.decoder_layers_f32(ctypes.addressof(layers), len(layers), ctypes.byref(step), hidden.data_ptr(),
-                                    residual.data_ptr(), ctypes.cast(self.part_ns, _P) if self.part_ns is not None else None)
-        return hidden, residual
+                                    residual.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(),
+                                    ctypes.cast(self.part_ns, _P) if self.part_ns is not None else None)
+        return out
 
     def _step(self, num_tokens: int) -> _Step:
         """The C++ step of `num_tokens` tokens with its scratch (the last size's kept: a batch

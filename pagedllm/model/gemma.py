@@ -94,12 +94,11 @@ class GemmaModel(nn.Module):
     def forward(self, input_ids, positions, metadata):
         hidden = self.embed_tokens(input_ids) * self.normalizer
         if self.fused_layers is not None and self.fused_layers.applies(hidden, metadata):
-            hidden, residual = self.fused_layers(positions, hidden, metadata)
-        else:
-            table = {id(r): r.table_positions(positions, metadata) for r in self.rotaries}
-            residual = None
-            for layer in self.layers:
-                hidden, residual = layer(table[id(layer.self_attn.rotary)], hidden, residual, metadata)
+            return self.fused_layers(positions, hidden, metadata)  # (the final norm included)
+        table = {id(r): r.table_positions(positions, metadata) for r in self.rotaries}
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(table[id(layer.self_attn.rotary)], hidden, residual, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -112,12 +111,12 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
     def fused_decoder_plan(self):
         """Gemma's layers as the C++ layer loop reads them, on one rank."""
-        from pagedllm.model.fused_layers import FusedDecoderPlan
+        from pagedllm.model.fused_layers import FusedDecoderPlan, norm_weight
 
         if self.tp.size != 1:
             return None
-        return FusedDecoderPlan([block.fused() for block in self.model.layers],
-                                self.cfg.rms_norm_eps)
+        return FusedDecoderPlan([block.fused() for block in self.model.layers], self.cfg.rms_norm_eps,
+                                norm_weight(self.model.norm))
 
     def layer_projections(self, layer: int) -> dict[str, nn.Parameter]:
         block = self.model.layers[layer]

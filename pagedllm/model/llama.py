@@ -100,12 +100,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, metadata):
         hidden = self.embed(input_ids)
         if self.fused_layers is not None and self.fused_layers.applies(hidden, metadata):
-            hidden, residual = self.fused_layers(positions, hidden, metadata)
-        else:
-            positions = self.rotary.table_positions(positions, metadata)
-            residual = None
-            for layer in self.layers:
-                hidden, residual = layer(positions, hidden, residual, metadata)
+            return self.fused_layers(positions, hidden, metadata)  # (the final norm included)
+        positions = self.rotary.table_positions(positions, metadata)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -167,4 +166,4 @@ class LlamaForCausalLM(DecoderForCausalLM):
                 norm_weight(block.input_layernorm), norm_weight(block.post_attention_layernorm), attn.qkv_proj,
                 attn.o_proj, attn=attn.attn, rotary=attn.rotary, **mlp_parts,
                 branch_scale=getattr(block, "residual_multiplier", 1.0), **heads))
-        return FusedDecoderPlan(layers, cfg.rms_norm_eps)
+        return FusedDecoderPlan(layers, cfg.rms_norm_eps, norm_weight(self.model.norm))

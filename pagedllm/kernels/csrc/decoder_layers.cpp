@@ -300,10 +300,12 @@ void scale_in_place(float* x, int64_t n, float scale) {
 extern "C" {
 
 // hidden: [T, hidden_size], the embeddings in; the last layer's output (not yet added to the
-// residual stream) out. residual: [T, hidden_size], the residual stream out (the model's final
-// norm adds the two). part_ns: null, or kNumParts counters.
+// residual stream) out. residual: [T, hidden_size], the residual stream out. With final_norm (the
+// model's final norm's weight, as the kernel multiplies), out: [T, hidden_size], the final norm of
+// the two (what the model's norm module computes after the layers), so the step's hidden states
+// leave the call ready for the head. part_ns: null, or kNumParts counters.
 void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, float* hidden, float* residual,
-                        int64_t* part_ns) {
+                        const float* final_norm, float* out, int64_t* part_ns) {
   const int T = s->num_tokens, H = s->hidden_size, threads = s->num_threads;
   const int q_width = s->num_heads * s->head_dim, kv_width = s->num_kv_heads * s->head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width;
@@ -367,6 +369,10 @@ void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, floa
       timer.lap(kNorms);
     }
     if (layer.branch_scale != 1.0f) scale_in_place(hidden, static_cast<int64_t>(T) * H, layer.branch_scale);
+  }
+  if (final_norm != nullptr) {
+    fused_add_rms_norm_f32(out, residual, hidden, final_norm, T, H, s->eps, threads);
+    timer.lap(kNorms);
   }
 }
 
