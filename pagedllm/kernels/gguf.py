@@ -23,6 +23,7 @@ same entry point, for the fused decoder (csrc/decoder_layers.cpp).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -103,15 +104,16 @@ def from_data(qtype: str, out_features: int, in_features: int, data: torch.Tenso
     return PackedWeight(qtype, out_features, in_features, data.reshape(out_features, row_bytes).contiguous())
 
 
+@functools.cache
 def _lib():
+    """The kernel library, its ISA forced first where PAGEDLLM_GGUF_ISA says (once: every
+    product of every step calls this)."""
     from pagedllm.kernels.build import load
 
     lib = load()
-    if not getattr(_lib, "configured", False):
-        forced = os.environ.get("PAGEDLLM_GGUF_ISA")
-        if forced:
-            _set_isa(lib, forced)
-        _lib.configured = True
+    forced = os.environ.get("PAGEDLLM_GGUF_ISA")
+    if forced:
+        _set_isa(lib, forced)
     return lib
 
 
