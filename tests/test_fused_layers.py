@@ -197,3 +197,34 @@ def test_fused_layers_address_each_kv_cache_groups_own_blocks():
             done = [d + (i in which) for i, d in enumerate(done)]
     assert len(calls) >= 6  # the decode steps (and the first) went through the fused call
     llm.llm_engine.shutdown()
+
+
+def test_greedy_tokens_from_the_heads_product_equal_the_samplers(smollm_llm, monkeypatch):
+    """A batch of plain greedy rows takes its tokens and log-probabilities from the LM head's
+    product (kernels.gguf.matmul_greedy, no logits read back): the same tokens and cumulative
+    log-probabilities (floats compared with ==) as the logits then the sampler, which a batch
+    asking for log-probabilities still takes."""
+    from pagedllm.kernels import gguf
+
+    model = smollm_llm.llm_engine.executor.worker.model
+    prompts = ["The capital of France is", "Water boils at", "def fibonacci(n):"]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    calls: list[int] = []
+    original = gguf.matmul_greedy
+
+    def counted(x, w, int8=False):
+        calls.append(x.shape[0])
+        return original(x, w, int8)
+
+    monkeypatch.setattr(gguf, "matmul_greedy", counted)
+    outputs = smollm_llm.generate(prompts, greedy, use_tqdm=False)
+    head = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outputs]
+    assert 3 in calls  # the three sequences' decode steps took it
+    count = len(calls)
+    with monkeypatch.context() as m:
+        m.setattr(type(model), "greedy_tokens", lambda self, hidden: None)
+        outputs = smollm_llm.generate(prompts, greedy, use_tqdm=False)
+    assert len(calls) == count  # not taken here
+    assert head == [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outputs]
+    smollm_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False)
+    assert len(calls) == count  # the logits are needed: the sampler's path

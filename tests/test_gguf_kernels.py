@@ -330,3 +330,29 @@ def test_rows_alone_is_the_same_int8_product(qtype, isa):
     finally:
         for rows in kernels.INT8_WAY_BUCKETS:
             kernels.set_int8_way(qtype, rows, own)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K", "Q4_0"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_heads_greedy_tokens_are_the_product_then_greedy_rows_bitwise(qtype, int8):
+    """matmul_greedy (an LM head's product with each row's greedy token and log-probability,
+    every part reduced as the product wrote it): the product bitwise matmul's, the tokens and
+    log-probabilities bitwise ops.greedy_rows' of it, at any thread count, for a vocabulary of
+    whole parts, one with a short last part and one below a part, one row and several."""
+    from pagedllm.kernels import ops
+
+    previous = torch.get_num_threads()
+    try:
+        for out_features in (2 * 8192, 3 * 8192 + 1000, 3000):
+            w = kernels.random_weight(qtype, out_features, 256, torch.Generator().manual_seed(out_features))
+            for rows in (1, 3):
+                x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    y, token_ids, logprobs = kernels.matmul_greedy(x, w, int8=int8)
+                    product = kernels.matmul(x, w, int8=int8)
+                    assert torch.equal(y, product), (out_features, rows, threads)
+                    assert (token_ids, logprobs) == ops.greedy_rows(product), (out_features, rows, threads)
+                    assert token_ids == product.argmax(dim=-1).tolist()
+    finally:
+        torch.set_num_threads(previous)

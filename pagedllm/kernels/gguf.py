@@ -138,6 +138,23 @@ def matmul(x: torch.Tensor, w: PackedWeight, int8: bool = False) -> torch.Tensor
     return y
 
 
+def matmul_greedy(x: torch.Tensor, w: PackedWeight, int8: bool = False) -> tuple[torch.Tensor, list[int], list[float]]:
+    """(matmul(x, w, int8), each row's greedy token, its log-probability): the product and what
+    `ops.greedy_rows` gives of it, bitwise, each part of the rows reduced as soon as the product
+    wrote it rather than read back from memory afterwards (an LM head's greedy decode step)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be float32 [rows, {w.in_features}], got {x.dtype} {list(x.shape)}")
+    x = x.contiguous()
+    rows = x.shape[0]
+    y = torch.empty(rows, w.out_features, dtype=torch.float32)
+    log_norm, argmax, logprob = (torch.empty(rows, dtype=dtype) for dtype in (torch.float32, torch.int64, torch.float32))
+    if rows:
+        _lib().gguf_matmul_greedy(TYPE_IDS[w.qtype], y.data_ptr(), x.data_ptr(), w.data.data_ptr(), w.data.shape[1], rows,
+                                  w.out_features, w.in_features, torch.get_num_threads(), int(int8), log_norm.data_ptr(),
+                                  argmax.data_ptr(), logprob.data_ptr())
+    return y, argmax.tolist(), logprob.tolist()
+
+
 def dequantize_rows(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [n, in_features]: the rows `rows` of W (all if None), exactly as
     `gguf.quants.dequantize` gives them (an embedding lookup from a quantized token table)."""

@@ -88,6 +88,14 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[list[int], list[float]] | None:
+        """hidden: [n, hidden_size] -> each row's greedy token and its log-probability, where the
+        head computes them with its product (`ParallelLMHead.greedy`); None where it does not or
+        the logits are soft-capped (then `compute_logits` and the sampler)."""
+        if self.cfg.final_logit_softcapping is not None or not self.lm_head.quant_method.computes_greedy:
+            return None
+        return self.lm_head.greedy(hidden)
+
     # --- the KV cache ----------------------------------------------------------------------
 
     @property

@@ -333,6 +333,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = embedding.weight
             self.quant_method = embedding.quant_method
 
+    def greedy(self, hidden: torch.Tensor) -> tuple[list[int], list[float]] | None:
+        """Each row's greedy token and its log-probability (what `forward` then the sampler's
+        greedy path give, bitwise) from the product itself where the weight's method computes
+        them with it (`LinearMethod.greedy`): the logits are not read back from memory. None
+        where it does not, or on several ranks."""
+        return self.quant_method.greedy(self, hidden) if self.tp.size == 1 else None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         local = linear(hidden, self)
         if local.shape[-1] < self.rows_per_rank:  # the quantized blocks hold no padding rows

@@ -60,7 +60,7 @@ class Sampler:
         or, for a speculating sequence, the accepted proposed tokens followed by the target's own
         next token (`verify`)."""
         logits = logits.float()
-        if len(items) == logits.shape[0] and fused_ops.applies(logits) and all(map(_plain_greedy, items)):
+        if len(items) == logits.shape[0] and fused_ops.applies(logits) and self.plain_greedy(items):
             return self._greedy(logits)
         # Rows a parallel-sampling prompt expands into: one per sample, sharing the logits; a
         # speculating sequence expands into one row per verified position, each seeing the
@@ -145,6 +145,12 @@ class Sampler:
                     for _ in range(num_accepted + 1):
                         torch.rand(1, generator=gen)
         return results
+
+    @staticmethod
+    def plain_greedy(items: list[ScheduledSequence]) -> bool:
+        """Whether every item takes one greedy token from its own row and asks nothing else of
+        the logits (`_plain_greedy`): its token and log-probability are all there is to compute."""
+        return all(map(_plain_greedy, items))
 
     @staticmethod
     def _greedy(logits: torch.Tensor) -> list[list[SampledToken]]:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata
-from pagedllm.core.model_output import ModelRunnerOutput, SequenceStepOutput
+from pagedllm.core.model_output import ModelRunnerOutput, SampledToken, SequenceStepOutput
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.pooling_params import PoolingType
 from pagedllm.sampling import Sampler, prompt_logprobs
@@ -153,10 +153,8 @@ class ModelRunner:
         if rows:
             # (rows are distinct and ascending: as many as hidden's are all of them, in order)
             picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
-            logits = self.model.compute_logits(picked)
-            if logits is not None and self.sampler is not None:
-                # The sampler runs where the logits are: on a GPU only the chosen tokens come back.
-                samples = self.sampler(logits.float(), [item for _, item in sampling])
+            samples = self._sample(picked, [item for _, item in sampling])
+            if samples is not None:
                 for (_, item), seq_samples in zip(sampling, samples):
                     if item.draft_token_ids:  # the accepted proposed tokens, then the target's own
                         result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples[-1:], accepted=seq_samples[:-1])
@@ -167,6 +165,20 @@ class ModelRunner:
             if position_logprobs is not None:
                 result.outputs.setdefault(item.seq_id, SequenceStepOutput()).prompt_logprobs = position_logprobs
         return result if self.sampler is not None else None
+
+    def _sample(self, picked: torch.Tensor, items: list[ScheduledSequence]) -> list[list[SampledToken]] | None:
+        """Each item's tokens from its rows of `picked` (hidden states); None on a rank that does
+        not sample. A batch of plain greedy rows takes its tokens from the head's product where
+        the head computes them with it (the logits are not read back); else the logits, then the
+        sampler, which runs where the logits are (on a GPU only the chosen tokens come back)."""
+        if self.sampler is not None and len(items) == picked.shape[0] and self.sampler.plain_greedy(items):
+            greedy = self.model.greedy_tokens(picked)
+            if greedy is not None:
+                return [[SampledToken(token_id, logprob)] for token_id, logprob in zip(*greedy)]
+        logits = self.model.compute_logits(picked)
+        if logits is None or self.sampler is None:
+            return None
+        return self.sampler(logits.float(), items)
 
     @staticmethod
     def _pool(hidden: torch.Tensor, starts: list[int], items: list[tuple[int, ScheduledSequence]],

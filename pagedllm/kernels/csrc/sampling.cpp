@@ -10,6 +10,7 @@
 // Masked tokens (x = -inf) have probability exactly zero and are never drawn.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "simd.h"
 #define SAMPLING_AVX2 1
 #endif
+#include "gguf_matmul.h"
 #include "sampling_rows.h"
 
 namespace {
@@ -101,6 +103,45 @@ int64_t draw(const float* x, int64_t n, float max, float inv_t, float target) {
   return last_positive;
 }
 
+// A part's maximum and its sum of weights exp(x - max) (the normaliser's pass over one part).
+inline void reduce_part(const float* part, int64_t n, float* max_out, float* sum_out) {
+  const float max = row_max(part, n);
+  *max_out = max;
+  *sum_out = max == -INFINITY || max != max ? 0.0f : exp_sum(part, n, max, 1.0f);
+}
+
+// One row's normaliser from its parts' maxima and sums, combined in part order (exactly the sum
+// with one part); with argmax, its greedy token (torch.argmax's answer: the first maximum, looked
+// up in the first part holding it; the first NaN; 0 where every token is masked), and with
+// chosen_logprob that token's log-probability row[argmax] - normaliser.
+void finish_row(const float* row, int64_t cols, const float* maxes, const float* sums, int64_t parts, float* out,
+                int64_t* argmax, float* chosen_logprob) {
+  float max = -INFINITY;
+  bool nan = false;
+  for (int64_t p = 0; p < parts; ++p) {
+    nan = nan || maxes[p] != maxes[p];
+    max = maxes[p] > max ? maxes[p] : max;
+  }
+  float total = 0.0f;
+  int64_t winner = -1;  // the first part holding the maximum
+  for (int64_t p = 0; p < parts && !nan; ++p) {
+    if (maxes[p] == -INFINITY) continue;
+    total += sums[p] * std::exp(maxes[p] - max);
+    if (winner < 0 && maxes[p] == max) winner = p;
+  }
+  *out = nan ? NAN : max == -INFINITY ? -INFINITY : max + std::log(total);
+  if (argmax == nullptr) return;
+  if (nan) {
+    *argmax = first_nan(row, cols);
+  } else if (winner < 0) {
+    *argmax = 0;  // (every token masked: all equal)
+  } else {
+    const int64_t lo = winner * kPartColumns, hi = lo + kPartColumns < cols ? lo + kPartColumns : cols;
+    *argmax = lo + first_index_of(row + lo, hi - lo, max);
+  }
+  if (chosen_logprob != nullptr) *chosen_logprob = row[*argmax] - *out;
+}
+
 }  // namespace
 
 extern "C" {
@@ -125,40 +166,59 @@ void logsumexp_rows_f32(float* out, int64_t* argmax, float* chosen_logprob, cons
 #pragma omp parallel for schedule(static) num_threads(items < num_threads ? static_cast<int>(items) : num_threads)
   for (int64_t i = 0; i < items; ++i) {
     const int64_t lo = i % parts * kPartColumns, hi = lo + kPartColumns < cols ? lo + kPartColumns : cols;
-    const float* part = x + i / parts * row_stride + lo;
-    const float max = row_max(part, hi - lo);
-    part_max[i] = max;
-    part_sum[i] = max == -INFINITY || max != max ? 0.0f : exp_sum(part, hi - lo, max, 1.0f);
+    reduce_part(x + i / parts * row_stride + lo, hi - lo, &part_max[i], &part_sum[i]);
   }
 #pragma omp parallel for schedule(static) num_threads(rows < num_threads ? rows : num_threads)
-  for (int r = 0; r < rows; ++r) {
-    const float* maxes = part_max.data() + r * parts;
-    float max = -INFINITY;
-    bool nan = false;
-    for (int64_t p = 0; p < parts; ++p) {
-      nan = nan || maxes[p] != maxes[p];
-      max = maxes[p] > max ? maxes[p] : max;
-    }
-    float total = 0.0f;
-    int64_t winner = -1;  // the first part holding the maximum
-    for (int64_t p = 0; p < parts && !nan; ++p) {
-      if (maxes[p] == -INFINITY) continue;
-      total += part_sum[r * parts + p] * std::exp(maxes[p] - max);  // (exactly the sum with one part)
-      if (winner < 0 && maxes[p] == max) winner = p;
-    }
-    out[r] = nan ? NAN : max == -INFINITY ? -INFINITY : max + std::log(total);
-    if (argmax == nullptr) continue;
-    const float* row = x + r * row_stride;
-    if (nan) {
-      argmax[r] = first_nan(row, cols);
-    } else if (winner < 0) {
-      argmax[r] = 0;  // (every token masked: all equal)
-    } else {
-      const int64_t lo = winner * kPartColumns, hi = lo + kPartColumns < cols ? lo + kPartColumns : cols;
-      argmax[r] = lo + first_index_of(row + lo, hi - lo, max);
-    }
-    if (chosen_logprob != nullptr) chosen_logprob[r] = row[argmax[r]] - out[r];
+  for (int r = 0; r < rows; ++r)
+    finish_row(x + r * row_stride, cols, part_max.data() + r * parts, part_sum.data() + r * parts, parts, out + r,
+               argmax != nullptr ? argmax + r : nullptr, chosen_logprob != nullptr ? chosen_logprob + r : nullptr);
+}
+
+// y [rows, out_features] = x W^T as gguf_matmul computes it (W: GGUF blocks of type qtype_id,
+// row_bytes a row; each column's dot product is the same whatever columns share a call), with
+// logsumexp_rows_f32's results for every row of y (out, argmax, chosen_logprob: bitwise), each
+// part of the rows reduced right after the product wrote it, while it is in cache, instead of in
+// a second pass that reads the logits back from memory (a decode step's greedy token from the LM
+// head). The columns are shared among the threads in pieces taken in turn: whole parts, then the
+// last num_threads parts in pieces of kPieceColumns, so the threads finish together; the thread
+// that completes a part reduces it.
+void gguf_matmul_greedy(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t row_bytes, int rows,
+                        int64_t out_features, int64_t in_features, int num_threads, int use_int8, float* out,
+                        int64_t* argmax, float* chosen_logprob) {
+  if (rows <= 0 || out_features <= 0) return;
+  constexpr int64_t kPieceColumns = 1024;
+  const int64_t parts = (out_features + kPartColumns - 1) / kPartColumns;
+  std::vector<int64_t> pieces;  // each piece's first column (a piece ends where the next begins, or at its part's end)
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t lo = p * kPartColumns, hi = std::min(lo + kPartColumns, out_features);
+    for (int64_t c = lo; c < hi; c += p < parts - num_threads ? kPartColumns : kPieceColumns) pieces.push_back(c);
   }
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  std::vector<std::atomic<int64_t>> remaining(parts);  // each part's columns not yet computed
+  for (int64_t p = 0; p < parts; ++p) remaining[p] = std::min(kPartColumns, out_features - p * kPartColumns);
+  std::vector<float> part_max(rows * parts), part_sum(rows * parts);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_pieces < num_threads ? static_cast<int>(num_pieces) : num_threads)
+  for (int64_t i = 0; i < num_pieces; ++i) {
+    const int64_t lo = pieces[i], p = lo / kPartColumns;
+    const int64_t part_end = std::min((p + 1) * kPartColumns, out_features);
+    const int64_t hi = i + 1 < num_pieces && pieces[i + 1] < part_end ? pieces[i + 1] : part_end, width = hi - lo;
+    if (rows == 1) {
+      gguf_matmul(qtype_id, y + lo, x, packed + lo * row_bytes, 1, width, in_features, 1, use_int8);
+    } else {  // the piece's [rows, width] product, then into y's rows
+      static thread_local std::vector<float> piece;
+      piece.resize(static_cast<size_t>(rows) * width);
+      gguf_matmul(qtype_id, piece.data(), x, packed + lo * row_bytes, rows, width, in_features, 1, use_int8);
+      for (int r = 0; r < rows; ++r)
+        std::copy(piece.data() + r * width, piece.data() + (r + 1) * width, y + r * out_features + lo);
+    }
+    if (remaining[p].fetch_sub(width) != width) continue;  // (another piece of the part is still to come)
+    const int64_t part_lo = p * kPartColumns;
+    for (int r = 0; r < rows; ++r)
+      reduce_part(y + r * out_features + part_lo, part_end - part_lo, &part_max[r * parts + p], &part_sum[r * parts + p]);
+  }
+  for (int r = 0; r < rows; ++r)
+    finish_row(y + r * out_features, out_features, part_max.data() + r * parts, part_sum.data() + r * parts, parts,
+               out + r, argmax + r, chosen_logprob != nullptr ? chosen_logprob + r : nullptr);
 }
 
 // tokens[r]: the draw from softmax(x[r] * inv_temperature[r]) at uniform[r] in [0, 1). As the

@@ -32,6 +32,8 @@ EVERY_SIZE = 2**31 - 1
 class GGUFLinear(LinearMethod):
     """GGUF blocks as the kernels read them; parts stacked by output rows."""
 
+    computes_greedy = True
+
     parts: list[gguf_kernels.PackedWeight]
     int8_rows: int = 0  # products of up to this many rows on int8 activations (use_int8_activations)
 
@@ -57,6 +59,12 @@ class GGUFLinear(LinearMethod):
         ys = [gguf_kernels.matmul(x, p, int8=int8) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y + bias if bias is not None else y
+
+    def greedy(self, layer, x):
+        if len(self.parts) != 1 or self.out_features != layer.vocab_size or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        _, token_ids, logprobs = gguf_kernels.matmul_greedy(x, self.parts[0], int8=x.shape[0] <= self.int8_rows)
+        return token_ids, logprobs
 
     def embed(self, layer, ids):
         (table,) = self.parts
