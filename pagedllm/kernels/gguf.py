@@ -160,7 +160,8 @@ def dequantize_rows(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.
     `gguf.quants.dequantize` gives them (an embedding lookup from a quantized token table)."""
     if rows is None:
         rows = torch.arange(w.out_features)
-    rows = rows.reshape(-1).to(torch.int64).contiguous()
+    if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():  # (a step's input ids are)
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(rows.numel(), w.in_features, dtype=torch.float32)
     if rows.numel() and _lib().gguf_dequantize_rows(TYPE_IDS[w.qtype], out.data_ptr(), w.data.data_ptr(), rows.data_ptr(),
                                                     rows.numel(), w.out_features, w.in_features, torch.get_num_threads()):

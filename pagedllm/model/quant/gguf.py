@@ -68,8 +68,8 @@ class GGUFLinear(LinearMethod):
 
     def embed(self, layer, ids):
         (table,) = self.parts
-        flat = ids.reshape(-1)
-        return gguf_kernels.dequantize_rows(table, flat.long()).view(*ids.shape, self.in_features)
+        rows = gguf_kernels.dequantize_rows(table, ids)
+        return rows if ids.dim() == 1 else rows.view(*ids.shape, self.in_features)
 
     def to_float(self, layer):
         return torch.cat([gguf_kernels.dequantize_rows(p) for p in self.parts])
