@@ -338,14 +338,15 @@ def test_the_heads_greedy_tokens_are_the_product_then_greedy_rows_bitwise(qtype,
     """matmul_greedy (an LM head's product with each row's greedy token and log-probability,
     every part reduced as the product wrote it): the product bitwise matmul's, the tokens and
     log-probabilities bitwise ops.greedy_rows' of it, at any thread count, for a vocabulary of
-    whole parts, one with a short last part and one below a part, one row and several."""
+    whole parts, one with a short last part and one below a part, one row and batches that take
+    the tiled and (where the CPU has it) AMX ways."""
     from pagedllm.kernels import ops
 
     previous = torch.get_num_threads()
     try:
         for out_features in (2 * 8192, 3 * 8192 + 1000, 3000):
             w = kernels.random_weight(qtype, out_features, 256, torch.Generator().manual_seed(out_features))
-            for rows in (1, 3):
+            for rows in (1, 3, 20):
                 x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
                 for threads in (1, 2, 3):
                     torch.set_num_threads(threads)

@@ -5,6 +5,8 @@
 //   sample_rows: the token whose interval of the cumulative distribution softmax(x / T) holds
 //                u * total, for a uniform u drawn by the caller (rows cut into parts, as the
 //                normaliser's)
+//   gguf_matmul_greedy: an LM head's GGUF product with logsumexp_rows' greedy results, each
+//                part reduced as the product writes it
 // Each replaces a chain of torch operators (divide, softmax, cumsum, search) that each stream
 // the whole [rows, vocab] tensor through memory; here a row is read three times from cache.
 // Masked tokens (x = -inf) have probability exactly zero and are never drawn.
@@ -149,8 +151,8 @@ extern "C" {
 // x: [rows, row_stride] float32; out: [rows]; argmax: [rows] or null (not wanted), torch.argmax's
 // answer on every row (the first maximum; the first NaN of a row holding one; 0 where every token
 // is masked); chosen_logprob: [rows] or null, x[argmax] - out (the greedy token's log-probability,
-// as the sampler reports it; needs argmax). Each row is
-// cut into parts of kPartColumns columns (one part below that), each part's maximum and sum of
+// as the sampler reports it; needs argmax). Each row is cut into parts of kPartColumns columns
+// (one part below that), each part's maximum and sum of
 // weights found, and the parts combined in order: the same sums in the same order whatever the
 // number of rows and threads, so a row's result does not depend on its batch (batch-invariant
 // mode relies on it). The parts of all rows are shared among the threads: a decode step of one
