@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from pagedllm.cli import build_parser
+from pagedllm.engine.engine_core import EngineCore
 from tests.server.common import SERVE_FLAGS, start_server_thread
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -28,13 +29,29 @@ FLAGS = ["--max-model-len", "1024", "--block-size", "16", "--num-gpu-blocks", "1
 
 
 
+# The tiny model decodes a step in about a millisecond: both requests would end within one or two
+# of the page's half-second updates, and the page could miss one of them. Each step of this
+# module's engine is made to last at least this long, so both run together for several updates.
+STEP_FLOOR_S = 0.01
+
+
 @pytest.fixture(scope="module")
 def server_url(tiny_llama):
-    args = build_parser().parse_args(["serve", str(tiny_llama), "--port", "0", *SERVE_FLAGS, *FLAGS])
-    server, thread, url = start_server_thread(args)
-    yield url
-    server.should_exit = True
-    thread.join(30)
+    step = EngineCore.step
+
+    def paced_step(self, *args, **kwargs):
+        start = time.monotonic()
+        result = step(self, *args, **kwargs)
+        time.sleep(max(0.0, STEP_FLOOR_S - (time.monotonic() - start)))
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EngineCore, "step", paced_step)
+        args = build_parser().parse_args(["serve", str(tiny_llama), "--port", "0", *SERVE_FLAGS, *FLAGS])
+        server, thread, url = start_server_thread(args)
+        yield url
+        server.should_exit = True
+        thread.join(30)
 
 
 @pytest.fixture(scope="module")
