@@ -16,47 +16,63 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// exp of 8 floats (Cephes' single-precision polynomial, relative error ~1e-7): x = n ln2 + r,
-// exp(x) = 2^n exp(r). Inputs below -87 (exp underflows) give ~1e-38, not 0.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 poly = _mm256_set1_ps(1.9875691500e-4f);
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.3981999507e-3f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(8.3334519073e-3f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(4.1665795894e-2f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.6666665459e-1f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(5.0000001201e-1f));
-  poly = _mm256_fmadd_ps(poly, _mm256_mul_ps(r, r), r);
-  poly = _mm256_add_ps(poly, _mm256_set1_ps(1.0f));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(poly, _mm256_castsi256_ps(pow2n));
+// The vector operations of `exp_lanes`, 8 lanes wide (AVX2) and 16 (AVX-512).
+struct Lanes8 {
+  using F = __m256;
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F round(F v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // 2^n for whole n held as floats
+  static F pow2(F n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+};
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using F = __m512;
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F round(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2(F n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+};
+#endif
+
+// exp of each lane (Cephes' single-precision polynomial, relative error ~1e-7): x = n ln2 + r,
+// exp(x) = 2^n exp(r). Inputs below -87 (exp underflows) give ~1e-38, not 0. One body for every
+// width: each lane's result is the same at 8 lanes and at 16, so a row's sums over 16 lanes are
+// bitwise those of two 8-lane accumulators.
+template <class L>
+inline typename L::F exp_lanes(typename L::F x) {
+  x = L::max(L::min(x, L::set1(88.0f)), L::set1(-87.0f));
+  const typename L::F n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
+  typename L::F r = L::fnmadd(n, L::set1(0.693359375f), x);
+  r = L::fnmadd(n, L::set1(-2.12194440e-4f), r);
+  typename L::F poly = L::set1(1.9875691500e-4f);
+  poly = L::fmadd(poly, r, L::set1(1.3981999507e-3f));
+  poly = L::fmadd(poly, r, L::set1(8.3334519073e-3f));
+  poly = L::fmadd(poly, r, L::set1(4.1665795894e-2f));
+  poly = L::fmadd(poly, r, L::set1(1.6666665459e-1f));
+  poly = L::fmadd(poly, r, L::set1(5.0000001201e-1f));
+  poly = L::fmadd(poly, L::mul(r, r), r);
+  poly = L::add(poly, L::set1(1.0f));
+  return L::mul(poly, L::pow2(n));
 }
 
+inline __m256 exp8(__m256 x) { return exp_lanes<Lanes8>(x); }
 #if defined(__AVX512F__)
-// exp8's polynomial on 16 floats, the same operations lane for lane (each lane's result is
-// exp8's): a row's sums over 16 lanes are those of two 8-lane accumulators, at twice the rate
-// on cores with full-width AVX-512.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
-  poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), r);
-  poly = _mm512_add_ps(poly, _mm512_set1_ps(1.0f));
-  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(poly, _mm512_castsi512_ps(pow2n));
-}
+inline __m512 exp16(__m512 x) { return exp_lanes<Lanes16>(x); }
 #endif
 
 // Eight bfloat16 values (uint16_t) as floats.
