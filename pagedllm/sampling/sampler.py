@@ -128,7 +128,7 @@ class Sampler:
         chosen_ids = host[0].long().tolist()
         chosen_logprobs = host[1].tolist()
         asked = [r for r, item in enumerate(expanded) if r not in beam_candidates and item.sampling_params.logprobs is not None]
-        tops = self._top_logprobs(raw, log_norm, chosen, chosen_ids, asked, expanded)
+        tops = self._top_logprobs(raw, log_norm, chosen, chosen_ids, chosen_logprobs, asked, expanded)
         for r, item in enumerate(expanded):
             if r in beam_candidates:
                 results[row_of[r]] = beam_candidates[r]
@@ -157,7 +157,11 @@ class Sampler:
         """A batch of plain greedy rows (`_plain_greedy`): each row's argmax and its raw
         log-probability from the one pass that finds both, and nothing else (what the general
         path computes for them, without its bookkeeping: a tenth of a millisecond a step)."""
-        token_ids, logprobs = fused_ops.greedy_rows(logits)
+        return Sampler.greedy_samples(*fused_ops.greedy_rows(logits))
+
+    @staticmethod
+    def greedy_samples(token_ids: list[int], logprobs: list[float]) -> list[list[SampledToken]]:
+        """Each row's one greedy token with its log-probability, as the sampler returns them."""
         return [[SampledToken(token_id, logprob)] for token_id, logprob in zip(token_ids, logprobs)]
 
     def _choose(
@@ -201,7 +205,8 @@ class Sampler:
 
     @staticmethod
     def _top_logprobs(raw: torch.Tensor, log_norm: torch.Tensor, chosen: torch.Tensor, chosen_ids: list[int],
-                      rows: list[int], items: list[ScheduledSequence]) -> dict[int, TopLogprobs]:
+                      chosen_logprobs: list[float], rows: list[int],
+                      items: list[ScheduledSequence]) -> dict[int, TopLogprobs]:
         """The `logprobs` each row in `rows` asks for (`top_logprobs`); on a CPU, every row's in
         one pass of the row (the top k by a heap, the chosen token's rank by a count)."""
         if not rows:
@@ -217,9 +222,8 @@ class Sampler:
             wanted = items[r].sampling_params.logprobs
             top: TopLogprobs = {t: (v, rank) for rank, (t, v) in enumerate(zip(ids[i][:wanted], values[i][:wanted]), start=1)
                                 if t >= 0}
-            mine = chosen_ids[r]
-            if mine not in top:
-                top[mine] = ((raw[r, mine] - log_norm[r]).item(), ranks[i])
+            if chosen_ids[r] not in top:
+                top[chosen_ids[r]] = (chosen_logprobs[r], ranks[i])
             tops[r] = top
         return tops
 

@@ -174,7 +174,7 @@ class ModelRunner:
         if self.sampler is not None and len(items) == picked.shape[0] and self.sampler.plain_greedy(items):
             greedy = self.model.greedy_tokens(picked)
             if greedy is not None:
-                return [[SampledToken(token_id, logprob)] for token_id, logprob in zip(*greedy)]
+                return self.sampler.greedy_samples(*greedy)
         logits = self.model.compute_logits(picked)
         if logits is None or self.sampler is None:
             return None
