@@ -199,32 +199,71 @@ def test_fused_layers_address_each_kv_cache_groups_own_blocks():
     llm.llm_engine.shutdown()
 
 
-def test_greedy_tokens_from_the_heads_product_equal_the_samplers(smollm_llm, monkeypatch):
-    """A batch of plain greedy rows takes its tokens and log-probabilities from the LM head's
-    product (kernels.gguf.matmul_greedy, no logits read back): the same tokens and cumulative
-    log-probabilities (floats compared with ==) as the logits then the sampler, which a batch
-    asking for log-probabilities still takes."""
+def _counting_head(monkeypatch) -> list[tuple[int, bool]]:
+    """(rows, whether it drew any top-k row) of each call of the head's sampling product."""
     from pagedllm.kernels import gguf
 
+    calls: list[tuple[int, bool]] = []
+    original = gguf.matmul_sample
+
+    def counted(x, w, int8=False, draws=None):
+        calls.append((x.shape[0], draws is not None and bool((draws.top_k > 0).any())))
+        return original(x, w, int8, draws)
+
+    monkeypatch.setattr(gguf, "matmul_sample", counted)
+    return calls
+
+
+def _tokens_and_logprobs(outputs) -> list[tuple[list[int], float]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outputs]
+
+
+def test_greedy_tokens_from_the_heads_product_equal_the_samplers(smollm_llm, monkeypatch):
+    """A batch of plain greedy rows takes its tokens and log-probabilities from the LM head's
+    product (kernels.gguf.matmul_sample, no logits read back): the same tokens and cumulative
+    log-probabilities (floats compared with ==) as the logits then the sampler, which a batch
+    asking for log-probabilities still takes."""
     model = smollm_llm.llm_engine.executor.worker.model
     prompts = ["The capital of France is", "Water boils at", "def fibonacci(n):"]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    calls: list[int] = []
-    original = gguf.matmul_greedy
-
-    def counted(x, w, int8=False):
-        calls.append(x.shape[0])
-        return original(x, w, int8)
-
-    monkeypatch.setattr(gguf, "matmul_greedy", counted)
-    outputs = smollm_llm.generate(prompts, greedy, use_tqdm=False)
-    head = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outputs]
-    assert 3 in calls  # the three sequences' decode steps took it
+    calls = _counting_head(monkeypatch)
+    head = _tokens_and_logprobs(smollm_llm.generate(prompts, greedy, use_tqdm=False))
+    assert (3, False) in calls  # the three sequences' decode steps took it
     count = len(calls)
     with monkeypatch.context() as m:
-        m.setattr(type(model), "greedy_tokens", lambda self, hidden: None)
-        outputs = smollm_llm.generate(prompts, greedy, use_tqdm=False)
-    assert len(calls) == count  # not taken here
-    assert head == [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outputs]
+        m.setattr(type(model), "samples_in_head", lambda self, hidden: False)
+        assert head == _tokens_and_logprobs(smollm_llm.generate(prompts, greedy, use_tqdm=False))
+    assert len(calls) == count  # not taken there
     smollm_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False)
     assert len(calls) == count  # the logits are needed: the sampler's path
+
+
+def test_top_k_draws_from_the_heads_product_equal_the_samplers(smollm_llm, monkeypatch):
+    """A batch of greedy and top-k rows (seeded or not, with top-p, min-p and temperatures)
+    takes its draws from the LM head's product: the same tokens and cumulative log-probabilities
+    as the logits then the sampler, from the same random numbers (the sampler's generator reset
+    before each run: the head's path draws as many, in the same order). A random row without
+    top-k needs the whole distribution: its batch takes the sampler's path."""
+    runner = smollm_llm.llm_engine.executor.worker.runner
+    model = runner.model
+    prompts = ["The capital of France is", "Water boils at", "def fibonacci(n):", "Once upon a time"]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=40, seed=1, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.3, top_k=5, top_p=0.9, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, min_p=0.05, seed=7, max_tokens=16, ignore_eos=True)]
+    calls = _counting_head(monkeypatch)
+
+    def run(sampling):
+        runner.sampler._global.manual_seed(1234)
+        return _tokens_and_logprobs(smollm_llm.generate(prompts, sampling, use_tqdm=False))
+
+    head = run(params)
+    assert (4, True) in calls  # the four sequences' decode steps drew in the head
+    count = len(calls)
+    with monkeypatch.context() as m:
+        m.setattr(type(model), "samples_in_head", lambda self, hidden: False)
+        assert head == run(params)
+    assert len(calls) == count
+    assert len({tuple(ids) for ids, _ in head[1:]}) == 3  # (draws, not one token over and over)
+    run([*params[:3], SamplingParams(temperature=1.0, seed=3, max_tokens=4)])  # no top-k on the last
+    assert calls[count:] and all(rows < 4 for rows, _ in calls[count:])  # (the three left, once it ended)

@@ -335,11 +335,11 @@ def test_rows_alone_is_the_same_int8_product(qtype, isa):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K", "Q4_0"])
 @pytest.mark.parametrize("int8", [False, True])
 def test_the_heads_greedy_tokens_are_the_product_then_greedy_rows_bitwise(qtype, int8):
-    """matmul_greedy (an LM head's product with each row's greedy token and log-probability,
-    every part reduced as the product wrote it): the product bitwise matmul's, the tokens and
-    log-probabilities bitwise ops.greedy_rows' of it, at any thread count, for a vocabulary of
-    whole parts, one with a short last part and one below a part, one row and batches that take
-    the tiled and (where the CPU has it) AMX ways."""
+    """matmul_sample without draws (an LM head's product with each row's greedy token and
+    log-probability, every part reduced as the product wrote it): the product bitwise matmul's,
+    the tokens and log-probabilities bitwise ops.greedy_rows' of it, at any thread count, for a
+    vocabulary of whole parts, one with a short last part and one below a part, one row and
+    batches that take the tiled and (where the CPU has it) AMX ways."""
     from pagedllm.kernels import ops
 
     previous = torch.get_num_threads()
@@ -350,10 +350,82 @@ def test_the_heads_greedy_tokens_are_the_product_then_greedy_rows_bitwise(qtype,
                 x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
                 for threads in (1, 2, 3):
                     torch.set_num_threads(threads)
-                    y, token_ids, logprobs = kernels.matmul_greedy(x, w, int8=int8)
+                    y, token_ids, logprobs = kernels.matmul_sample(x, w, int8=int8)
                     product = kernels.matmul(x, w, int8=int8)
                     assert torch.equal(y, product), (out_features, rows, threads)
                     assert (token_ids, logprobs) == ops.greedy_rows(product), (out_features, rows, threads)
                     assert token_ids == product.argmax(dim=-1).tolist()
     finally:
         torch.set_num_threads(previous)
+
+
+def _draws(rows: int, vocab: int, seed: int) -> kernels.Draws:
+    """Mixed rows: greedy ones (top_k 0) and top-k draws of every kind: k of 1, a few, more than a
+    part holds and just below the vocabulary, with and without top-p and min-p, hot and cold."""
+    g = torch.Generator().manual_seed(seed)
+    ks = [0, 1, 5, 40, 9000, vocab - 1]
+    top_k = torch.tensor([ks[r % len(ks)] if ks[r % len(ks)] < vocab else 7 for r in range(rows)], dtype=torch.int64)
+    temperature = torch.tensor([(0.6, 1.0, 1.4)[r % 3] for r in range(rows)], dtype=torch.float32)
+    top_p = torch.tensor([(1.0, 0.9, 0.5, 1.0)[r % 4] for r in range(rows)], dtype=torch.float32)
+    min_p = torch.tensor([(0.0, 0.0, 0.05)[r % 3] for r in range(rows)], dtype=torch.float32)
+    return kernels.Draws(temperature, top_k, top_p, min_p, torch.rand(rows, generator=g))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_heads_top_k_draws_are_the_product_then_the_filtered_sampler(qtype, int8):
+    """matmul_sample with draws: each top-k row's token is the one ops.sample_filtered_rows draws
+    from the product (its temperature, k, top-p, min-p and uniform number), its log-probability
+    the product's logit minus ops.logsumexp_rows', bitwise; greedy rows beside them stay
+    greedy_rows'. The parts keep candidates of their own: k above a part's width, a row of x = 0
+    (every logit tied: top-k keeps the ties, so every token) and several thread counts are in."""
+    from pagedllm.kernels import ops
+
+    previous = torch.get_num_threads()
+    try:
+        for out_features in (3 * 8192 + 1000, 3000):
+            w = kernels.random_weight(qtype, out_features, 256, torch.Generator().manual_seed(out_features))
+            for rows in (1, 7, 13):
+                x = 3 * torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+                if rows > 1:
+                    x[rows // 2] = 0.0
+                draws = _draws(rows, out_features, seed=rows)
+                if rows == 1:
+                    draws = draws._replace(top_k=torch.tensor([40]))
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    y, token_ids, logprobs = kernels.matmul_sample(x, w, int8, draws)
+                    product = kernels.matmul(x, w, int8=int8)
+                    assert torch.equal(y, product)
+                    greedy_ids, greedy_logprobs = ops.greedy_rows(product)
+                    drawn = ops.sample_filtered_rows(product, draws.temperature, draws.top_k.tolist(), draws.top_p.tolist(),
+                                                     draws.min_p.tolist(), draws.uniform).tolist()
+                    log_norm = ops.logsumexp_rows(product).squeeze(1)
+                    for r in range(rows):
+                        if draws.top_k[r] == 0:
+                            assert (token_ids[r], logprobs[r]) == (greedy_ids[r], greedy_logprobs[r])
+                        else:
+                            assert token_ids[r] == drawn[r], (out_features, rows, r, threads)
+                            assert logprobs[r] == (product[r, drawn[r]] - log_norm[r]).item()
+        # Draws the head cannot make are refused, naming what is wrong.
+        with pytest.raises(ValueError, match="top_k in"):
+            kernels.matmul_sample(x, w, int8, draws._replace(top_k=torch.full((rows,), out_features)))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_heads_top_k_draws_follow_the_uniform_number():
+    """A top-k draw is the inverse of the kept tokens' distribution at u: over many u, the
+    tokens drawn are the k most likely ones only, and every one of them is drawn (k = 4 of a
+    random head's logits)."""
+    w = kernels.random_weight("Q8_0", 3000, 256, torch.Generator().manual_seed(5))
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(6))
+    product = kernels.matmul(x, w)
+    top4 = set(product[0].topk(4).indices.tolist())
+    seen = set()
+    for u in torch.linspace(0.0, 0.999, 200).tolist():
+        draws = kernels.Draws(*(torch.tensor([v], dtype=d) for v, d in
+                                ((1.0, torch.float32), (4, torch.int64), (1.0, torch.float32), (0.0, torch.float32),
+                                 (u, torch.float32))))
+        seen.add(kernels.matmul_sample(x, w, False, draws)[1][0])
+    assert seen == top4

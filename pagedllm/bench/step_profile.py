@@ -40,7 +40,7 @@ PARTS = {
     "kv_write": "writing the step's keys and values into the paged cache",
     "attention": "paged attention over the cache",
     "mlp_activation": "SiLU(gate) * up",
-    "lm_head": "output projection to the vocabulary (rows that sample; greedy tokens with it)",
+    "lm_head": "output projection to the vocabulary (rows that sample; greedy and top-k tokens drawn with it)",
     "sampling": "logits to tokens, log-probabilities",
     "outputs": "output processing: detokenizing, stop checks, request outputs (engine)",
     "other": "the rest: Python between the parts (layer loop, views, executor, engine)",
@@ -151,7 +151,7 @@ def _hook_points(engine) -> list[tuple[object, str, str, bool]]:
         (Attention, "forward", "attention", False),
         (mlp.GatedMLP, "forward", "mlp_activation", False),
         (layers.ParallelLMHead, "forward", "lm_head", True),
-        (layers.ParallelLMHead, "greedy", "lm_head", True),  # (a greedy batch's tokens with the product)
+        (layers.ParallelLMHead, "sample", "lm_head", True),  # (a batch's tokens drawn with the product)
         (type(worker.runner.sampler), "__call__", "sampling", False),
         (fused_layers.FusedDecoderLayers, "__call__", _FUSED, True),
     ]

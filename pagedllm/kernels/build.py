@@ -162,10 +162,10 @@ def load() -> ctypes.CDLL:
                                              ctypes.c_int]
     lib.top_logprobs_rows_f32.argtypes = [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _P, _P,
                                           ctypes.c_int, ctypes.c_int]
-    lib.gguf_matmul_greedy.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
-                                       ctypes.c_int64, ctypes.c_int, ctypes.c_int, _P, _P, _P]
+    lib.gguf_matmul_sample.argtypes = [ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P]
     for name in ("logsumexp_rows_f32", "sample_rows_f32", "sample_filtered_rows_f32", "top_logprobs_rows_f32",
-                 "gguf_matmul_greedy"):
+                 "gguf_matmul_sample"):
         getattr(lib, name).restype = None
     return lib
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -138,21 +139,47 @@ def matmul(x: torch.Tensor, w: PackedWeight, int8: bool = False) -> torch.Tensor
     return y
 
 
-def matmul_greedy(x: torch.Tensor, w: PackedWeight, int8: bool = False) -> tuple[torch.Tensor, list[int], list[float]]:
-    """(matmul(x, w, int8), each row's greedy token, its log-probability): the product and what
-    `ops.greedy_rows` gives of it, bitwise, each part of the rows reduced as soon as the product
-    wrote it rather than read back from memory afterwards (an LM head's greedy decode step)."""
+class Draws(NamedTuple):
+    """Each row's draw of `matmul_sample`, all [rows]: top_k 0 for a greedy row (its other values
+    unread), else 0 < top_k < out_features with the row's temperature, top_p (1: none), min_p
+    (0: none) and uniform number in [0, 1), as `ops.sample_filtered_rows` takes them."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    uniform: torch.Tensor  # float32
+
+
+_DRAW_DTYPES = (torch.float32, torch.int64, torch.float32, torch.float32, torch.float32)
+
+
+def matmul_sample(
+    x: torch.Tensor, w: PackedWeight, int8: bool = False, draws: Draws | None = None
+) -> tuple[torch.Tensor, list[int], list[float]]:
+    """(matmul(x, w, int8), each row's token, its log-probability), the logits' parts reduced as
+    soon as the product wrote them rather than read back from memory afterwards (an LM head's
+    decode step). A greedy row (every row without `draws`) gives what `ops.greedy_rows` gives of
+    the product, bitwise; a top-k row the token `ops.sample_filtered_rows` draws from it and its
+    log-probability from `ops.logsumexp_rows`, as the sampler reports them."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be float32 [rows, {w.in_features}], got {x.dtype} {list(x.shape)}")
     x = x.contiguous()
     rows = x.shape[0]
+    if draws is not None and (
+        any(t.shape != (rows,) or not t.is_contiguous() or t.dtype != dtype for t, dtype in zip(draws, _DRAW_DTYPES))
+        or not bool(((draws.top_k >= 0) & (draws.top_k < w.out_features)).all())
+    ):
+        raise ValueError(f"draws must hold [{rows}] contiguous tensors of {[str(d) for d in _DRAW_DTYPES]}, "
+                         f"top_k in [0, {w.out_features})")
     y = torch.empty(rows, w.out_features, dtype=torch.float32)
-    log_norm, argmax, logprob = (torch.empty(rows, dtype=dtype) for dtype in (torch.float32, torch.int64, torch.float32))
+    log_norm, tokens, logprob = (torch.empty(rows, dtype=dtype) for dtype in (torch.float32, torch.int64, torch.float32))
+    filters = [t.data_ptr() for t in draws] if draws is not None else [None] * 5
     if rows:
-        _lib().gguf_matmul_greedy(TYPE_IDS[w.qtype], y.data_ptr(), x.data_ptr(), w.data.data_ptr(), w.data.shape[1], rows,
+        _lib().gguf_matmul_sample(TYPE_IDS[w.qtype], y.data_ptr(), x.data_ptr(), w.data.data_ptr(), w.data.shape[1], rows,
                                   w.out_features, w.in_features, torch.get_num_threads(), int(int8), log_norm.data_ptr(),
-                                  argmax.data_ptr(), logprob.data_ptr())
-    return y, argmax.tolist(), logprob.tolist()
+                                  tokens.data_ptr(), logprob.data_ptr(), *filters)
+    return y, tokens.tolist(), logprob.tolist()
 
 
 def dequantize_rows(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:

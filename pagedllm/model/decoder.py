@@ -88,13 +88,16 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[list[int], list[float]] | None:
-        """hidden: [n, hidden_size] -> each row's greedy token and its log-probability, where the
-        head computes them with its product (`ParallelLMHead.greedy`); None where it does not or
-        the logits are soft-capped (then `compute_logits` and the sampler)."""
-        if self.cfg.final_logit_softcapping is not None or not self.lm_head.quant_method.computes_greedy:
-            return None
-        return self.lm_head.greedy(hidden)
+    def samples_in_head(self, hidden: torch.Tensor) -> bool:
+        """Whether `head_samples` serves `hidden` [n, hidden_size]: the head draws tokens with its
+        product (`ParallelLMHead.samples_in_product`) and the logits are not soft-capped (else
+        `compute_logits` and the sampler)."""
+        return self.cfg.final_logit_softcapping is None and self.lm_head.samples_in_product(hidden)
+
+    def head_samples(self, hidden: torch.Tensor, draws) -> tuple[list[int], list[float]]:
+        """Where `samples_in_head`: each row's token (greedy, or `draws`' top-k draw:
+        `kernels.gguf.Draws`) and its log-probability, from the head's product."""
+        return self.lm_head.sample(hidden, draws)
 
     # --- the KV cache ----------------------------------------------------------------------
 

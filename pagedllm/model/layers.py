@@ -333,12 +333,16 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = embedding.weight
             self.quant_method = embedding.quant_method
 
-    def greedy(self, hidden: torch.Tensor) -> tuple[list[int], list[float]] | None:
-        """Each row's greedy token and its log-probability (what `forward` then the sampler's
-        greedy path give, bitwise) from the product itself where the weight's method computes
-        them with it (`LinearMethod.greedy`): the logits are not read back from memory. None
-        where it does not, or on several ranks."""
-        return self.quant_method.greedy(self, hidden) if self.tp.size == 1 else None
+    def samples_in_product(self, hidden: torch.Tensor) -> bool:
+        """Whether `sample` serves `hidden`: one rank, and a weight whose method draws tokens
+        with its product (`LinearMethod.samples_in_product`)."""
+        return self.tp.size == 1 and self.quant_method.computes_samples and self.quant_method.samples_in_product(self, hidden)
+
+    def sample(self, hidden: torch.Tensor, draws) -> tuple[list[int], list[float]]:
+        """Where `samples_in_product`: each row's token (greedy, or `draws`' top-k draw) and its
+        log-probability, what `forward` then the sampler give, bitwise, from the product itself
+        (`LinearMethod.sample`): the logits are not read back from memory."""
+        return self.quant_method.sample(self, hidden, draws)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         local = linear(hidden, self)

@@ -25,6 +25,7 @@ import torch
 
 from pagedllm.core.model_output import SampledToken, TopLogprobs
 from pagedllm.kernels import ops as fused_ops
+from pagedllm.kernels.gguf import Draws
 from pagedllm.core.scheduler_output import ScheduledSequence
 from pagedllm.sampling.controls import apply_token_controls
 from pagedllm.sampling.penalties import apply_min_tokens, apply_penalties
@@ -153,15 +154,46 @@ class Sampler:
         return all(map(_plain_greedy, items))
 
     @staticmethod
+    def in_head(items: list[ScheduledSequence], vocab_size: int) -> bool:
+        """Whether an LM head that draws with its product serves the batch (`draws`): every item
+        plain greedy or a plain top-k draw (`_plain_top_k`), one row each."""
+        return all(_plain_greedy(item) or _plain_top_k(item, vocab_size) for item in items)
+
+    def draws(self, items: list[ScheduledSequence]) -> Draws | None:
+        """The head's draws for a batch `in_head` serves (None: every row greedy), with the
+        uniform numbers `_choose` would draw for it: the same tokens either way."""
+        random_rows = [r for r, item in enumerate(items) if item.sampling_params.sampling_type is SamplingType.RANDOM]
+        if not random_rows:
+            return None
+        temperature, top_p, min_p, uniform = (torch.zeros(len(items), dtype=torch.float32) for _ in range(4))
+        top_k = torch.zeros(len(items), dtype=torch.int64)
+        params = [items[r].sampling_params for r in random_rows]
+        temperature[random_rows] = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        top_k[random_rows] = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        top_p[random_rows] = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        min_p[random_rows] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        uniform[random_rows] = self._uniforms([items[r] for r in random_rows], [items[r].sample_index for r in random_rows])
+        return Draws(temperature, top_k, top_p, min_p, uniform)
+
+    def _uniforms(self, items: list[ScheduledSequence], sample_index: list[int]) -> torch.Tensor:
+        """One uniform number per random row: from the sampler's generator, a seeded request's
+        from its own (request, sample) stream."""
+        uniform = torch.rand(len(items), generator=self._global)
+        for j, item in enumerate(items):
+            if item.sampling_params.seed is not None:
+                uniform[j] = torch.rand(1, generator=self._generator(item, sample_index[j]))
+        return uniform
+
+    @staticmethod
     def _greedy(logits: torch.Tensor) -> list[list[SampledToken]]:
         """A batch of plain greedy rows (`_plain_greedy`): each row's argmax and its raw
         log-probability from the one pass that finds both, and nothing else (what the general
         path computes for them, without its bookkeeping: a tenth of a millisecond a step)."""
-        return Sampler.greedy_samples(*fused_ops.greedy_rows(logits))
+        return Sampler.token_samples(*fused_ops.greedy_rows(logits))
 
     @staticmethod
-    def greedy_samples(token_ids: list[int], logprobs: list[float]) -> list[list[SampledToken]]:
-        """Each row's one greedy token with its log-probability, as the sampler returns them."""
+    def token_samples(token_ids: list[int], logprobs: list[float]) -> list[list[SampledToken]]:
+        """Each row's one token with its log-probability, as the sampler returns them."""
         return [[SampledToken(token_id, logprob)] for token_id, logprob in zip(token_ids, logprobs)]
 
     def _choose(
@@ -182,11 +214,7 @@ class Sampler:
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
         top_k, top_p, min_p = [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params]
         filtered = filters_apply(top_k, top_p, min_p)
-        uniform = torch.rand(len(random_rows), generator=self._global)
-        for j, p in enumerate(params):
-            if p.seed is not None:
-                gen = self._generator(items[random_rows[j]], sample_index[random_rows[j]])
-                uniform[j] = torch.rand(1, generator=gen)
+        uniform = self._uniforms([items[r] for r in random_rows], [sample_index[r] for r in random_rows])
         uniform = uniform.to(logits.device)
         if fused_ops.applies(rows):
             drawn = self._draw_on_cpu(rows, temperature, top_k, top_p, min_p, uniform) if filtered \
@@ -386,8 +414,22 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
 def _plain_greedy(item: ScheduledSequence) -> bool:
     """A row the greedy fast path serves: one greedy token from its own logits row, with no
     log-probabilities to list, no token control, no min_tokens suppression and no penalty."""
+    return item.sampling_params.sampling_type is SamplingType.GREEDY and _plain_row(item)
+
+
+def _plain_top_k(item: ScheduledSequence, vocab_size: int) -> bool:
+    """A row whose draw an LM head can make with its product: a random draw under a top-k
+    filter (0 < k < vocab_size; top-p and min-p then act on the k kept), the raw logits'
+    otherwise, as `_plain_greedy`'s."""
     params = item.sampling_params
-    return (params.sampling_type is SamplingType.GREEDY and item.num_samples == 1 and not item.draft_token_ids
+    return params.sampling_type is SamplingType.RANDOM and 0 < params.top_k < vocab_size and _plain_row(item)
+
+
+def _plain_row(item: ScheduledSequence) -> bool:
+    """One token from the item's own logits row, as they are: no log-probabilities to list, no
+    token control, no min_tokens suppression, no penalty."""
+    params = item.sampling_params
+    return (item.num_samples == 1 and not item.draft_token_ids
             and params.logprobs is None and item.token_bitmask is None and not params.logit_bias
             and not params.needs_penalties
             and not (item.num_output_tokens < params.min_tokens and params.all_stop_token_ids))

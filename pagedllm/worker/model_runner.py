@@ -168,13 +168,14 @@ class ModelRunner:
 
     def _sample(self, picked: torch.Tensor, items: list[ScheduledSequence]) -> list[list[SampledToken]] | None:
         """Each item's tokens from its rows of `picked` (hidden states); None on a rank that does
-        not sample. A batch of plain greedy rows takes its tokens from the head's product where
-        the head computes them with it (the logits are not read back); else the logits, then the
-        sampler, which runs where the logits are (on a GPU only the chosen tokens come back)."""
-        if self.sampler is not None and len(items) == picked.shape[0] and self.sampler.plain_greedy(items):
-            greedy = self.model.greedy_tokens(picked)
-            if greedy is not None:
-                return self.sampler.greedy_samples(*greedy)
+        not sample. A batch of plain greedy and top-k rows takes its tokens from the head's
+        product where the head draws them with it (`Sampler.in_head`: the logits are not read
+        back); else the logits, then the sampler, which runs where the logits are (on a GPU only
+        the chosen tokens come back)."""
+        sampler = self.sampler
+        if (sampler is not None and len(items) == picked.shape[0] and self.model.samples_in_head(picked)
+                and sampler.in_head(items, self.model.cfg.vocab_size)):
+            return sampler.token_samples(*self.model.head_samples(picked, sampler.draws(items)))
         logits = self.model.compute_logits(picked)
         if logits is None or self.sampler is None:
             return None

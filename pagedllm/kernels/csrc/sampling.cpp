@@ -5,8 +5,8 @@
 //   sample_rows: the token whose interval of the cumulative distribution softmax(x / T) holds
 //                u * total, for a uniform u drawn by the caller (rows cut into parts, as the
 //                normaliser's)
-//   gguf_matmul_greedy: an LM head's GGUF product with logsumexp_rows' greedy results, each
-//                part reduced as the product writes it
+//   gguf_matmul_sample: an LM head's GGUF product with each row's greedy token (logsumexp_rows')
+//                or top-k draw (sample_filtered_rows'), each part reduced as the product writes it
 // Each replaces a chain of torch operators (divide, softmax, cumsum, search) that each stream
 // the whole [rows, vocab] tensor through memory; here a row is read three times from cache.
 // Masked tokens (x = -inf) have probability exactly zero and are never drawn.
@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include <omp.h>
@@ -28,9 +29,12 @@
 namespace {
 
 using pagedllm_sampling::before;
+using pagedllm_sampling::cut_top_p;
+using pagedllm_sampling::draw_kept;
 using pagedllm_sampling::kth_largest_z;
 using pagedllm_sampling::row_max;
 using pagedllm_sampling::Token;
+using pagedllm_sampling::tokens_from;
 
 #ifdef SAMPLING_AVX2
 using namespace pagedllm_simd;
@@ -144,6 +148,37 @@ void finish_row(const float* row, int64_t cols, const float* maxes, const float*
   if (chosen_logprob != nullptr) *chosen_logprob = row[*argmax] - *out;
 }
 
+// Keeps the tokens of `kept` whose z is at least its k-th largest, counting repeats (every one
+// where it holds fewer than k); the order of those kept is unchanged.
+void keep_k_largest(std::vector<Token>& kept, int64_t k, std::vector<float>& zs) {
+  if (static_cast<int64_t>(kept.size()) <= k) return;
+  zs.clear();
+  for (const Token& c : kept) zs.push_back(c.z);
+  std::nth_element(zs.begin(), zs.begin() + (k - 1), zs.end(), std::greater<float>());
+  const float kth = zs[k - 1];
+  kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const Token& c) { return c.z < kth; }), kept.end());
+}
+
+// A part's candidates for its row's top k: its tokens with z at or above its own k-th largest
+// (ties kept), in vocabulary order. A part's k-th largest z is never above its row's, so it is a
+// lower bound of the row's, which `bound` keeps (the highest seen, shared by the threads): tokens
+// below it are not looked at again, and only the row's first parts take a heap's pass. The union
+// of the parts' candidates holds every token of the row's top k with its ties.
+void part_candidates(const float* part, int64_t n, float inv_t, int64_t k, std::atomic<float>& bound,
+                     std::vector<Token>& kept) {
+  static thread_local std::vector<Token> heap;
+  static thread_local std::vector<float> zs;
+  float floor = bound.load(std::memory_order_relaxed);
+  if (floor == -INFINITY) floor = kth_largest_z(part, n, inv_t, k, heap);  // (-inf: a part shorter than k)
+  tokens_from(part, n, inv_t, floor, kept);  // (never a -inf z)
+  keep_k_largest(kept, k, zs);
+  if (static_cast<int64_t>(kept.size()) < k) return;  // (its k-th largest lies below the bound: nothing learnt)
+  floor = std::min_element(kept.begin(), kept.end(), [](const Token& a, const Token& b) { return a.z < b.z; })->z;
+  float seen = bound.load(std::memory_order_relaxed);
+  while (floor > seen && !bound.compare_exchange_weak(seen, floor, std::memory_order_relaxed)) {
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -177,16 +212,22 @@ void logsumexp_rows_f32(float* out, int64_t* argmax, float* chosen_logprob, cons
 }
 
 // y [rows, out_features] = x W^T as gguf_matmul computes it (W: GGUF blocks of type qtype_id,
-// row_bytes a row; each column's dot product is the same whatever columns share a call), with
-// logsumexp_rows_f32's results for every row of y (out, argmax, chosen_logprob: bitwise), each
-// part of the rows reduced right after the product wrote it, while it is in cache, instead of in
-// a second pass that reads the logits back from memory (a decode step's greedy token from the LM
-// head). The columns are shared among the threads in pieces taken in turn: whole parts, then the
-// last num_threads parts in pieces of kPieceColumns, so the threads finish together; the thread
-// that completes a part reduces it.
-void gguf_matmul_greedy(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t row_bytes, int rows,
+// row_bytes a row; each column's dot product is the same whatever columns share a call), and each
+// row's token from it, each part of the rows reduced right after the product wrote it, while it is
+// in cache, instead of in passes that read the logits back from memory (an LM head's decode step).
+// out[r]: the row's normaliser, bitwise logsumexp_rows_f32's. tokens[r], chosen_logprob[r]: with
+// temperature null or top_k[r] == 0, the greedy token and its log-probability, bitwise
+// logsumexp_rows_f32's argmax and chosen_logprob; else the draw sample_filtered_rows_f32 gives at
+// temperature[r], top_k[r] (0 < k < out_features), top_p[r], min_p[r] and uniform[r] (each part's
+// tokens with z at or above its own k-th largest are kept as candidates, a superset of the row's
+// top k with every tie: the same kept tokens, in the same order, for the same draw) and its
+// log-probability y[token] - out. The columns are shared among the threads in pieces taken in
+// turn: whole parts, then the last num_threads parts in pieces of kPieceColumns, so the threads
+// finish together; the thread that completes a part reduces it.
+void gguf_matmul_sample(int qtype_id, float* y, const float* x, const uint8_t* packed, int64_t row_bytes, int rows,
                         int64_t out_features, int64_t in_features, int num_threads, int use_int8, float* out,
-                        int64_t* argmax, float* chosen_logprob) {
+                        int64_t* tokens, float* chosen_logprob, const float* temperature, const int64_t* top_k,
+                        const float* top_p, const float* min_p, const float* uniform) {
   if (rows <= 0 || out_features <= 0) return;
   constexpr int64_t kPieceColumns = 1024;
   const int64_t parts = (out_features + kPartColumns - 1) / kPartColumns;
@@ -199,6 +240,10 @@ void gguf_matmul_greedy(int qtype_id, float* y, const float* x, const uint8_t* p
   std::vector<std::atomic<int64_t>> remaining(parts);  // each part's columns not yet computed
   for (int64_t p = 0; p < parts; ++p) remaining[p] = std::min(kPartColumns, out_features - p * kPartColumns);
   std::vector<float> part_max(rows * parts), part_sum(rows * parts);
+  const auto filtered = [&](int r) { return temperature != nullptr && top_k[r] != 0; };
+  std::vector<std::vector<Token>> candidates(temperature != nullptr ? rows * parts : 0);  // [row][part]
+  std::vector<std::atomic<float>> bounds(rows);  // a lower bound of each row's k-th largest z
+  for (auto& b : bounds) b.store(-INFINITY);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_pieces < num_threads ? static_cast<int>(num_pieces) : num_threads)
   for (int64_t i = 0; i < num_pieces; ++i) {
     const int64_t lo = pieces[i], p = lo / kPartColumns;
@@ -214,13 +259,39 @@ void gguf_matmul_greedy(int qtype_id, float* y, const float* x, const uint8_t* p
         std::copy(piece.data() + r * width, piece.data() + (r + 1) * width, y + r * out_features + lo);
     }
     if (remaining[p].fetch_sub(width) != width) continue;  // (another piece of the part is still to come)
-    const int64_t part_lo = p * kPartColumns;
-    for (int r = 0; r < rows; ++r)
-      reduce_part(y + r * out_features + part_lo, part_end - part_lo, &part_max[r * parts + p], &part_sum[r * parts + p]);
+    const int64_t part_lo = p * kPartColumns, n = part_end - part_lo;
+    for (int r = 0; r < rows; ++r) {
+      const float* part = y + r * out_features + part_lo;
+      reduce_part(part, n, &part_max[r * parts + p], &part_sum[r * parts + p]);
+      if (!filtered(r)) continue;
+      std::vector<Token>& kept = candidates[r * parts + p];
+      part_candidates(part, n, 1.0f / temperature[r], top_k[r], bounds[r], kept);
+      for (Token& c : kept) c.j += part_lo;
+    }
   }
-  for (int r = 0; r < rows; ++r)
-    finish_row(y + r * out_features, out_features, part_max.data() + r * parts, part_sum.data() + r * parts, parts,
-               out + r, argmax + r, chosen_logprob != nullptr ? chosen_logprob + r : nullptr);
+  std::vector<Token> kept;
+  std::vector<float> zs;
+  for (int r = 0; r < rows; ++r) {
+    const float* row = y + r * out_features;
+    const float *maxes = part_max.data() + r * parts, *sums = part_sum.data() + r * parts;
+    if (!filtered(r)) {
+      finish_row(row, out_features, maxes, sums, parts, out + r, tokens + r, chosen_logprob + r);
+      continue;
+    }
+    finish_row(row, out_features, maxes, sums, parts, out + r, nullptr, nullptr);
+    float max_x = -INFINITY;  // (row_max's answer: NaN where a part holds one)
+    for (int64_t p = 0; p < parts; ++p) max_x = maxes[p] != maxes[p] || max_x != max_x ? NAN : std::max(max_x, maxes[p]);
+    const float inv_t = 1.0f / temperature[r], max = max_x * inv_t;
+    tokens[r] = 0;  // (as the filtered draw gives for a row holding NaN or nothing but -inf)
+    if (max == max && max != -INFINITY) {
+      kept.clear();
+      for (int64_t p = 0; p < parts; ++p) kept.insert(kept.end(), candidates[r * parts + p].begin(), candidates[r * parts + p].end());
+      keep_k_largest(kept, top_k[r], zs);  // (the union holds every token of the row's top k, ties too)
+      if (top_p[r] < 1.0f) cut_top_p(kept, max, top_p[r]);
+      tokens[r] = draw_kept(kept, max, min_p[r], uniform[r]);
+    }
+    chosen_logprob[r] = row[tokens[r]] - out[r];
+  }
 }
 
 // tokens[r]: the draw from softmax(x[r] * inv_temperature[r]) at uniform[r] in [0, 1). As the

@@ -38,32 +38,13 @@ using namespace pagedllm_simd;
 #endif
 
 using pagedllm_sampling::before;
+using pagedllm_sampling::cut_top_p;
+using pagedllm_sampling::draw_kept;
 using pagedllm_sampling::exp_sum;
 using pagedllm_sampling::kth_largest_z;
 using pagedllm_sampling::row_max;
 using pagedllm_sampling::Token;
-
-// The tokens with z >= floor, in vocabulary order (finite z only).
-void tokens_from(const float* x, int64_t n, float inv_t, float floor, std::vector<Token>& out) {
-  out.clear();
-  floor = std::max(floor, -std::numeric_limits<float>::max());  // (a -inf z is never kept)
-  int64_t j = 0;
-#ifdef FILTERED_AVX2
-  const __m256 vt = _mm256_set1_ps(inv_t), vfloor = _mm256_set1_ps(floor);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(x + j), vt);
-    int kept = _mm256_movemask_ps(_mm256_cmp_ps(z, vfloor, _CMP_GE_OQ));
-    if (kept == 0) continue;
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, z);
-    for (; kept != 0; kept &= kept - 1) out.push_back({lanes[__builtin_ctz(kept)], j + __builtin_ctz(kept)});
-  }
-#endif
-  for (; j < n; ++j) {
-    const float z = x[j] * inv_t;
-    if (z >= floor) out.push_back({z, j});
-  }
-}
+using pagedllm_sampling::tokens_from;
 
 // Top-p without top-k places its cut by the weights' mass in buckets of z below the largest,
 // 1/kBucketsPerNat wide, kBuckets of them (the last holding everything further down: weights
@@ -123,22 +104,6 @@ int cut_bucket(const float* x, int64_t n, float inv_t, float max, float p, doubl
   return kBuckets - 1;  // (the rest, by rounding: every token is then a candidate)
 }
 
-// Top-p over `kept`, every token top-k left: drops, in order of z, each token from the first
-// whose predecessors' probability reaches p.
-void cut_top_p(std::vector<Token>& kept, float max, float p) {
-  double total = 0.0;
-  for (const Token& c : kept) total += std::exp(static_cast<double>(c.z) - max);
-  std::sort(kept.begin(), kept.end(), before);
-  double mass = 0.0;
-  for (size_t i = 0; i < kept.size(); ++i) {
-    if (mass / total >= p) {
-      kept.resize(i);
-      return;
-    }
-    mass += std::exp(static_cast<double>(kept[i].z) - max);
-  }
-}
-
 // One row's draw; scratch per thread.
 int64_t draw_filtered(const float* x, int64_t n, float inv_t, int64_t k, float p, float min_p, float u,
                       std::vector<Token>& heap, std::vector<double>& mass, std::vector<Token>& kept,
@@ -177,24 +142,7 @@ int64_t draw_filtered(const float* x, int64_t n, float inv_t, int64_t k, float p
   } else {  // min-p alone: the tokens it can keep, exp(z - max) >= min_p, lie at z >= max + log(min_p)
     tokens_from(x, n, inv_t, max + std::log(min_p) - 1e-3f, kept);
   }
-  const auto by_id = [](const Token& a, const Token& b) { return a.j < b.j; };
-  if (!std::is_sorted(kept.begin(), kept.end(), by_id)) std::sort(kept.begin(), kept.end(), by_id);
-  double total = 0.0;
-  size_t m = 0;
-  for (const Token& c : kept) {  // min-p, and each kept token's weight (in z's place)
-    const float w = std::exp(c.z - max);
-    if (min_p > 0.0f && w < min_p) continue;
-    kept[m++] = {w, c.j};
-    total += w;
-  }
-  kept.resize(m);
-  const double target = static_cast<double>(u) * total;
-  double running = 0.0;
-  for (const Token& c : kept) {
-    running += c.z;
-    if (running > target) return c.j;
-  }
-  return kept.empty() ? 0 : kept.back().j;
+  return draw_kept(kept, max, min_p, u);
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
 // Passes over a row of logits shared by the sampling kernels (sampling.cpp, sampling_filtered.cpp):
-// its maximum, its sum of weights, and its K largest values.
+// its maximum, its sum of weights, its K largest values, and the filtered draw among the tokens
+// the filters keep.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "simd.h"
@@ -129,6 +131,68 @@ inline float kth_largest_z(const float* x, int64_t n, float inv_t, int64_t k, st
 #endif
   for (; j < n; ++j) enter(x[j] * inv_t, j);
   return least;
+}
+
+// The tokens with z >= floor, in vocabulary order (finite z only).
+inline void tokens_from(const float* x, int64_t n, float inv_t, float floor, std::vector<Token>& out) {
+  out.clear();
+  floor = std::max(floor, -std::numeric_limits<float>::max());  // (a -inf z is never kept)
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vt = _mm256_set1_ps(inv_t), vfloor = _mm256_set1_ps(floor);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(x + j), vt);
+    int kept = _mm256_movemask_ps(_mm256_cmp_ps(z, vfloor, _CMP_GE_OQ));
+    if (kept == 0) continue;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, z);
+    for (; kept != 0; kept &= kept - 1) out.push_back({lanes[__builtin_ctz(kept)], j + __builtin_ctz(kept)});
+  }
+#endif
+  for (; j < n; ++j) {
+    const float z = x[j] * inv_t;
+    if (z >= floor) out.push_back({z, j});
+  }
+}
+
+// Top-p over `kept`, every token top-k left: drops, in order of z, each token from the first
+// whose predecessors' probability reaches p.
+inline void cut_top_p(std::vector<Token>& kept, float max, float p) {
+  double total = 0.0;
+  for (const Token& c : kept) total += std::exp(static_cast<double>(c.z) - max);
+  std::sort(kept.begin(), kept.end(), before);
+  double mass = 0.0;
+  for (size_t i = 0; i < kept.size(); ++i) {
+    if (mass / total >= p) {
+      kept.resize(i);
+      return;
+    }
+    mass += std::exp(static_cast<double>(kept[i].z) - max);
+  }
+}
+
+// The draw among `kept` (the tokens the filters before min-p left; z in place): min-p drops those
+// whose weight exp(z - max) is below min_p, and the draw walks the rest in vocabulary order to
+// where the running sum of their weights passes u times their total.
+inline int64_t draw_kept(std::vector<Token>& kept, float max, float min_p, float u) {
+  const auto by_id = [](const Token& a, const Token& b) { return a.j < b.j; };
+  if (!std::is_sorted(kept.begin(), kept.end(), by_id)) std::sort(kept.begin(), kept.end(), by_id);
+  double total = 0.0;
+  size_t m = 0;
+  for (const Token& c : kept) {  // min-p, and each kept token's weight (in z's place)
+    const float w = std::exp(c.z - max);
+    if (min_p > 0.0f && w < min_p) continue;
+    kept[m++] = {w, c.j};
+    total += w;
+  }
+  kept.resize(m);
+  const double target = static_cast<double>(u) * total;
+  double running = 0.0;
+  for (const Token& c : kept) {
+    running += c.z;
+    if (running > target) return c.j;
+  }
+  return kept.empty() ? 0 : kept.back().j;
 }
 
 }  // namespace pagedllm_sampling

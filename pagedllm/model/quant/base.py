@@ -15,18 +15,22 @@ class LinearMethod:
     # The weight is a float [out, in] tensor in `layer.weight` (oneDNN can pack it; padding rows
     # can be zeroed; batch-invariant mode keeps it as it is).
     dense = False
-    # `greedy` computes an LM head's greedy tokens with its product (else it always gives None).
-    computes_greedy = False
+    # `sample` draws an LM head's tokens with its product (`samples_in_product` says where).
+    computes_samples = False
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] -> x W^T + b [rows, out] (`layer.weight` holds the weight's storage)."""
         raise NotImplementedError
 
-    def greedy(self, layer: nn.Module, x: torch.Tensor) -> tuple[list[int], list[float]] | None:
-        """For an LM head `layer` (a `ParallelLMHead` on one rank): each row of x W^T's greedy
-        token and its log-probability, computed with the product (no logits read back), or None
-        where the method does not (the caller then computes the logits)."""
-        return None
+    def samples_in_product(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether `sample` serves an LM head `layer` (a `ParallelLMHead` on one rank) at `x`."""
+        return False
+
+    def sample(self, layer: nn.Module, x: torch.Tensor, draws) -> tuple[list[int], list[float]]:
+        """Where `samples_in_product`: each row of x W^T's token (greedy, or the top-k draw
+        `draws` asks for: `kernels.gguf.Draws`, None where every row is greedy) and its
+        log-probability, computed with the product: no logits read back."""
+        raise NotImplementedError
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight (an embedding lookup) in the model's dtype."""

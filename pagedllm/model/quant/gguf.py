@@ -32,7 +32,7 @@ EVERY_SIZE = 2**31 - 1
 class GGUFLinear(LinearMethod):
     """GGUF blocks as the kernels read them; parts stacked by output rows."""
 
-    computes_greedy = True
+    computes_samples = True
 
     parts: list[gguf_kernels.PackedWeight]
     int8_rows: int = 0  # products of up to this many rows on int8 activations (use_int8_activations)
@@ -60,10 +60,12 @@ class GGUFLinear(LinearMethod):
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y + bias if bias is not None else y
 
-    def greedy(self, layer, x):
-        if len(self.parts) != 1 or self.out_features != layer.vocab_size or x.dtype != torch.float32 or x.device.type != "cpu":
-            return None
-        _, token_ids, logprobs = gguf_kernels.matmul_greedy(x, self.parts[0], int8=x.shape[0] <= self.int8_rows)
+    def samples_in_product(self, layer, x):
+        return (len(self.parts) == 1 and self.out_features == layer.vocab_size and x.dtype == torch.float32
+                and x.device.type == "cpu")
+
+    def sample(self, layer, x, draws):
+        _, token_ids, logprobs = gguf_kernels.matmul_sample(x, self.parts[0], x.shape[0] <= self.int8_rows, draws)
         return token_ids, logprobs
 
     def embed(self, layer, ids):
