@@ -13,6 +13,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.kernels import build, gguf
 from pagedllm.model import layers
+from pagedllm.model.quant import EVERY_SIZE
 from pagedllm.paths import cache_dir
 
 
@@ -76,7 +77,7 @@ def tensor_bytes(model: torch.nn.Module) -> int:
 
 def test_the_summary_names_what_runs_and_the_weights_real_bytes(cache, tiny_q4_1, monkeypatch, caplog):
     monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: 8)  # no int8 trial (seconds) here
-    monkeypatch.setattr(layers, "set_ways_for_width", lambda qtype, in_features: None)
+    monkeypatch.setattr(layers, "set_ways_for_width", lambda qtype, in_features: EVERY_SIZE)
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = LLM(str(tiny_q4_1), max_model_len=128, num_gpu_blocks=24, swap_space=1)
     try:
@@ -107,7 +108,7 @@ def test_a_warm_start_counts_weights_that_are_not_read_in_yet(cache, tiny_q4_1, 
     """Mapped from the weight cache and never read (the preemption profile kept, so no forward
     pass ran), the weights are mostly not resident; their bytes are counted all the same."""
     monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: 8)
-    monkeypatch.setattr(layers, "set_ways_for_width", lambda qtype, in_features: None)
+    monkeypatch.setattr(layers, "set_ways_for_width", lambda qtype, in_features: EVERY_SIZE)
     kwargs = dict(max_model_len=128, num_gpu_blocks=24, swap_space=1)
     LLM(str(tiny_q4_1), **kwargs)  # fills the weight cache and the profile
     with caplog.at_level(logging.INFO, logger="pagedllm"):

@@ -68,14 +68,17 @@ def test_the_default_is_auto_where_quantized_blocks_are_served_else_off(monkeypa
 
 def test_a_gguf_model_defaults_to_int8_where_the_trial_says_it_pays(tiny_gguf, monkeypatch, caplog):
     monkeypatch.setattr(layers, "int8_rows_that_pay", _fixed_trial)
+    width_rows = {256: 3, 512: EVERY_SIZE}  # (a width's own trial: float32 wins from 4 rows at 256)
+    monkeypatch.setattr(layers, "set_ways_for_width", lambda qtype, in_features: width_rows[in_features])
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = LLM(str(tiny_gguf), max_model_len=128, num_gpu_blocks=64)
     try:
         assert llm.llm_engine.executor.worker.int8_activations == "auto"
         methods = _quantized_methods(llm)
         assert {q for m in methods for q in m.qtypes} == {"Q4_K", "Q4_1"}
-        for method in methods:  # the trial's rows, each weight by its kernels
-            assert method.int8_rows == min(_fixed_trial(q) for q in method.qtypes)
+        for method in methods:  # the trial's rows, each weight by its kernels, bounded by its width's
+            assert method.int8_rows == min(*(_fixed_trial(q) for q in method.qtypes), width_rows[method.in_features])
+        assert {m.in_features for m in methods} == {256, 512}
         assert "int8 activations: auto (the default" in caplog.text  # the start-up log says so
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
@@ -257,11 +260,14 @@ def test_an_unwritable_cache_folder_still_gives_the_trial(trial_cache, monkeypat
 
 def test_auto_on_a_real_trial_takes_its_rows(tiny_gguf):
     """Without faking anything: each quantized weight takes int8 up to what the trial of its
-    types gives on this machine (whatever that is: 0 where int8 never pays here)."""
+    types gives on this machine, and of its width where narrower than the trial's (whatever that
+    is: 0 where int8 never pays here)."""
     llm = LLM(str(tiny_gguf), max_model_len=128, num_gpu_blocks=64)
     try:
         for method in _quantized_methods(llm):
-            assert method.int8_rows == min(int8_trial.int8_rows_that_pay(q) for q in method.qtypes)
+            trials = [int8_trial.int8_rows_that_pay(q) for q in method.qtypes]
+            widths = [int8_trial.set_ways_for_width(q, method.in_features) for q in method.qtypes]
+            assert method.int8_rows == min(*trials, *(widths if min(trials) else []))
     finally:
         llm.llm_engine.shutdown()
 
@@ -396,12 +402,17 @@ def width_ways(monkeypatch):
     monkeypatch.setattr(int8_trial.gguf_kernels, "random_weight",
                         lambda qtype, out, inn, gen=None: SimpleNamespace(in_features=inn, out_features=out))
 
+    state.float_time = lambda rows: 3.0  # (float32 activations never win unless a test says so)
+
     def matmul(x, w, int8=False):
-        state.timed.append((w.in_features, x.shape[0], state.set[("Q8_0", w.in_features, x.shape[0])]))
+        way = state.set[("Q8_0", w.in_features, x.shape[0])] if int8 else "float32"
+        state.timed.append((w.in_features, x.shape[0], way))
 
     def fake_time(fn, repeats):
         fn()
         _, rows, way = state.timed[-1]
+        if way == "float32":
+            return state.float_time(rows)
         return 1.0 if (way == "avx2") == (rows <= 2) else 2.0
 
     monkeypatch.setattr(int8_trial.gguf_kernels, "matmul", matmul)
@@ -420,11 +431,12 @@ def test_narrower_widths_take_the_ways_their_own_timings_find_faster(trial_cache
     assert {w for w, _, _ in width_ways.timed} == {640}
     kept = json.loads(trial_cache.path.read_text())["width_ways"]
     assert kept == {"Q8_0": {"640": {str(rows): way for rows, way in expected.items()}}}
+    assert json.loads(trial_cache.path.read_text())["width_rows"] == {"Q8_0": {"640": EVERY_SIZE}}
     count = len(width_ways.timed)
     int8_trial.set_ways_for_width("Q8_0", int8_trial.TRIAL_SHAPE[1])
     int8_trial.set_ways_for_width("Q8_0", 8192)
     assert len(width_ways.timed) == count  # the trial's width and wider: not timed
-    monkeypatch.setattr(int8_trial, "_width_results", set())  # a second start on this machine
+    monkeypatch.setattr(int8_trial, "_width_results", {})  # a second start on this machine
     width_ways.set.clear()
     int8_trial.set_ways_for_width("Q8_0", 640)
     assert len(width_ways.timed) == count  # read, not timed
@@ -432,3 +444,31 @@ def test_narrower_widths_take_the_ways_their_own_timings_find_faster(trial_cache
     # The type's own trial, kept later, keeps the width's ways beside it.
     assert int8_trial.int8_rows_that_pay("Q4_K") == 16
     assert json.loads(trial_cache.path.read_text())["width_ways"] == kept
+
+
+def test_a_width_where_float32_wins_bounds_its_int8_rows(trial_cache, width_ways, monkeypatch):
+    """Where float32 activations beat the best int8 way at a width from some bucket on, int8
+    pays up to the row count before that bucket at this width: returned, kept, read back on the
+    next start without timing, and "auto" gives each weight of that width the lesser of its
+    type's bound and its width's ("on" keeps every size)."""
+    width_ways.float_time = lambda rows: 0.5 if rows >= 4 else 1.5  # (int8's best way: 1.0 at every size)
+    assert int8_trial.set_ways_for_width("Q8_0", 640) == 3
+    assert json.loads(trial_cache.path.read_text())["width_rows"] == {"Q8_0": {"640": 3}}
+    float_timed = [rows for _, rows, way in width_ways.timed if way == "float32"]
+    assert float_timed == [1, 2, 4]  # (past the first loss only the ways are timed)
+    count = len(width_ways.timed)
+    monkeypatch.setattr(int8_trial, "_width_results", {})  # a second start on this machine
+    assert int8_trial.set_ways_for_width("Q8_0", 640) == 3
+    assert len(width_ways.timed) == count  # read, not timed
+
+    from pagedllm.model import layers
+
+    methods = [SimpleNamespace(qtypes=["Q8_0"], in_features=640, int8_rows=0),
+               SimpleNamespace(qtypes=["Q8_0"], in_features=2048, int8_rows=0)]
+    monkeypatch.setattr(layers, "_int8_methods", lambda model: methods)
+    monkeypatch.setattr(layers, "set_row_streams_for_machine", lambda: None)
+    monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: 16)
+    layers.use_int8_activations(None, "auto")
+    assert [m.int8_rows for m in methods] == [3, 16]
+    layers.use_int8_activations(None, "on")
+    assert [m.int8_rows for m in methods] == [layers.gguf_kernels.MAX_ROWS] * 2

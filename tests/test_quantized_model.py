@@ -12,6 +12,7 @@ import torch
 
 from pagedllm.kernels import gguf
 from pagedllm.kernels.gguf import MAX_ROWS
+from pagedllm.model.quant import EVERY_SIZE
 from pagedllm.model import layers
 from pagedllm.model import quant as quantization
 from pagedllm.model.quant import GGUFLinear, int8_trial, layer_of
@@ -66,7 +67,7 @@ def test_auto_takes_int8_at_every_size_where_the_trial_says_so_and_on_up_to_max_
     methods = [GGUFLinear(parts=[SimpleNamespace(qtype=q, in_features=2048)]) for q in ("Q4_K", "Q4_1", "Q8_0")]
     monkeypatch.setattr(layers, "_linear_layers", lambda model: [SimpleNamespace(quant_method=m) for m in methods])
     monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: quantization.EVERY_SIZE)
-    monkeypatch.setattr(layers, "set_ways_for_width", lambda qtype, in_features: None)
+    monkeypatch.setattr(layers, "set_ways_for_width", lambda qtype, in_features: EVERY_SIZE)
     assert layers.use_int8_activations(None, "auto") == 3
     assert [m.int8_rows for m in methods] == [quantization.EVERY_SIZE] * 3
     monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: 16 if qtype == "Q4_K" else 0)

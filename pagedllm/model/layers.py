@@ -94,7 +94,8 @@ def use_int8_activations(model: nn.Module, mode: str, by_default: bool = False) 
     """Let the GGUF-packed projections of `model` run on int8 activations (a property of their
     method, `GGUFLinear.int8_rows`): "on" up to `gguf.MAX_ROWS` rows, "auto" up to the rows where
     the trial of their types' kernels finds them faster (model/quant/int8_trial.py; at every size
-    where they win at the largest trial), "off" never. `by_default`: the mode was not chosen but
+    where they win at the largest trial) and, for rows narrower than the trial's, the trial of
+    their width too (`set_ways_for_width`), "off" never. `by_default`: the mode was not chosen but
     resolved (`resolve_int8_activations`), which the log says. Returns how many weights take them."""
     if mode not in INT8_MODES:
         raise ValueError(f"int8_activations must be one of {', '.join(INT8_MODES)}, not {mode!r}")
@@ -115,9 +116,10 @@ def use_int8_activations(model: nn.Module, mode: str, by_default: bool = False) 
     for method in methods:
         trial = min(int8_rows_that_pay(q) for q in method.qtypes)  # (each type's kernels, once)
         method.int8_rows = gguf_kernels.MAX_ROWS if mode == "on" else trial
-        if method.int8_rows:  # the ways of rows this wide, where narrower than the trial's
-            for qtype in method.qtypes:
-                set_ways_for_width(qtype, method.in_features)
+        if method.int8_rows:  # the ways of rows this wide, where narrower than the trial's, and
+            for qtype in method.qtypes:  # ("auto") the rows where int8 still pays at this width
+                width_rows = set_ways_for_width(qtype, method.in_features)
+                method.int8_rows = min(method.int8_rows, width_rows) if mode == "auto" else method.int8_rows
     taking = sum(m.int8_rows > 0 for m in methods)
     most = max(m.int8_rows for m in methods)
     sizes = ("no product: float32's were as fast at every trial size" if most == 0 else

@@ -35,7 +35,9 @@ row's width too: a row narrower than the trial's pays its fixed costs (reduction
 term) over fewer weights (Q8_0 at 1 row on a Zen 4 EPYC: 640 wide, the AVX2 way 30% faster than
 VNNI; 2048 wide, a tie). So each narrower width a model's weights have is timed too, at the
 decode buckets, on a weight of the trial's bytes (`choose_width_ways`), kept as
-"width_ways" {qtype: {in_features: {bucket: way}}} and set for products of that width only. A type with one way
+"width_ways" {qtype: {in_features: {bucket: way}}} and set for products of that width only; and
+against float32 activations there, the rows up to which int8 still pays at that width kept as
+"width_rows" {qtype: {in_features: rows}} ("auto" takes the lesser of the two bounds). A type with one way
 on this path stores {}. An entry that is not valid JSON, was measured under other conditions or holds a row count the trial cannot
 give is ignored and measured again, never fatal. A trial during which other processes kept more
 than `BUSY_CORES` cores busy (`/proc/stat`, steal time included) serves the process that ran it
@@ -189,31 +191,48 @@ def set_ways(qtype: str, ways: dict[int, str]) -> None:
         gguf_kernels.set_int8_way(qtype, rows, way)
 
 
-def choose_width_ways(qtype: str, in_features: int) -> dict[int, str]:
-    """As `choose_ways`, for products whose rows are `in_features` wide (narrower than the
-    trial's), at the decode buckets (up to `gguf.MAX_ROWS` rows), on a weight of the trial's bytes;
-    set for that width: {bucket: way}. {} where there is nothing to choose."""
+def choose_width_ways(qtype: str, in_features: int) -> tuple[dict[int, str], int]:
+    """As `choose_ways` and `measure`, for products whose rows are `in_features` wide (narrower
+    than the trial's), at the decode buckets (up to `gguf.MAX_ROWS` rows), on a weight of the
+    trial's bytes: the faster int8 way of each bucket, set for that width, and the most rows up
+    to which int8 activations (that way) beat float32's at that width along with every smaller
+    bucket (the bucket's row count less one where float32 first wins; `EVERY_SIZE` where it never
+    does: the type's trial then decides alone). A narrow row can lose where the trial's width
+    wins: measured on a Zen 5 EPYC VM (2 threads, 128 MB weights), at 4 rows Q8_0 640 wide
+    4.82 ms on int8 against 3.83 on float32, Q4_1 576 wide 8.70 against 7.22, where the trial
+    kept int8 up to 8-16 rows; Gemma 3 270M's decode step at 4 sequences 10.57 -> 9.74 ms with
+    its 640-wide Q5_0 and Q8_0 weights on float32. Returns ({bucket: way}, {} where the path has
+    one way; rows)."""
     ways = gguf_kernels.int8_ways(qtype)
-    if len(ways) < 2:
-        return {}
     gen = torch.Generator().manual_seed(2)
     out_features = TRIAL_SHAPE[0] * TRIAL_SHAPE[1] // in_features
     w = gguf_kernels.random_weight(qtype, out_features, in_features, gen)
-    chosen, timings = {}, []
+    chosen, timings, pays = {}, [], EVERY_SIZE
     for rows in (b for b in gguf_kernels.INT8_WAY_BUCKETS if b <= gguf_kernels.MAX_ROWS):
         x = torch.randn(rows, in_features, generator=gen)
         times = {}
-        for way in [name for name in ways if name != "avx2_rows" or rows > 1]:  # (one row: the same product)
-            gguf_kernels.set_int8_way(qtype, rows, way, in_features)
+        for way in [name for name in ways if name != "avx2_rows" or rows > 1] if len(ways) > 1 else [None]:
+            if way is not None:  # (one row: the same product by avx2_rows)
+                gguf_kernels.set_int8_way(qtype, rows, way, in_features)
             times[way] = best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), _repeats(rows))
-        chosen[rows] = min(times, key=times.__getitem__)
-        gguf_kernels.set_int8_way(qtype, rows, chosen[rows], in_features)
-        timings.append(f"{rows}: {chosen[rows]} (" + ", ".join(f"{way} {t * 1e6:.0f} us" for way, t in times.items()) + ")")
-    logger.info("int8 ways for %s rows of %d, by rows: %s", qtype, in_features, "; ".join(timings))
-    return chosen
+        best = min(times, key=times.__getitem__)
+        if best is not None:
+            chosen[rows] = best
+            gguf_kernels.set_int8_way(qtype, rows, best, in_features)
+        timed = ", ".join(f"{way or 'int8'} {t * 1e6:.0f} us" for way, t in times.items())
+        if pays == EVERY_SIZE:  # (once float32 won, the larger buckets only time the ways, for "on")
+            t_float = best_wall_time(lambda: gguf_kernels.matmul(x, w), _repeats(rows))
+            timed += f", float32 {t_float * 1e6:.0f} us"
+            if times[best] >= t_float:  # (a tie: float32, as the type's trial)
+                pays = rows - 1
+        timings.append(f"{rows}: {best or 'int8'} ({timed})")
+    logger.info("int8 activations for %s rows of %d: %s (by rows: %s)", qtype, in_features,
+                "as the type's trial says" if pays == EVERY_SIZE else describe(pays), "; ".join(timings))
+    return chosen, pays
 
 
 def set_width_ways(qtype: str, in_features: int, ways: dict[int, str]) -> None:
+    """Set the int8 ways a width's trial chose (`choose_width_ways`)."""
     for rows, way in ways.items():
         gguf_kernels.set_int8_way(qtype, rows, way, in_features)
 
@@ -282,6 +301,19 @@ def _stored(path: Path, conds: dict, quiet: bool = False) -> dict[str, tuple[int
     return kept
 
 
+def _stored_width_rows(path: Path, conds: dict) -> dict[str, dict[int, int]]:
+    """The bounds kept at `path` for these conditions (`choose_width_ways`' rows), qtype ->
+    {in_features: rows}; what a width's trial cannot give is left out."""
+    stored = _entry(path, conds).get("width_rows")
+    possible = {EVERY_SIZE, *(b - 1 for b in gguf_kernels.INT8_WAY_BUCKETS if b <= gguf_kernels.MAX_ROWS)}
+    kept: dict[str, dict[int, int]] = {}
+    for qtype, widths in (stored.items() if isinstance(stored, dict) else ()):
+        for width, rows in (widths.items() if qtype in gguf_kernels.TYPE_IDS and isinstance(widths, dict) else ()):
+            if isinstance(width, str) and width.isdigit() and type(rows) is int and rows in possible:
+                kept.setdefault(qtype, {})[int(width)] = rows
+    return kept
+
+
 def _stored_width_ways(path: Path, conds: dict) -> dict[str, dict[int, dict[int, str]]]:
     """The width ways kept at `path` for these conditions (an entry of `_stored`'s kind), qtype ->
     {in_features: ways}; what is not a choice of `choose_width_ways` is left out."""
@@ -311,11 +343,12 @@ def _entry(path: Path, conds: dict) -> dict:
 
 
 def _write(path: Path, conds: dict, results: dict | None = None, width_ways: dict | None = None,
-           row_streams: int | None = None) -> None:
+           row_streams: int | None = None, width_rows: dict | None = None) -> None:
     """Keep the trial's results for these conditions: what is given, and what the file holds (as
     another process may have stored it meanwhile) for the rest."""
     results = _stored(path, conds, quiet=True) if results is None else results
     width_ways = _stored_width_ways(path, conds) if width_ways is None else width_ways
+    width_rows = _stored_width_rows(path, conds) if width_rows is None else width_rows
     row_streams = _stored_row_streams(path, conds) if row_streams is None else row_streams
     try:
         write_json_entry(path, {
@@ -323,6 +356,7 @@ def _write(path: Path, conds: dict, results: dict | None = None, width_ways: dic
             "ways": {q: {str(b): way for b, way in w.items()} for q, (_, w) in results.items()},
             "width_ways": {q: {str(n): {str(b): way for b, way in w.items()} for n, w in widths.items()}
                            for q, widths in width_ways.items()},
+            "width_rows": {q: {str(n): rows for n, rows in widths.items()} for q, widths in width_rows.items()},
             **({"row_streams": row_streams} if row_streams is not None else {})})
     except OSError as exc:
         logger.debug("Could not keep the int8 trial's result (%s)", exc)
@@ -347,7 +381,7 @@ def _quiet_since(mark, what: str) -> bool:
 
 
 _results: dict[tuple[str, str], int] = {}  # per process: (the conditions' file, qtype) -> rows
-_width_results: set[tuple[str, str, int]] = set()  # per process: (file, qtype, in_features) set
+_width_results: dict[tuple[str, str, int], int] = {}  # per process: (file, qtype, in_features) -> rows
 _streams_set: set[str] = set()  # per process: the conditions' files whose row streams are set
 
 
@@ -402,24 +436,32 @@ def int8_rows_that_pay(qtype: str) -> int:
     return rows
 
 
-def set_ways_for_width(qtype: str, in_features: int) -> None:
-    """Set the int8 ways of `qtype` products `in_features` wide: kept on this machine, else timed
-    (`choose_width_ways`) and kept; nothing for widths the trial's or wider (its ways hold)."""
-    if in_features >= TRIAL_SHAPE[1] or len(gguf_kernels.int8_ways(qtype)) < 2:
-        return
+def set_ways_for_width(qtype: str, in_features: int) -> int:
+    """Set the int8 ways of `qtype` products `in_features` wide and return the most rows up to
+    which int8 activations pay at that width (`choose_width_ways`): kept on this machine, else
+    timed and kept; `EVERY_SIZE`, with nothing timed, for widths the trial's or wider (its ways and
+    rows hold)."""
+    if in_features >= TRIAL_SHAPE[1]:
+        return EVERY_SIZE
     conds = conditions()
     path = trial_path(conds)
-    if (str(path), qtype, in_features) in _width_results:
-        return
-    kept = _stored_width_ways(path, conds)
-    if in_features in kept.get(qtype, {}):
-        set_width_ways(qtype, in_features, kept[qtype][in_features])
+    key = (str(path), qtype, in_features)
+    if key in _width_results:
+        return _width_results[key]
+    kept_ways, kept_rows = _stored_width_ways(path, conds), _stored_width_rows(path, conds)
+    one_way = len(gguf_kernels.int8_ways(qtype)) < 2
+    if in_features in kept_rows.get(qtype, {}) and (one_way or in_features in kept_ways.get(qtype, {})):
+        set_width_ways(qtype, in_features, kept_ways.get(qtype, {}).get(in_features, {}))
+        rows = kept_rows[qtype][in_features]
     else:
-        logger.info("Timing the int8 ways of %s rows of %d on this CPU (kept in %s)...", qtype, in_features, path)
+        logger.info("Timing int8 activations on %s rows of %d on this CPU (kept in %s)...", qtype, in_features, path)
         mark = load_mark()
-        ways = choose_width_ways(qtype, in_features)
-        if _quiet_since(mark, f"the int8 ways of {qtype} rows of {in_features}"):
-            kept = _stored_width_ways(path, conds)  # (with what another process stored meanwhile)
-            kept.setdefault(qtype, {})[in_features] = ways
-            _write(path, conds, width_ways=kept)
-    _width_results.add((str(path), qtype, in_features))
+        ways, rows = choose_width_ways(qtype, in_features)
+        if _quiet_since(mark, f"int8 activations on {qtype} rows of {in_features}"):
+            kept_ways = _stored_width_ways(path, conds)  # (with what another process stored meanwhile)
+            kept_rows = _stored_width_rows(path, conds)
+            kept_ways.setdefault(qtype, {})[in_features] = ways
+            kept_rows.setdefault(qtype, {})[in_features] = rows
+            _write(path, conds, width_ways=kept_ways, width_rows=kept_rows)
+    _width_results[key] = rows
+    return rows
