@@ -9,40 +9,32 @@ with every smaller one (0 if it loses at 1 row). Winning at the largest trial si
 size (`EVERY_SIZE`).
 
 The trial times the kernels, so its result holds for one CPU (model name and feature flags), one
-kernel library (its file name carries a hash of the C++ sources and this CPU's flags), the ISA
-path they run (`gguf.isa()`) and the thread count. It
-is kept in the cache folder as `int8-trials/<key>.json`, the key a hash of those conditions:
-
-    {"version": 4, "conditions": {"cpu": ..., "flags": ..., "kernels": ..., "gguf_isa": ...,
-     "threads": ..., "trial": ...},
-     "rows": {"Q4_K": 16, "Q6_K": 16, "Q4_1": 2147483647},
-     "ways": {"Q4_K": {"1": "vnni", "2": "avx2", ...}, "Q6_K": {...}, "Q4_1": {...}}}
-
-so a later start on the same machine reads it instead of timing again (logged). The same file
-keeps "row_streams": how many interleaved runs each thread reads its rows of a weight in, timed
-once per machine on one-row products past the caches (`choose_row_streams`: one core's hardware
-prefetchers follow four streams best, another's one or two; timed twice, and kept only where the
-two agree) and set for every GGUF product, on int8 or float32 activations alike (the order rows
-are read in changes no result).
+kernel library (its file name hashes the C++ sources and this CPU's flags), the ISA path
+(`gguf.isa()`) and the thread count, and is kept in the cache folder as
+`int8-trials/<key>.json`, the key a hash of those conditions ("version", "conditions", "rows"
+{qtype: rows}, "ways", "width_ways", "width_rows", "row_streams"), so a later start on the same
+machine reads it instead of timing again (logged). "row_streams": how many interleaved runs each
+thread reads its rows of a weight in, timed on one-row products past the caches
+(`choose_row_streams`: one core's prefetchers follow four streams best, another's one or two;
+timed twice, kept only where the two agree), set for every GGUF product (the order rows are read
+in changes no result).
 
 The GGUF kernels have more than one int8 way for a type (`gguf.int8_ways(qtype)`: VNNI or AMX
 beside the AVX2 way on AVX-512 CPUs, and everywhere the AVX2 way with every row of x alone,
-"avx2_rows"), so the trial first times each of them per bucket of row counts
-(`gguf.INT8_WAY_BUCKETS`: 1, 2-3, ..., 128 and more) and sets the faster (`gguf.set_int8_way`),
-kept as "ways" and set again when the entry is read: which way wins where depends on the core
-(VNNI's zmm issue rate, the caches, the type's decoding), not on a threshold. It depends on the
-row's width too: a row narrower than the trial's pays its fixed costs (reductions, the constants'
-term) over fewer weights (Q8_0 at 1 row on a Zen 4 EPYC: 640 wide, the AVX2 way 30% faster than
-VNNI; 2048 wide, a tie). So each narrower width a model's weights have is timed too, at the
-decode buckets, on a weight of the trial's bytes (`choose_width_ways`), kept as
-"width_ways" {qtype: {in_features: {bucket: way}}} and set for products of that width only; and
-against float32 activations there, the rows up to which int8 still pays at that width kept as
-"width_rows" {qtype: {in_features: rows}} ("auto" takes the lesser of the two bounds). A type with one way
-on this path stores {}. An entry that is not valid JSON, was measured under other conditions or holds a row count the trial cannot
-give is ignored and measured again, never fatal. A trial during which other processes kept more
-than `BUSY_CORES` cores busy (`/proc/stat`, steal time included) serves the process that ran it
-and is not kept. Delete `int8-trials/` under the cache folder (`pagedllm.paths.cache_dir()`) to
-measure again.
+"avx2_rows"), so the trial first times each per bucket of row counts (`gguf.INT8_WAY_BUCKETS`)
+and sets the faster ("ways"): which wins where depends on the core, not on a threshold. It
+depends on the row's width too: a row narrower than the trial's pays its fixed costs
+(reductions, the constants' term) over fewer weights (Q8_0 at 1 row on a Zen 4 EPYC: 640 wide,
+the AVX2 way 30% faster than VNNI; 2048 wide, a tie). So each narrower width a model's weights
+have is timed too, at the decode buckets, on a weight of the trial's bytes
+(`choose_width_ways`): its ways ("width_ways" {qtype: {in_features: {bucket: way}}}, set for that
+width only; {} where the path has one way), and against float32 activations the rows up to which
+int8 still pays there ("width_rows" {qtype: {in_features: rows}}; "auto" takes the lesser of the
+type's bound and the width's). An entry that is not valid JSON, was measured under other
+conditions or holds a result the trial cannot give is measured again, never fatal. A trial
+during which other processes kept more than `BUSY_CORES` cores busy (`/proc/stat`, steal time
+included) serves the process that ran it and is not kept. Delete `int8-trials/` under the cache
+folder (`pagedllm.paths.cache_dir()`) to measure again.
 """
 
 from __future__ import annotations
@@ -192,17 +184,11 @@ def set_ways(qtype: str, ways: dict[int, str]) -> None:
 
 
 def choose_width_ways(qtype: str, in_features: int) -> tuple[dict[int, str], int]:
-    """As `choose_ways` and `measure`, for products whose rows are `in_features` wide (narrower
-    than the trial's), at the decode buckets (up to `gguf.MAX_ROWS` rows), on a weight of the
-    trial's bytes: the faster int8 way of each bucket, set for that width, and the most rows up
-    to which int8 activations (that way) beat float32's at that width along with every smaller
-    bucket (the bucket's row count less one where float32 first wins; `EVERY_SIZE` where it never
-    does: the type's trial then decides alone). A narrow row can lose where the trial's width
-    wins: measured on a Zen 5 EPYC VM (2 threads, 128 MB weights), at 4 rows Q8_0 640 wide
-    4.82 ms on int8 against 3.83 on float32, Q4_1 576 wide 8.70 against 7.22, where the trial
-    kept int8 up to 8-16 rows; Gemma 3 270M's decode step at 4 sequences 10.57 -> 9.74 ms with
-    its 640-wide Q5_0 and Q8_0 weights on float32. Returns ({bucket: way}, {} where the path has
-    one way; rows)."""
+    """As `choose_ways` and `measure` for rows `in_features` wide (narrower than the trial's), at
+    the decode buckets, on a weight of the trial's bytes: ({bucket: the faster int8 way, set for
+    that width; {} where the path has one}, the rows up to which int8 beats float32 there with
+    every smaller bucket, `EVERY_SIZE` where float32 never wins). A narrow row can lose where the
+    trial's width wins (docs/gguf-kernels.md: Q8_0 and Q5_0 640 wide from 2 rows on a Zen 5 VM)."""
     ways = gguf_kernels.int8_ways(qtype)
     gen = torch.Generator().manual_seed(2)
     out_features = TRIAL_SHAPE[0] * TRIAL_SHAPE[1] // in_features
@@ -219,12 +205,10 @@ def choose_width_ways(qtype: str, in_features: int) -> tuple[dict[int, str], int
         if best is not None:
             chosen[rows] = best
             gguf_kernels.set_int8_way(qtype, rows, best, in_features)
-        timed = ", ".join(f"{way or 'int8'} {t * 1e6:.0f} us" for way, t in times.items())
         if pays == EVERY_SIZE:  # (once float32 won, the larger buckets only time the ways, for "on")
-            t_float = best_wall_time(lambda: gguf_kernels.matmul(x, w), _repeats(rows))
-            timed += f", float32 {t_float * 1e6:.0f} us"
-            if times[best] >= t_float:  # (a tie: float32, as the type's trial)
-                pays = rows - 1
+            times["float32"] = best_wall_time(lambda: gguf_kernels.matmul(x, w), _repeats(rows))
+            pays = rows - 1 if times[best] >= times["float32"] else pays  # (a tie: float32, as the type's trial)
+        timed = ", ".join(f"{name or 'int8'} {t * 1e6:.0f} us" for name, t in times.items())
         timings.append(f"{rows}: {best or 'int8'} ({timed})")
     logger.info("int8 activations for %s rows of %d: %s (by rows: %s)", qtype, in_features,
                 "as the type's trial says" if pays == EVERY_SIZE else describe(pays), "; ".join(timings))
@@ -437,10 +421,9 @@ def int8_rows_that_pay(qtype: str) -> int:
 
 
 def set_ways_for_width(qtype: str, in_features: int) -> int:
-    """Set the int8 ways of `qtype` products `in_features` wide and return the most rows up to
-    which int8 activations pay at that width (`choose_width_ways`): kept on this machine, else
-    timed and kept; `EVERY_SIZE`, with nothing timed, for widths the trial's or wider (its ways and
-    rows hold)."""
+    """Set the int8 ways of `qtype` rows `in_features` wide and return the rows up to which int8
+    pays there (`choose_width_ways`): kept on this machine, else timed and kept; `EVERY_SIZE`,
+    nothing timed, at the trial's width or wider."""
     if in_features >= TRIAL_SHAPE[1]:
         return EVERY_SIZE
     conds = conditions()
@@ -458,8 +441,7 @@ def set_ways_for_width(qtype: str, in_features: int) -> int:
         mark = load_mark()
         ways, rows = choose_width_ways(qtype, in_features)
         if _quiet_since(mark, f"int8 activations on {qtype} rows of {in_features}"):
-            kept_ways = _stored_width_ways(path, conds)  # (with what another process stored meanwhile)
-            kept_rows = _stored_width_rows(path, conds)
+            kept_ways, kept_rows = _stored_width_ways(path, conds), _stored_width_rows(path, conds)  # (others' too)
             kept_ways.setdefault(qtype, {})[in_features] = ways
             kept_rows.setdefault(qtype, {})[in_features] = rows
             _write(path, conds, width_ways=kept_ways, width_rows=kept_rows)
