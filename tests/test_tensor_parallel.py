@@ -132,9 +132,11 @@ def test_torchrun_launch_generates_like_one_worker(tiny_llama, tiny_reference):
         "--max-model-len", "256", "--num-gpu-blocks", "64",
         "--tensor-parallel-size", "2", "--distributed-init-method", "env://",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # (faulthandler: should a rank abort, as rank 0 once in a while did at exit, the assertion's
+    # message shows where each of its threads was)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-6000:]
     expected = LLM(str(tiny_llama), max_model_len=256, num_gpu_blocks=64).generate(
         "Hello there", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
     )[0].outputs[0].text
