@@ -21,24 +21,6 @@ def test_generate_prints_the_engine_output(tiny_llama, capsys):
     assert printed == "Hello world" + expected[0].outputs[0].text + "\n"
 
 
-def test_generate_shuts_its_engine_down_before_returning_also_on_an_error(tiny_llama, monkeypatch, capsys):
-    """The command tears its engine down itself (a tensor-parallel group is destroyed while the
-    interpreter is whole; left to the exit, rank 0 under torchrun could abort after printing):
-    once when it ends, and when the request fails after the engine started."""
-    from pagedllm.engine.llm_engine import LLMEngine
-
-    calls: list[str] = []
-    shutdown = LLMEngine.shutdown
-    monkeypatch.setattr(LLMEngine, "shutdown", lambda self: calls.append("shutdown") or shutdown(self))
-    assert main(["generate", "--model", str(tiny_llama), "Hello", "--max-tokens", "2", "--max-model-len", "128"]) == 0
-    assert calls == ["shutdown"]
-    # Sampling flags are checked once the engine stands (n > 1 is refused for greedy sampling).
-    code = main(["generate", "--model", str(tiny_llama), "Hello", "--max-tokens", "2", "--max-model-len", "128",
-                 "--n", "2", "--temperature", "0"])
-    assert code == 2 and "greedy" in capsys.readouterr().err
-    assert calls == ["shutdown", "shutdown"]
-
-
 def test_bad_engine_argument_is_a_clear_error(tiny_llama, capsys):
     code = main(["generate", "--model", str(tiny_llama), "hi", "--block-size", "0"])
     assert code == 2

@@ -6,7 +6,6 @@ import argparse
 import logging
 import sys
 import time
-from contextlib import contextmanager
 
 from pagedllm.entrypoints.cli_args import (
     add_chat_template_arg,
@@ -59,89 +58,76 @@ def _make_llm(args: argparse.Namespace):
     return llm
 
 
-@contextmanager
-def _llm(args: argparse.Namespace):
-    """The command's LLM, shut down when the command ends, whatever the way: a tensor-parallel
-    group is then torn down while the interpreter is whole. Left to the exit, gloo's threads could
-    outlive it and abort the process after its output was printed (rank 0 under torchrun:
-    "terminate called without an active exception", SIGABRT, 1 start in 4 here)."""
-    llm = _make_llm(args)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.shutdown()
-
-
 def run_generate(args: argparse.Namespace) -> int:
-    with _llm(args) as llm:
-        params = sampling_params_from(args)
-        params.n = params.best_of = args.n
-        params._verify()
-        if args.chat_template is not None:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
-        else:
-            outputs = llm.generate(args.prompts, params, use_tqdm=False)
-        for prompt, out in zip(args.prompts, outputs):
-            for completion in out.outputs:
-                tag = f"[{completion.index}] " if len(out.outputs) > 1 else ""
-                print(f"{tag}{prompt}{completion.text}" if args.chat_template is None else f"{tag}{completion.text}")
-        return 0
+    llm = _make_llm(args)
+    params = sampling_params_from(args)
+    params.n = params.best_of = args.n
+    params._verify()
+    if args.chat_template is not None:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    for prompt, out in zip(args.prompts, outputs):
+        for completion in out.outputs:
+            tag = f"[{completion.index}] " if len(out.outputs) > 1 else ""
+            print(f"{tag}{prompt}{completion.text}" if args.chat_template is None else f"{tag}{completion.text}")
+    return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
     args.disable_log_stats = True  # no periodic stats inside the answers
-    with _llm(args) as llm:
-        if not getattr(llm.get_tokenizer(), "chat_template", None):  # say so before the first message
-            raise ValueError(
-                f"The model {args.model!r} has no chat template; give one with --chat-template (a Jinja template, a "
-                "file holding one, or chatml), or use `pagedllm generate` with plain prompts."
-            )
-        if not args.verbose:  # from here on only warnings reach the terminal, between the answers
-            logging.getLogger("pagedllm").setLevel(logging.WARNING)
-        engine = llm.llm_engine
-        params = sampling_params_from(args)
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        print("Chatting with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
-        turn = 0
-        while True:
-            try:
-                line = input("you> ").strip()
-            except EOFError:
-                break
-            if not line:
-                break
-            messages.append({"role": "user", "content": line})
-            engine.add_request(f"chat-{turn}", llm.apply_chat_template(messages), params)
-            turn += 1
-            print("model> ", end="", flush=True)
-            printed = 0
-            reply = ""
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    reply = out.outputs[0].text
-                    print(reply[printed:], end="", flush=True)
-                    printed = len(reply)
-            print()
-            messages.append({"role": "assistant", "content": reply})
-        return 0
+    llm = _make_llm(args)
+    if not getattr(llm.get_tokenizer(), "chat_template", None):  # say so before the first message
+        raise ValueError(
+            f"The model {args.model!r} has no chat template; give one with --chat-template (a Jinja template, a "
+            "file holding one, or chatml), or use `pagedllm generate` with plain prompts."
+        )
+    if not args.verbose:  # from here on only warnings reach the terminal, between the answers
+        logging.getLogger("pagedllm").setLevel(logging.WARNING)
+    engine = llm.llm_engine
+    params = sampling_params_from(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chatting with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        engine.add_request(f"chat-{turn}", llm.apply_chat_template(messages), params)
+        turn += 1
+        print("model> ", end="", flush=True)
+        printed = 0
+        reply = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                reply = out.outputs[0].text
+                print(reply[printed:], end="", flush=True)
+                printed = len(reply)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    with _llm(args) as llm:
-        loaded = time.perf_counter()
-        params = sampling_params_from(args)
-        outputs = llm.chat([[{"role": "user", "content": q}] for q in DEMO_QUESTIONS], params, use_tqdm=False)
-        done = time.perf_counter()
-        num_tokens = 0
-        for question, out in zip(DEMO_QUESTIONS, outputs):
-            completion = out.outputs[0]
-            num_tokens += len(completion.token_ids)
-            print(f"Q: {question}\nA: {completion.text.strip()}\n")
-        stats = llm.llm_engine.get_stats()
-        print(
-            f"{len(DEMO_QUESTIONS)} requests batched together: {num_tokens} tokens in {done - loaded:.1f}s "
-            f"({num_tokens / (done - loaded):.1f} tok/s); model loaded in {loaded - start:.1f}s; "
-            f"KV cache of {stats.num_total_blocks} blocks x {args.block_size} tokens."
-        )
-        return 0
+    llm = _make_llm(args)
+    loaded = time.perf_counter()
+    params = sampling_params_from(args)
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in DEMO_QUESTIONS], params, use_tqdm=False)
+    done = time.perf_counter()
+    num_tokens = 0
+    for question, out in zip(DEMO_QUESTIONS, outputs):
+        completion = out.outputs[0]
+        num_tokens += len(completion.token_ids)
+        print(f"Q: {question}\nA: {completion.text.strip()}\n")
+    stats = llm.llm_engine.get_stats()
+    print(
+        f"{len(DEMO_QUESTIONS)} requests batched together: {num_tokens} tokens in {done - loaded:.1f}s "
+        f"({num_tokens / (done - loaded):.1f} tok/s); model loaded in {loaded - start:.1f}s; "
+        f"KV cache of {stats.num_total_blocks} blocks x {args.block_size} tokens."
+    )
+    return 0
