@@ -121,13 +121,14 @@ inline void reduce_part(const float* part, int64_t n, float* max_out, float* sum
 // up in the first part holding it; the first NaN; 0 where every token is masked), and with
 // chosen_logprob that token's log-probability row[argmax] - normaliser.
 void finish_row(const float* row, int64_t cols, const float* maxes, const float* sums, int64_t parts, float* out,
-                int64_t* argmax, float* chosen_logprob) {
+                int64_t* argmax, float* chosen_logprob, float* row_max_out = nullptr) {
   float max = -INFINITY;
   bool nan = false;
   for (int64_t p = 0; p < parts; ++p) {
     nan = nan || maxes[p] != maxes[p];
     max = maxes[p] > max ? maxes[p] : max;
   }
+  if (row_max_out != nullptr) *row_max_out = nan ? NAN : max;  // (row_max's answer)
   float total = 0.0f;
   int64_t winner = -1;  // the first part holding the maximum
   for (int64_t p = 0; p < parts && !nan; ++p) {
@@ -149,14 +150,15 @@ void finish_row(const float* row, int64_t cols, const float* maxes, const float*
 }
 
 // Keeps the tokens of `kept` whose z is at least its k-th largest, counting repeats (every one
-// where it holds fewer than k); the order of those kept is unchanged.
-void keep_k_largest(std::vector<Token>& kept, int64_t k, std::vector<float>& zs) {
-  if (static_cast<int64_t>(kept.size()) <= k) return;
+// where it holds fewer than k), in their order; returns that k-th largest (-inf for fewer than k).
+float keep_k_largest(std::vector<Token>& kept, int64_t k, std::vector<float>& zs) {
+  if (static_cast<int64_t>(kept.size()) < k) return -INFINITY;
   zs.clear();
   for (const Token& c : kept) zs.push_back(c.z);
   std::nth_element(zs.begin(), zs.begin() + (k - 1), zs.end(), std::greater<float>());
   const float kth = zs[k - 1];
   kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const Token& c) { return c.z < kth; }), kept.end());
+  return kth;
 }
 
 // A part's candidates for its row's top k: its tokens with z at or above its own k-th largest
@@ -171,9 +173,7 @@ void part_candidates(const float* part, int64_t n, float inv_t, int64_t k, std::
   float floor = bound.load(std::memory_order_relaxed);
   if (floor == -INFINITY) floor = kth_largest_z(part, n, inv_t, k, heap);  // (-inf: a part shorter than k)
   tokens_from(part, n, inv_t, floor, kept);  // (never a -inf z)
-  keep_k_largest(kept, k, zs);
-  if (static_cast<int64_t>(kept.size()) < k) return;  // (its k-th largest lies below the bound: nothing learnt)
-  floor = std::min_element(kept.begin(), kept.end(), [](const Token& a, const Token& b) { return a.z < b.z; })->z;
+  floor = keep_k_largest(kept, k, zs);  // (-inf: its k-th largest lies below the bound, nothing learnt)
   float seen = bound.load(std::memory_order_relaxed);
   while (floor > seen && !bound.compare_exchange_weak(seen, floor, std::memory_order_relaxed)) {
   }
@@ -278,9 +278,8 @@ void gguf_matmul_sample(int qtype_id, float* y, const float* x, const uint8_t* p
       finish_row(row, out_features, maxes, sums, parts, out + r, tokens + r, chosen_logprob + r);
       continue;
     }
-    finish_row(row, out_features, maxes, sums, parts, out + r, nullptr, nullptr);
-    float max_x = -INFINITY;  // (row_max's answer: NaN where a part holds one)
-    for (int64_t p = 0; p < parts; ++p) max_x = maxes[p] != maxes[p] || max_x != max_x ? NAN : std::max(max_x, maxes[p]);
+    float max_x;
+    finish_row(row, out_features, maxes, sums, parts, out + r, nullptr, nullptr, &max_x);
     const float inv_t = 1.0f / temperature[r], max = max_x * inv_t;
     tokens[r] = 0;  // (as the filtered draw gives for a row holding NaN or nothing but -inf)
     if (max == max && max != -INFINITY) {
