@@ -119,7 +119,8 @@ def use_int8_activations(model: nn.Module, mode: str, by_default: bool = False) 
         if method.int8_rows:  # the ways of rows this wide, where narrower than the trial's, and
             for qtype in method.qtypes:  # ("auto") the rows where int8 still pays at this width
                 width_rows = set_ways_for_width(qtype, method.in_features)
-                method.int8_rows = min(method.int8_rows, width_rows) if mode == "auto" else method.int8_rows
+                if mode == "auto":
+                    method.int8_rows = min(method.int8_rows, width_rows)
     taking = sum(m.int8_rows > 0 for m in methods)
     most = max(m.int8_rows for m in methods)
     sizes = ("no product: float32's were as fast at every trial size" if most == 0 else
@@ -338,7 +339,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def samples_in_product(self, hidden: torch.Tensor) -> bool:
         """Whether `sample` serves `hidden`: one rank, and a weight whose method draws tokens
         with its product (`LinearMethod.samples_in_product`)."""
-        return self.tp.size == 1 and self.quant_method.computes_samples and self.quant_method.samples_in_product(self, hidden)
+        return self.tp.size == 1 and self.quant_method.samples_in_product(self, hidden)
 
     def sample(self, hidden: torch.Tensor, draws) -> tuple[list[int], list[float]]:
         """Where `samples_in_product`: each row's token (greedy, or `draws`' top-k draw) and its

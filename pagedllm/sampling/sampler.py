@@ -165,15 +165,13 @@ class Sampler:
         random_rows = [r for r, item in enumerate(items) if item.sampling_params.sampling_type is SamplingType.RANDOM]
         if not random_rows:
             return None
-        temperature, top_p, min_p, uniform = (torch.zeros(len(items), dtype=torch.float32) for _ in range(4))
-        top_k = torch.zeros(len(items), dtype=torch.int64)
-        params = [items[r].sampling_params for r in random_rows]
-        temperature[random_rows] = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        top_k[random_rows] = torch.tensor([p.top_k for p in params], dtype=torch.int64)
-        top_p[random_rows] = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        min_p[random_rows] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        drawn = [item.sampling_params if r in random_rows else None for r, item in enumerate(items)]  # (greedy: None)
+        uniform = torch.zeros(len(items), dtype=torch.float32)
         uniform[random_rows] = self._uniforms([items[r] for r in random_rows], [items[r].sample_index for r in random_rows])
-        return Draws(temperature, top_k, top_p, min_p, uniform)
+        return Draws(torch.tensor([p.temperature if p is not None else 0.0 for p in drawn], dtype=torch.float32),
+                     torch.tensor([p.top_k if p is not None else 0 for p in drawn], dtype=torch.int64),
+                     torch.tensor([p.top_p if p is not None else 1.0 for p in drawn], dtype=torch.float32),
+                     torch.tensor([p.min_p if p is not None else 0.0 for p in drawn], dtype=torch.float32), uniform)
 
     def _uniforms(self, items: list[ScheduledSequence], sample_index: list[int]) -> torch.Tensor:
         """One uniform number per random row: from the sampler's generator, a seeded request's

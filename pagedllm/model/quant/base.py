@@ -15,8 +15,6 @@ class LinearMethod:
     # The weight is a float [out, in] tensor in `layer.weight` (oneDNN can pack it; padding rows
     # can be zeroed; batch-invariant mode keeps it as it is).
     dense = False
-    # `sample` draws an LM head's tokens with its product (`samples_in_product` says where).
-    computes_samples = False
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] -> x W^T + b [rows, out] (`layer.weight` holds the weight's storage)."""

@@ -32,7 +32,6 @@ EVERY_SIZE = 2**31 - 1
 class GGUFLinear(LinearMethod):
     """GGUF blocks as the kernels read them; parts stacked by output rows."""
 
-    computes_samples = True
 
     parts: list[gguf_kernels.PackedWeight]
     int8_rows: int = 0  # products of up to this many rows on int8 activations (use_int8_activations)
