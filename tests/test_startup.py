@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import gguf
@@ -279,6 +280,30 @@ def test_entries_unused_for_long_are_swept_when_another_is_written(cache, tiny_g
     other = ModelSource("other", "gguf", write_tiny_gguf(tmp_path / "other.gguf", seed=2))
     load(other)
     assert [e.name.split("-")[0] for e in entries(cache)] == ["other"]
+
+
+def test_entries_built_by_other_code_are_swept_once_unused_for_an_hour(cache, tiny_gguf, tmp_path, monkeypatch):
+    """An upgrade's first start removes what the old code built for the same file and settings
+    (it can never be read again), once it is not in use by a version started beside it."""
+    def aged(entry: Path, hours: float) -> None:
+        then = time.time() - hours * 3600
+        os.utime(entry / weight_cache.MANIFEST_FILE, (then, then))
+
+    other = ModelSource("other", "gguf", write_tiny_gguf(tmp_path / "other.gguf", seed=2))
+    load(other)
+    (other_entry,) = entries(cache)
+    load(tiny_gguf)
+    (old,) = set(entries(cache)) - {other_entry}
+    monkeypatch.setattr(weight_cache, "_code_digest", lambda: "an upgrade")
+    load(tiny_gguf)  # the old code's entry was used a moment ago: a version beside this one may need it
+    (upgraded,) = set(entries(cache)) - {other_entry, old}
+    for entry in (other_entry, old):
+        aged(entry, weight_cache.SUPERSEDED_ENTRY_HOURS + 0.1)
+    monkeypatch.setattr(weight_cache, "_code_digest", lambda: "a second upgrade")
+    load(tiny_gguf)
+    (newest,) = set(entries(cache)) - {other_entry, old, upgraded}
+    # the old code's entry is gone; the other file's, as old, and the upgrade's, fresh, are kept
+    assert set(entries(cache)) == {other_entry, upgraded, newest}
 
 
 def test_a_writer_that_fails_publishes_nothing(cache):

@@ -133,7 +133,8 @@ def load_model(
     if not from_cache:
         if entry is not None:
             try:
-                built_from = {"model": str(source.path), "dtype": str(dtype), "tp": [tp.rank, tp.size]}
+                built_from = {"model": str(source.path), "dtype": str(dtype), "tp": [tp.rank, tp.size],
+                              "lineage": weight_cache.lineage(source, dtype, device, tp)}
                 weight_cache.save(model, entry, built_from)
                 how += ", saved to the weight cache"
                 if device.type == "cpu":  # serve from the mapped file too: one copy, shared, pageable

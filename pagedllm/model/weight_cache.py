@@ -19,8 +19,11 @@ are) and `manifest.json` (the file's size and CRC-32, and what it was built from
 safetensors metadata holds each packed weight's method (`LinearMethod.cache_description`), and
 each packed mixture of experts' (`ExpertsMethod.cache_description`, by module name). It is
 published whole by a rename; on load a wrong size, checksum, name, shape or dtype means the entry
-is discarded and rebuilt, never used. Entries unused for `UNUSED_ENTRY_DAYS` are removed when a new one is
-written. `PAGEDLLM_MODEL_CACHE=0` turns the cache off; deleting the folder clears it.
+is discarded and rebuilt, never used. When a new entry is written, entries unused for
+`UNUSED_ENTRY_DAYS` are removed, and so are those of the same file and settings built by other
+code (an upgrade of pagedllm makes them unreachable) once unused for `SUPERSEDED_ENTRY_HOURS`
+(two versions started side by side keep theirs). `PAGEDLLM_MODEL_CACHE=0` turns the cache off;
+deleting the folder clears it.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ _CRC_CHUNK = 1 << 24
 _FREE_DISK_MARGIN = 1 << 30
 # An entry no start has used for this long is removed when another is written.
 UNUSED_ENTRY_DAYS = 30
+# An entry of the same file and settings built by other code, unused for this long, likewise.
+SUPERSEDED_ENTRY_HOURS = 1
 
 
 @functools.cache
@@ -95,6 +100,12 @@ def weights_root() -> Path:
     return cache_dir() / "weights"
 
 
+def lineage(source: ModelSource, dtype: torch.dtype, device: torch.device, tp: TensorParallelGroup) -> str:
+    """What an entry is of, whatever code built it: the file's bytes and this rank's settings.
+    Entries of one lineage but other code are superseded (see `save`)."""
+    return entry_key(file_digest(source.path), dtype, device.type, f"tp={tp.rank}/{tp.size}")
+
+
 def entry_path(source: ModelSource, dtype: torch.dtype, device: torch.device, tp: TensorParallelGroup) -> Path:
     """The cache folder for the weights of the GGUF file `source` as this rank loads them."""
     from importlib.metadata import version
@@ -102,10 +113,7 @@ def entry_path(source: ModelSource, dtype: torch.dtype, device: torch.device, tp
     parts = [
         f"format={WEIGHT_FORMAT_VERSION}",
         f"code={_code_digest()}",
-        file_digest(source.path),
-        str(dtype),
-        device.type,
-        f"tp={tp.rank}/{tp.size}",
+        lineage(source, dtype, device, tp),
         f"gguf={version('gguf')}",
     ]
     return weights_root() / f"{source.name}-{entry_key(*parts)}"
@@ -148,7 +156,8 @@ def _saved_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
 
 def save(model: nn.Module, entry: Path, describe: dict) -> None:
     """Write `model`'s weight forms as the cache entry `entry` (atomically; if another process
-    wrote it first, theirs is kept)."""
+    wrote it first, theirs is kept). `describe` goes into the manifest; its "lineage" (`lineage`)
+    lets this write remove the entries it supersedes."""
     from safetensors.torch import save_file
 
     tensors, methods, experts = _saved_tensors(model)
@@ -157,7 +166,7 @@ def save(model: nn.Module, entry: Path, describe: dict) -> None:
     free = shutil.disk_usage(entry.parent).free
     if needed > free - _FREE_DISK_MARGIN:
         raise OSError(f"{needed / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free")
-    _sweep_unused(entry.parent)
+    _sweep(entry.parent, entry, describe.get("lineage"))
     with staged_entry(entry) as staging:
         path = staging / WEIGHTS_FILE
         save_file(tensors, str(path), metadata={"methods": json.dumps(methods), "experts": json.dumps(experts)})
@@ -170,13 +179,19 @@ def save(model: nn.Module, entry: Path, describe: dict) -> None:
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
 
 
-def _sweep_unused(root: Path) -> None:
+def _sweep(root: Path, writing: Path, lineage: str | None) -> None:
     """Discard entries no start has used for `UNUSED_ENTRY_DAYS` (each load marks its entry):
-    those of files, settings or code versions long gone."""
-    cutoff = time.time() - UNUSED_ENTRY_DAYS * 86400
+    those of files or settings long gone; and the entries `writing` supersedes, of `lineage`
+    but other code, unused for `SUPERSEDED_ENTRY_HOURS`."""
+    now = time.time()
     for entry in root.iterdir():
+        if entry.name.startswith(".") or entry.name == writing.name:
+            continue
         try:
-            if not entry.name.startswith(".") and (entry / MANIFEST_FILE).stat().st_mtime < cutoff:
+            unused = now - (entry / MANIFEST_FILE).stat().st_mtime
+            superseded = lineage is not None and unused > SUPERSEDED_ENTRY_HOURS * 3600 \
+                and (read_json(entry / MANIFEST_FILE) or {}).get("lineage") == lineage
+            if unused > UNUSED_ENTRY_DAYS * 86400 or superseded:
                 discard_entry(entry)
         except OSError:
             pass
