@@ -1,7 +1,7 @@
 // Q4_K and Q5_K int8 products of many rows of x on AMX-INT8, llama.cpp's Q8_K way: x quantized
 // per super-block of 256 (quantize_activations with activation_block), so each sub-block's 6-bit
 // scale applies to an integer sum and a super-block's 256 products stay in the tiles. With
-// gguf_amx_int8.h's tile permission and B layout and the K-quants' decoding (gguf_vnni_int8.h's
+// gguf_amx_int8.h's tile permission and B layout and the K-quants' decoding (gguf_vnni_blocks.h's
 // k4_scales_mins, k4_chunk). Self-contained; in namespace gguf.
 //
 // A weight of sub-block j is d sc_j u - dmin m_j (u its unsigned value, sc_j and m_j 6 bits),

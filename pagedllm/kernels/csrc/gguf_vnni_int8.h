@@ -1,8 +1,9 @@
 // The int8 way on AVX-512 VNNI (path 'avx512', and 'amx' below its tiles' sizes), over the
 // activations gguf_int8.h quantizes (Int8Rows). Self-contained; in namespace gguf. The legacy
 // types scale each 64 products by floats (int8_fused_rows); the K-quants, with x quantized per
-// 256, apply their sub-block scales to integer sums (q8k_fused_rows, llama.cpp's Q8_K way). The
-// block decoders here (k4_chunk, k6_chunk, int8_chunks_avx512) are also the AMX ways'.
+// 256, apply their sub-block scales to integer sums (q8k_fused_rows, llama.cpp's Q8_K way); at one
+// or two rows of x, four rows of W at a time (gguf_vnni_wrows.h). int8_chunks_avx512 is also the
+// AMX ways' decoder.
 
 #pragma once
 
@@ -15,60 +16,12 @@
 #include "gguf_common.h"
 #include "gguf_float.h"
 #include "gguf_int8.h"
+#include "gguf_vnni_blocks.h"
+#include "gguf_vnni_wrows.h"
 
 namespace gguf {
 
 #ifdef GGUF_AVX512
-// Q4_K's and Q5_K's eight 6-bit sub-block scales and minimums of the super-block at p, as bytes
-// (ggml's utmp unpacking).
-inline void k4_scales_mins(const uint8_t* p, uint8_t sc[8], uint8_t mn[8]) {
-  uint32_t q[3], s[2], m[2];
-  std::memcpy(q, p + 4, 12);
-  s[0] = q[0] & 0x3F3F3F3F;
-  s[1] = (q[2] & 0x0F0F0F0F) | (((q[0] >> 6) & 0x03030303) << 4);
-  m[0] = q[1] & 0x3F3F3F3F;
-  m[1] = ((q[2] >> 4) & 0x0F0F0F0F) | (((q[1] >> 6) & 0x03030303) << 4);
-  std::memcpy(sc, s, 8);
-  std::memcpy(mn, m, 8);
-}
-
-inline __m256 k4_bytes_as_floats(const uint8_t v[8]) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
-}
-
-// Weights 64 c to 64 c + 63 of the Q4_K or Q5_K super-block at p as 64 unsigned bytes in natural
-// order: sub-block 2 c, then 2 c + 1.
-template <int T>
-inline __m512i k4_chunk(const uint8_t* p, int c) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (T == kQ4_K ? 16 : 48) + 32 * c));
-  __m512i u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
-                               _mm512_set1_epi8(0x0F));
-  if constexpr (T == kQ5_K) {
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-    const uint64_t lo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c))));
-    const uint64_t hi = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1))));
-    u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(lo | hi << 32, _mm512_set1_epi8(16)));
-  }
-  return u;
-}
-
-// Each of 32 int16 lanes' eighth: the sub-block of 16 weights whose products the lane holds, in a chunk of 64.
-alignas(64) constexpr int16_t kLaneEighths[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                  2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
-
-// Weights 64 c to 64 c + 63 of the Q6_K super-block at p as 64 unsigned bytes (0..63) in natural
-// order: sub-blocks 4 c to 4 c + 3.
-inline __m512i k6_chunk(const uint8_t* p, int c) {
-  const int h = c / 2;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
-  const __m512i ql = _mm512_loadu_si512(p + 64 * h);
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
-  const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-  if (c % 2 == 0) return _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(qh2, three), 4));
-  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh2, 4), three), 4));
-}
-
 // The int8 way on AVX-512 VNNI, a few rows of x at a time and no buffer for W: each 64 weights of
 // a block (a pair of legacy blocks) are decoded in registers into their unsigned values
 // (Q8_0's int8 + 128, so VPDPBUSD's unsigned operand holds them; its constant c is 128 d) and a
@@ -80,33 +33,8 @@ template <int T, class Sink>
 inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c16, Sink&& sink) {
   const TypeSize t = type_size(T);
   if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
-    constexpr bool has_min = T == kQ4_1 || T == kQ5_1, five = T == kQ5_0 || T == kQ5_1;
-    constexpr int qs_at = T == kQ8_0 ? 2 : (has_min ? 4 : 2) + (five ? 4 : 0), qh_at = has_min ? 4 : 2;
-    constexpr float offset = T == kQ8_0 ? 128.0f : T == kQ5_0 ? 16.0f : 8.0f;
-    const __m512i halves = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);  // [lo0 hi0 lo1 hi1] from [lo0 lo1], [hi0 hi1]
-    // The values of a pair of blocks at p0, p1 as 64 unsigned bytes.
-    const auto values = [&](const uint8_t* p0, const uint8_t* p1) {
-      __m512i u;
-      if constexpr (T == kQ8_0) {
-        u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + qs_at))),
-                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + qs_at)), 1);
-        u = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
-      } else {
-        const __m256i both = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + qs_at)),
-                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + qs_at)));
-        const __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)));
-        const __m512i hi = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(both, 4), _mm256_set1_epi8(0x0F)));
-        u = _mm512_permutex2var_epi64(lo, halves, hi);
-        if constexpr (five) {
-          uint32_t h0, h1;
-          std::memcpy(&h0, p0 + qh_at, 4);
-          std::memcpy(&h1, p1 + qh_at, 4);
-          const __mmask64 bits = static_cast<uint64_t>(h0) | static_cast<uint64_t>(h1) << 32;
-          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)));
-        }
-      }
-      return u;
-    };
+    constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
+    constexpr float offset = static_cast<float>(legacy_offset<T>);
     // Eight blocks at a time: their float16 scales (and minimums) converted in one instruction.
     const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     int64_t b = 0;
@@ -122,7 +50,7 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const __m512i which = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)), _mm256_set1_epi32(2 * j + 1), 1);
-        sink((b + 2 * j) * 32, values(p + 2 * j * t.bytes, p + (2 * j + 1) * t.bytes), _mm512_permutexvar_ps(which, d512));
+        sink((b + 2 * j) * 32, legacy_pair_values<T>(p + 2 * j * t.bytes, p + (2 * j + 1) * t.bytes), _mm512_permutexvar_ps(which, d512));
       }
     }
     for (; b < num_blocks; b += 2) {
@@ -133,7 +61,7 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
       const float c0 = has_min ? -half_to_float(p0 + 2) : offset * d0;
       c16[2 * b] = c16[2 * b + 1] = c0;
       if (pair) c16[2 * b + 2] = c16[2 * b + 3] = has_min ? -half_to_float(p1 + 2) : offset * d1;
-      sink(b * 32, values(p0, p1), _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1));
+      sink(b * 32, legacy_pair_values<T>(p0, p1), _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1));
     }
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -222,35 +150,43 @@ inline void int8_fused_rows(float* y, int64_t y_stride, const uint8_t* row, int6
 // 2 x 63 x 127) and one VPDPWSSD by the sub-blocks' scales into int32 lanes (exact: at most
 // 256 x 63 x 127 x 128 in all), and per super-block one conversion and one FMA by d dx: half
 // the vector work of int8_fused_rows, whose scales are floats per 64. The constants' term
-// (minimums; Q6_K's 32) is the same as there (c16 against xs16).
+// (minimums; Q6_K's 32) is the same as there (c16 against xs16), but for up to 4 rows of x it is
+// one FMA per super-block in registers: the pass over c16 after each row of W, with its stores
+// and loads, held a 1-row Q4_K product at 36-46 GB/s where a read gave 51-55 (46-53 without it).
 template <int T, int R>
 inline void q8k_fused_rows(float* y, int64_t y_stride, const uint8_t* row, int64_t num_blocks, const Int8Rows& a,
                            int64_t r0, float* c16) {
   const TypeSize t = type_size(T);
   const int64_t groups = a.padded / 16;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr bool kInRegisters = R <= 4;  // the constants' term
+  __m512 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
   const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* p = row + b * t.bytes;
     prefetch_ahead(p, t.bytes);
     // the sub-block scales as int16 (lanes 0-7, or 0-15 for Q6_K), and the constants per 16 weights
     __m512i scales;
+    __m512 constants;
     float d;
     if constexpr (T == kQ6_K) {
       d = half_to_float(p + 208);
       const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
       scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc));
       const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-      _mm512_storeu_ps(c16 + 16 * b, _mm512_mul_ps(s16, _mm512_set1_ps(32.0f)));
+      constants = _mm512_mul_ps(s16, _mm512_set1_ps(32.0f));
     } else {
       d = half_to_float(p);
       uint8_t sc[8], mn[8];
       k4_scales_mins(p, sc, mn);
       const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)), k4_bytes_as_floats(mn));
-      _mm512_storeu_ps(c16 + 16 * b, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(m8)));
+      constants = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(m8));
       scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
     }
+    if constexpr (kInRegisters)
+      for (int r = 0; r < R; ++r) off[r] = _mm512_fmadd_ps(constants, _mm512_loadu_ps(a.xs16 + (r0 + r) * groups + 16 * b), off[r]);
+    else
+      _mm512_storeu_ps(c16 + 16 * b, constants);
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -274,10 +210,13 @@ inline void q8k_fused_rows(float* y, int64_t y_stride, const uint8_t* row, int64
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * a.dx16[(r0 + r) * groups + 16 * b]), acc[r]);
   }
   for (int r = 0; r < R; ++r) {
-    __m512 off[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t g = 0; g < 16 * num_blocks; g += 16)
-      off[(g / 16) & 1] = _mm512_fmadd_ps(_mm512_loadu_ps(c16 + g), _mm512_loadu_ps(a.xs16 + (r0 + r) * groups + g), off[(g / 16) & 1]);
-    y[r * y_stride] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[r], _mm512_add_ps(off[0], off[1])));
+    if constexpr (!kInRegisters) {
+      __m512 o[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t g = 0; g < 16 * num_blocks; g += 16)
+        o[(g / 16) & 1] = _mm512_fmadd_ps(_mm512_loadu_ps(c16 + g), _mm512_loadu_ps(a.xs16 + (r0 + r) * groups + g), o[(g / 16) & 1]);
+      off[r] = _mm512_add_ps(o[0], o[1]);
+    }
+    y[r * y_stride] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[r], off[r]));
   }
 }
 
@@ -293,10 +232,12 @@ inline void int8_rows_avx512(float* y, int64_t y_stride, const uint8_t* row, int
 template <int T>
 void int8_matmul_avx512(float* y, const uint8_t* packed, int64_t num_rows, int64_t out_features, int64_t in_features,
                         const Int8Rows& a, int num_threads) {
+  constexpr bool kQ8K = T == kQ4_K || T == kQ5_K || T == kQ6_K;  // q8k_fused_rows: no lane scales
+  if constexpr (!kQ8K)
+    if (num_rows <= kWRowsMaxX) return legacy_wrows_matmul<T>(y, packed, num_rows, out_features, in_features, a, num_threads);
   const TypeSize t = type_size(T);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
   const int64_t lanes = a.padded / 4, groups = a.padded / 16;
-  constexpr bool kQ8K = T == kQ4_K || T == kQ5_K || T == kQ6_K;  // q8k_fused_rows: no lane scales
   float* dxl = kQ8K ? nullptr : static_cast<float*>(thread_buffer(6, sizeof(float) * num_rows * lanes));
   if constexpr (!kQ8K)
     for (int64_t r = 0; r < num_rows; ++r)
