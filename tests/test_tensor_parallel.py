@@ -219,3 +219,28 @@ def test_the_driver_never_waits_forever_on_a_peer_that_stops_answering(monkeypat
         peer.join(timeout=10)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_CLOSE_SCRIPT = """
+import os, torch, torch.distributed as dist
+from pagedllm.distributed.init import free_port, init_tensor_parallel
+threads = lambda: len(os.listdir('/proc/self/task'))
+before = threads()
+group = init_tensor_parallel(0, 1, f"tcp://127.0.0.1:{free_port()}", torch.device("cpu"))
+dist.broadcast_object_list([1], src=0, group=group.control_group)
+during = threads()
+group.close()
+print(before, during, threads(), dist.is_initialized(), group.group, group.control_group)
+"""
+
+
+def test_closing_a_group_ends_its_threads_before_the_interpreter_does():
+    """A rank's stop ends gloo's threads then and there: with the groups still referenced (by the
+    model's TensorParallelGroup) they outlived destroy_process_group to the interpreter's teardown,
+    where a torchrun rank 0 once in a while aborted after its output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", _CLOSE_SCRIPT], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, during, after, initialized, group, control = result.stdout.split()
+    assert int(during) > int(before)  # the groups' threads ran
+    assert int(after) == int(before) and (initialized, group, control) == ("False", "None", "None")

@@ -6,6 +6,7 @@ without torch.distributed being initialised.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,18 @@ class TensorParallelGroup:
         out = [None] * self.size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.control_group)
         return out
+
+    def close(self) -> None:
+        """End torch.distributed's groups (the default one with ours) and let go of ours: with no
+        reference left, each group's C++ object and its gloo threads end here, while the
+        interpreter runs. (Held by this frozen object, they lived on to the interpreter's teardown,
+        and a rank 0 launched by torchrun once in a while aborted there after its output: "terminate
+        called without an active exception".) No collective works after."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        object.__setattr__(self, "group", None)
+        object.__setattr__(self, "control_group", None)
+        gc.collect()  # (a cycle holding a group would keep it to the teardown too)
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` items that must divide evenly (e.g. attention heads)."""

@@ -78,9 +78,7 @@ def run_worker_loop(config: EngineConfig, max_model_len: int, rank: int, init_me
         result = getattr(worker, method)(*args)
         if gather:
             group.gather_objects(result)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    group.close()
 
 
 def _spawned_worker(config: EngineConfig, max_model_len: int, rank: int, init_method: str) -> None:
@@ -200,9 +198,9 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
     @staticmethod
-    def _stop(group, processes: list[multiprocessing.Process], threads: int, health: _GroupHealth) -> None:
+    def _stop(group: TensorParallelGroup, processes: list[multiprocessing.Process], threads: int,
+              health: _GroupHealth) -> None:
         import torch
-        import torch.distributed as dist
 
         torch.set_num_threads(threads)
         if health.dead is None and all(p.is_alive() for p in processes):
@@ -217,5 +215,4 @@ class MultiprocExecutor(Executor):
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        group.close()
