@@ -118,12 +118,11 @@ void amx_q8k_matmul_type(float* y, const uint8_t* packed, int64_t num_rows, int6
         for (int64_t sb = 0; sb < nsb; ++sb) {
           const uint8_t* p = row + sb * t.bytes;
           prefetch_ahead(p, t.bytes);
-          uint8_t sc[8], mn[8];
-          k4_scales_mins(p, sc, mn);
+          const K4Scales k = k4_scales_mins(p);
           dw[n * nsb + sb] = half_to_float(p);
-          _mm256_storeu_ps(mw + n * ng + 8 * sb, _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)), k4_bytes_as_floats(mn)));
+          _mm256_storeu_ps(mw + n * ng + 8 * sb, _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)), k4_bytes_as_floats(k.mins)));
           // the eight scales as 16-bit words, split into their low 3 bits and the rest
-          const __m512i words = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+          const __m512i words = _mm512_castsi128_si512(_mm_cvtepu8_epi16(k.scales));
           const __m512i low8 = _mm512_and_si512(words, _mm512_set1_epi16(7)), high8 = _mm512_srli_epi16(words, 3);
 #pragma GCC unroll 4
           for (int ch = 0; ch < 4; ++ch) {

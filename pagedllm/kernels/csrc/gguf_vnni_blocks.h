@@ -12,22 +12,23 @@
 namespace gguf {
 
 #ifdef GGUF_AVX512
-// Q4_K's and Q5_K's eight 6-bit sub-block scales and minimums of the super-block at p, as bytes
-// (ggml's utmp unpacking).
-inline void k4_scales_mins(const uint8_t* p, uint8_t sc[8], uint8_t mn[8]) {
-  uint32_t q[3], s[2], m[2];
-  std::memcpy(q, p + 4, 12);
-  s[0] = q[0] & 0x3F3F3F3F;
-  s[1] = (q[2] & 0x0F0F0F0F) | (((q[0] >> 6) & 0x03030303) << 4);
-  m[0] = q[1] & 0x3F3F3F3F;
-  m[1] = ((q[2] >> 4) & 0x0F0F0F0F) | (((q[1] >> 6) & 0x03030303) << 4);
-  std::memcpy(sc, s, 8);
-  std::memcpy(mn, m, 8);
+// Q4_K's and Q5_K's eight 6-bit sub-block scales and minimums of the super-block at p, each as the
+// low 8 bytes of a vector (ggml's utmp unpacking, kept in registers: through 8-byte arrays on the
+// stack, two 4-byte stores then an 8-byte load, a 1-row Q4_K product 1024 wide ran 5-20% slower).
+struct K4Scales {
+  __m128i scales, mins;
+};
+inline K4Scales k4_scales_mins(const uint8_t* p) {
+  uint32_t q0, q1, q2;
+  std::memcpy(&q0, p + 4, 4);
+  std::memcpy(&q1, p + 8, 4);
+  std::memcpy(&q2, p + 12, 4);
+  const uint64_t s = (q0 & 0x3F3F3F3Fu) | uint64_t{(q2 & 0x0F0F0F0Fu) | (((q0 >> 6) & 0x03030303u) << 4)} << 32;
+  const uint64_t m = (q1 & 0x3F3F3F3Fu) | uint64_t{((q2 >> 4) & 0x0F0F0F0Fu) | (((q1 >> 6) & 0x03030303u) << 4)} << 32;
+  return {_mm_cvtsi64_si128(static_cast<long long>(s)), _mm_cvtsi64_si128(static_cast<long long>(m))};
 }
 
-inline __m256 k4_bytes_as_floats(const uint8_t v[8]) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
-}
+inline __m256 k4_bytes_as_floats(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 
 // Weights 64 c to 64 c + 63 of the Q4_K or Q5_K super-block at p as 64 unsigned bytes in natural
 // order: sub-block 2 c, then 2 c + 1.

@@ -68,10 +68,9 @@ inline void int8_chunks_avx512(const uint8_t* row, int64_t num_blocks, float* c1
     for (int64_t b = 0; b < num_blocks; ++b) {
       const uint8_t* p = row + b * t.bytes;
       prefetch_ahead(p, t.bytes);
-      uint8_t sc[8], mn[8];
-      k4_scales_mins(p, sc, mn);
-      const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)), k4_bytes_as_floats(sc));
-      const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)), k4_bytes_as_floats(mn));
+      const K4Scales k = k4_scales_mins(p);
+      const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)), k4_bytes_as_floats(k.scales));
+      const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)), k4_bytes_as_floats(k.mins));
       _mm512_storeu_ps(c16 + 16 * b, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(m8)));
       const __m512 s512 = _mm512_castps256_ps512(s8);
 #pragma GCC unroll 4
@@ -177,11 +176,10 @@ inline void q8k_fused_rows(float* y, int64_t y_stride, const uint8_t* row, int64
       constants = _mm512_mul_ps(s16, _mm512_set1_ps(32.0f));
     } else {
       d = half_to_float(p);
-      uint8_t sc[8], mn[8];
-      k4_scales_mins(p, sc, mn);
-      const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)), k4_bytes_as_floats(mn));
+      const K4Scales k = k4_scales_mins(p);
+      const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)), k4_bytes_as_floats(k.mins));
       constants = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(m8));
-      scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+      scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(k.scales));
     }
     if constexpr (kInRegisters)
       for (int r = 0; r < R; ++r) off[r] = _mm512_fmadd_ps(constants, _mm512_loadu_ps(a.xs16 + (r0 + r) * groups + 16 * b), off[r]);
