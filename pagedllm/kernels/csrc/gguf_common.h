@@ -65,6 +65,27 @@ inline void for_row_blocks_streamed(int64_t count, int64_t size, Fn&& fn) {
       if (b < hi) fn(b * size, b * size + size <= count ? size : count - b * size);
     }
 }
+// The same share as four streams read together, for ways with four rows of W in flight:
+// fn(rows, valid), rows[s] = lo + s q + i (q: a quarter of the share, rounded up), valid: a bit
+// per stream, clear past the share's end (that stream's row is then lo + i again, read, not kept).
+// Each row of W is read whole in order, and each stream goes on with the next row: four
+// sequential streams, which the prefetchers follow, where four adjacent rows read a chunk of each
+// in turn were not (a 1-row Q4_K product 3072 wide from DRAM: 39-40 against 52-55 GB/s).
+template <class Fn>
+inline void for_rows_in_four_streams(int64_t count, Fn&& fn) {
+  const int teams = omp_get_num_threads(), me = omp_get_thread_num();
+  const int64_t lo = count * me / teams, hi = count * (me + 1) / teams, q = (hi - lo + 3) / 4;
+  for (int64_t i = 0; i < q; ++i) {
+    int64_t rows[4];
+    unsigned valid = 0;
+    for (int s = 0; s < 4; ++s) {
+      const int64_t n = lo + s * q + i;
+      valid |= (n < hi ? 1u : 0u) << s;
+      rows[s] = n < hi ? n : lo + i;
+    }
+    fn(rows, valid);
+  }
+}
 template <class Fn>
 inline void for_rows_streamed(int64_t count, Fn&& fn) {
   for_row_blocks_streamed(count, 1, [&](int64_t n, int64_t) { fn(n); });

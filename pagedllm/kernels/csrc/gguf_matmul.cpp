@@ -11,8 +11,8 @@
 //   (exact operands on the tiles); 32 rows and more: gguf_amx.h (two bfloat16 halves).
 // - int8 (use_int8: x quantized per 32 or per 256, llama.cpp's Q8_0 and Q8_K; gguf_int8.h):
 //   on AVX2, gguf_int8_avx2.h (VPMADDUBSW, register-blocked over rows of W and groups of rows of
-//   x); on AVX-512 VNNI, gguf_vnni_int8.h (VPDPBUSD; one or two rows of x of a legacy type take four
-//   rows of W at a time, gguf_vnni_wrows.h); on AMX-INT8 from 5 rows (10 for Q6_K),
+//   x); on AVX-512 VNNI, gguf_vnni_int8.h (VPDPBUSD; one row of x, or two of a legacy type, takes
+//   four rows of W at a time, gguf_vnni_wrows.h); on AMX-INT8 from 5 rows (10 for Q6_K),
 //   gguf_amx_int8.h and gguf_amx_q8k.h. The types only the AVX2 way decodes (Q2_K, Q3_K, IQ4_NL,
 //   IQ4_XS) take it on every SIMD path. The portable way decodes a row into a buffer.
 // The ISA path (portable C++, AVX2, AVX-512, AMX) is chosen at run time (gguf_set_isa) among those

@@ -1,8 +1,8 @@
 // The int8 way on AVX-512 VNNI (path 'avx512', and 'amx' below its tiles' sizes), over the
 // activations gguf_int8.h quantizes (Int8Rows). Self-contained; in namespace gguf. The legacy
 // types scale each 64 products by floats (int8_fused_rows); the K-quants, with x quantized per
-// 256, apply their sub-block scales to integer sums (q8k_fused_rows, llama.cpp's Q8_K way); at one
-// or two rows of x, four rows of W at a time (gguf_vnni_wrows.h). int8_chunks_avx512 is also the
+// 256, apply their sub-block scales to integer sums (q8k_fused_rows, llama.cpp's Q8_K way); one row
+// of x (two of a legacy type) takes four rows of W at a time (gguf_vnni_wrows.h). int8_chunks_avx512 is also the
 // AMX ways' decoder.
 
 #pragma once
@@ -233,6 +233,8 @@ void int8_matmul_avx512(float* y, const uint8_t* packed, int64_t num_rows, int64
   constexpr bool kQ8K = T == kQ4_K || T == kQ5_K || T == kQ6_K;  // q8k_fused_rows: no lane scales
   if constexpr (!kQ8K)
     if (num_rows <= kWRowsMaxX) return legacy_wrows_matmul<T>(y, packed, num_rows, out_features, in_features, a, num_threads);
+  if constexpr (kQ8K)
+    if (num_rows == 1) return q8k_wrows_matmul<T>(y, packed, out_features, in_features, a, num_threads);
   const TypeSize t = type_size(T);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
   const int64_t lanes = a.padded / 4, groups = a.padded / 16;
