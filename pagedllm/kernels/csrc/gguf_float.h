@@ -217,12 +217,13 @@ inline void expand_block(const uint8_t* b, Sink&& sink, const float* d_in = null
   }
 }
 
-// The float16 at byte `at` of each of eight blocks of `stride` bytes from p, as eight int16 lanes
-// (one conversion then gives the eight blocks' scales or minimums).
-inline __m128i halves_of_8_blocks(const uint8_t* p, int64_t stride, int at) {
+// The float16 at byte `at` of each of eight blocks (or the first `count`) of `stride` bytes from p,
+// as eight int16 lanes, zero past `count` (one conversion then gives the blocks' scales or minimums).
+inline __m128i halves_of_8_blocks(const uint8_t* p, int64_t stride, int at, int count = 8) {
   __m128i h = _mm_setzero_si128();
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
+    if (j >= count) break;
     uint16_t v;
     std::memcpy(&v, p + j * stride + at, 2);
     h = _mm_insert_epi16(h, v, j);

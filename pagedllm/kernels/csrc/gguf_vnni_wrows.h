@@ -91,38 +91,30 @@ inline void legacy_four_rows(float* y, int64_t y_stride, const uint8_t* packed, 
       }
     }
   };
-  int64_t b = 0;
-  for (; b + 8 <= num_blocks; b += 8) {  // eight blocks' float16 scales (and minimums) converted at once
+  // eight blocks (then the last few) at a time, their float16 scales (and minimums) converted at once
+  const auto group = [&](int64_t b, int blocks) {
     __m512 d[4], m[4];
     for (int n = 0; n < 4; ++n) {
       const uint8_t* q = p[n] + b * bytes;
       prefetch_ahead(q, 8 * bytes);
-      d[n] = _mm512_castps256_ps512(_mm256_cvtph_ps(halves_of_8_blocks(q, bytes, 0)));
-      m[n] = has_min ? _mm512_castps256_ps512(_mm256_cvtph_ps(halves_of_8_blocks(q, bytes, 2))) : d[n];
+      d[n] = _mm512_castps256_ps512(_mm256_cvtph_ps(halves_of_8_blocks(q, bytes, 0, blocks)));
+      m[n] = has_min ? _mm512_castps256_ps512(_mm256_cvtph_ps(halves_of_8_blocks(q, bytes, 2, blocks))) : d[n];
     }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
+      if (2 * j >= blocks) break;
       const __m512i which = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)), _mm256_set1_epi32(2 * j + 1), 1);
       __m512 s[4], mn[4];
       for (int n = 0; n < 4; ++n) {
         s[n] = _mm512_permutexvar_ps(which, d[n]);
         mn[n] = has_min ? _mm512_permutexvar_ps(which, m[n]) : s[n];
       }
-      step(b + 2 * j, bytes, s, mn);
+      step(b + 2 * j, 2 * j + 1 < blocks ? bytes : 0, s, mn);  // a lone last block: its second half meets x's zeros
     }
-  }
-  for (; b < num_blocks; b += 2) {  // a lone last block: its second half meets x's zeros
-    const bool pair = b + 1 < num_blocks;
-    __m512 s[4], mn[4];
-    for (int n = 0; n < 4; ++n) {
-      const uint8_t* q = p[n] + b * bytes;
-      s[n] = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(q)), _mm256_set1_ps(pair ? half_to_float(q + bytes) : 0.0f), 1);
-      mn[n] = has_min ? _mm512_insertf32x8(_mm512_set1_ps(half_to_float(q + 2)),
-                                           _mm256_set1_ps(pair ? half_to_float(q + bytes + 2) : 0.0f), 1)
-                      : s[n];
-    }
-    step(b, pair ? bytes : 0, s, mn);
-  }
+  };
+  int64_t b = 0;
+  for (; b + 8 <= num_blocks; b += 8) group(b, 8);
+  if (b < num_blocks) group(b, static_cast<int>(num_blocks - b));
   for (int r = 0; r < R; ++r) store_four(y + r * y_stride, rows, valid, sum_four(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
