@@ -6,7 +6,6 @@ without torch.distributed being initialised.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +65,6 @@ class TensorParallelGroup:
             dist.destroy_process_group()
         object.__setattr__(self, "group", None)
         object.__setattr__(self, "control_group", None)
-        gc.collect()  # (a cycle holding a group would keep it to the teardown too)
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` items that must divide evenly (e.g. attention heads)."""

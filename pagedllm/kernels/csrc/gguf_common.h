@@ -53,18 +53,17 @@ inline int& row_streams() {
   static int streams = 4;  // until a measurement sets it
   return streams;
 }
-// The same in blocks of `size` rows: fn(n0, rows), rows = size but at the end of W.
 template <class Fn>
-inline void for_row_blocks_streamed(int64_t count, int64_t size, Fn&& fn) {
+inline void for_rows_streamed(int64_t count, Fn&& fn) {
   const int teams = omp_get_num_threads(), me = omp_get_thread_num(), streams = row_streams();
-  const int64_t blocks = (count + size - 1) / size;
-  const int64_t lo = blocks * me / teams, hi = blocks * (me + 1) / teams, run = (hi - lo + streams - 1) / streams;
+  const int64_t lo = count * me / teams, hi = count * (me + 1) / teams, run = (hi - lo + streams - 1) / streams;
   for (int64_t i = 0; i < run; ++i)
     for (int s = 0; s < streams; ++s) {
-      const int64_t b = lo + s * run + i;
-      if (b < hi) fn(b * size, b * size + size <= count ? size : count - b * size);
+      const int64_t n = lo + s * run + i;
+      if (n < hi) fn(n);
     }
 }
+
 // The same share as four streams read together, for ways with four rows of W in flight:
 // fn(rows, valid), rows[s] = lo + s q + i (q: a quarter of the share, rounded up), valid: a bit
 // per stream, clear past the share's end (that stream's row is then lo + i again, read, not kept).
@@ -85,10 +84,6 @@ inline void for_rows_in_four_streams(int64_t count, Fn&& fn) {
     }
     fn(rows, valid);
   }
-}
-template <class Fn>
-inline void for_rows_streamed(int64_t count, Fn&& fn) {
-  for_row_blocks_streamed(count, 1, [&](int64_t n, int64_t) { fn(n); });
 }
 
 // A 64-byte aligned buffer of at least `bytes` that the calling thread keeps between calls (one

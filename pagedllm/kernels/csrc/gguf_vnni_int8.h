@@ -231,17 +231,18 @@ template <int T>
 void int8_matmul_avx512(float* y, const uint8_t* packed, int64_t num_rows, int64_t out_features, int64_t in_features,
                         const Int8Rows& a, int num_threads) {
   constexpr bool kQ8K = T == kQ4_K || T == kQ5_K || T == kQ6_K;  // q8k_fused_rows: no lane scales
-  if constexpr (!kQ8K)
-    if (num_rows <= kWRowsMaxX) return legacy_wrows_matmul<T>(y, packed, num_rows, out_features, in_features, a, num_threads);
   if constexpr (kQ8K)
     if (num_rows == 1) return q8k_wrows_matmul<T>(y, packed, out_features, in_features, a, num_threads);
   const TypeSize t = type_size(T);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
   const int64_t lanes = a.padded / 4, groups = a.padded / 16;
   float* dxl = kQ8K ? nullptr : static_cast<float*>(thread_buffer(6, sizeof(float) * num_rows * lanes));
-  if constexpr (!kQ8K)
+  if constexpr (!kQ8K) {
     for (int64_t r = 0; r < num_rows; ++r)
       for (int64_t l = 0; l < lanes; ++l) dxl[r * lanes + l] = a.dx16[r * groups + l / 4];
+    if (num_rows <= kWRowsMaxX)
+      return legacy_wrows_matmul<T>(y, packed, num_rows, out_features, in_features, a, dxl, num_threads);
+  }
   constexpr int kGroup = 8;
 #pragma omp parallel num_threads(num_threads)
   {

@@ -194,26 +194,25 @@ void q8k_wrows_matmul(float* y, const uint8_t* packed, int64_t out_features, int
 // The rows of x legacy_wrows_matmul takes (more: int8_fused_rows, where x's vectors fill the registers).
 constexpr int kWRowsMaxX = 2;
 
+// dxl: each row of x's scale per lane of 4 weights (int8_matmul_avx512's).
 template <int T>
 void legacy_wrows_matmul(float* y, const uint8_t* packed, int64_t num_rows, int64_t out_features, int64_t in_features,
-                         const Int8Rows& a, int num_threads) {
+                         const Int8Rows& a, const float* dxl, int num_threads) {
   const TypeSize t = type_size(T);
   const int64_t num_blocks = in_features / t.weights, row_bytes = num_blocks * t.bytes;
-  const int64_t lanes = a.padded / 4, groups = a.padded / 16;
-  float* lane_dx = static_cast<float*>(thread_buffer(6, 12 * num_rows * lanes));
-  float* lane_xs = lane_dx + num_rows * lanes;
+  const int64_t lanes = a.padded / 4;
+  float* lane_xs = static_cast<float*>(thread_buffer(7, 8 * num_rows * lanes));
   int32_t* start = reinterpret_cast<int32_t*>(lane_xs + num_rows * lanes);
   XLanes x[kWRowsMaxX];
   for (int64_t r = 0; r < num_rows; ++r) {
     const int8_t* q = a.qx + r * a.padded;
+    const float* dx = dxl + r * lanes;
     for (int64_t l = 0; l < lanes; ++l) {
       const int sum = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
-      const float dx = a.dx16[r * groups + l / 4];
-      lane_dx[r * lanes + l] = dx;
-      lane_xs[r * lanes + l] = dx * static_cast<float>(sum);
+      lane_xs[r * lanes + l] = dx[l] * static_cast<float>(sum);
       start[r * lanes + l] = -legacy_offset<T> * sum;
     }
-    x[r] = XLanes{q, lane_dx + r * lanes, start + r * lanes, lane_xs + r * lanes};
+    x[r] = XLanes{q, dx, start + r * lanes, lane_xs + r * lanes};
   }
 #pragma omp parallel num_threads(num_threads)
   for_rows_in_four_streams(out_features, [&](const int64_t rows[4], unsigned valid) {
