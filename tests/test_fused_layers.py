@@ -206,9 +206,9 @@ def _counting_head(monkeypatch) -> list[tuple[int, bool]]:
     calls: list[tuple[int, bool]] = []
     original = gguf.matmul_sample
 
-    def counted(x, w, int8=False, draws=None):
+    def counted(x, w, int8=False, draws=None, **kwargs):
         calls.append((x.shape[0], draws is not None and bool((draws.top_k > 0).any())))
-        return original(x, w, int8, draws)
+        return original(x, w, int8, draws, **kwargs)
 
     monkeypatch.setattr(gguf, "matmul_sample", counted)
     return calls

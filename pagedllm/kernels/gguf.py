@@ -23,8 +23,10 @@ same entry point, for the fused decoder (csrc/decoder_layers.cpp).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -155,16 +157,21 @@ _DRAW_DTYPES = (torch.float32, torch.int64, torch.float32, torch.float32, torch.
 
 
 def matmul_sample(
-    x: torch.Tensor, w: PackedWeight, int8: bool = False, draws: Draws | None = None
-) -> tuple[torch.Tensor, list[int], list[float]]:
+    x: torch.Tensor, w: PackedWeight, int8: bool = False, draws: Draws | None = None, logits: bool = True
+) -> tuple[torch.Tensor | None, list[int], list[float]]:
     """(matmul(x, w, int8), each row's token, its log-probability), the logits' parts reduced as
     soon as the product wrote them rather than read back from memory afterwards (an LM head's
     decode step). A greedy row (every row without `draws`) gives what `ops.greedy_rows` gives of
     the product, bitwise; a top-k row the token `ops.sample_filtered_rows` draws from it and its
-    log-probability from `ops.logsumexp_rows`, as the sampler reports them."""
+    log-probability from `ops.logsumexp_rows`, as the sampler reports them. With logits=False the
+    product goes to a buffer kept for the next call (`_logits_scratch`), and None comes back in its
+    place; the tokens and log-probabilities come back through ctypes arrays, not tensors: a decode
+    step calls this right after its layers have streamed the weights through the caches, where
+    every call into torch fetches its code again."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be float32 [rows, {w.in_features}], got {x.dtype} {list(x.shape)}")
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     rows = x.shape[0]
     if draws is not None and (
         any(t.shape != (rows,) or not t.is_contiguous() or t.dtype != dtype for t, dtype in zip(draws, _DRAW_DTYPES))
@@ -172,14 +179,31 @@ def matmul_sample(
     ):
         raise ValueError(f"draws must hold [{rows}] contiguous tensors of {[str(d) for d in _DRAW_DTYPES]}, "
                          f"top_k in [0, {w.out_features})")
-    y = torch.empty(rows, w.out_features, dtype=torch.float32)
-    log_norm, tokens, logprob = (torch.empty(rows, dtype=dtype) for dtype in (torch.float32, torch.int64, torch.float32))
+    y = torch.empty(rows, w.out_features, dtype=torch.float32) if logits else None
+    log_norm, tokens, logprob = (ctypes.c_float * rows)(), (ctypes.c_int64 * rows)(), (ctypes.c_float * rows)()
     filters = [t.data_ptr() for t in draws] if draws is not None else [None] * 5
     if rows:
-        _lib().gguf_matmul_sample(TYPE_IDS[w.qtype], y.data_ptr(), x.data_ptr(), w.data.data_ptr(), w.data.shape[1], rows,
-                                  w.out_features, w.in_features, torch.get_num_threads(), int(int8), log_norm.data_ptr(),
-                                  tokens.data_ptr(), logprob.data_ptr(), *filters)
-    return y, tokens.tolist(), logprob.tolist()
+        out = y if y is not None else _logits_scratch(rows * w.out_features)
+        _lib().gguf_matmul_sample(TYPE_IDS[w.qtype], out.data_ptr(), x.data_ptr(), w.data.data_ptr(), w.data.shape[1], rows,
+                                  w.out_features, w.in_features, torch.get_num_threads(), int(int8), log_norm,
+                                  tokens, logprob, *filters)
+    return y, list(tokens), list(logprob)
+
+
+# The most floats `_logits_scratch` keeps between calls (a larger product allocates its own).
+_SCRATCH_FLOATS = 4 << 20
+_scratch = threading.local()  # (each thread its own: engines may step in threads side by side)
+
+
+def _logits_scratch(floats: int) -> torch.Tensor:
+    """`floats` float32s (at least) for logits nobody keeps: this thread's kept buffer, grown as
+    needed up to _SCRATCH_FLOATS; a larger product gets one of its own."""
+    if floats > _SCRATCH_FLOATS:
+        return torch.empty(floats, dtype=torch.float32)
+    buffer = getattr(_scratch, "logits", None)
+    if buffer is None or buffer.numel() < floats:
+        buffer = _scratch.logits = torch.empty(floats, dtype=torch.float32)
+    return buffer
 
 
 def dequantize_rows(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -64,7 +64,8 @@ class GGUFLinear(LinearMethod):
                 and x.device.type == "cpu")
 
     def sample(self, layer, x, draws):
-        _, token_ids, logprobs = gguf_kernels.matmul_sample(x, self.parts[0], x.shape[0] <= self.int8_rows, draws)
+        _, token_ids, logprobs = gguf_kernels.matmul_sample(x, self.parts[0], x.shape[0] <= self.int8_rows, draws,
+                                                            logits=False)
         return token_ids, logprobs
 
     def embed(self, layer, ids):
