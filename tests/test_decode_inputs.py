@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
 import torch
 
 from pagedllm.core.scheduler_output import ScheduledSequence
@@ -57,9 +58,13 @@ class _Seq:
                                  sampling_params=SamplingParams(temperature=0), other_block_tables=self.tables[1:])
 
 
-def test_each_step_equals_its_inputs_built_anew():
+@pytest.mark.parametrize("advance", ["kernel", "numpy"])
+def test_each_step_equals_its_inputs_built_anew(advance):
     rng = random.Random(0)
     inputs = DecodeInputs(BLOCK)
+    assert inputs._advance_kernel is not None  # (the kernels are built wherever the tests run)
+    if advance == "numpy":  # the way without the kernel library
+        inputs._advance_kernel = None
     seqs = [_Seq(0, 20, 3, rng), _Seq(1, 45, 3, rng), _Seq(2, 3, 3, rng)]
     advanced = built = 0
     for step in range(80):

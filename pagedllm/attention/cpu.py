@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.kernels import build as cpu_kernels
+from pagedllm.kernels import ops
+from pagedllm.kernels.ops import as_kernel_array
 from pagedllm.utils import cdiv
 
 # Prompt tokens handled by one work item of the kernel: its keys and values are read once for
@@ -59,7 +61,7 @@ class _Plan:
     item_seq: torch.Tensor  # int32 [num_items]
     item_first_token: torch.Tensor  # int32 [num_items]
     item_num_tokens: torch.Tensor  # int32 [num_items]
-    token_context: torch.Tensor  # int32 [num_tokens]: keys visible to each token
+    token_context: torch.Tensor  # int64 [num_tokens]: keys visible to each token
     block_tables: torch.Tensor  # int32, contiguous
     fresh_prompts: list[tuple[int, int]]  # (first token, length) of prompts without cached context
     # The layers the plan is for: a window (tokens) and whether scores are soft-capped.
@@ -93,8 +95,8 @@ def _plan(metadata: AttentionMetadata, batch_invariant: bool, sliding_window: in
         item_seq=torch.from_numpy(item_seq.astype(np.int32)),
         item_first_token=torch.from_numpy(item_first.astype(np.int32)),
         item_num_tokens=torch.from_numpy(item_count.astype(np.int32)),
-        token_context=torch.from_numpy(token_context.astype(np.int32)),
-        block_tables=metadata.block_tables.to(torch.int32).contiguous(),
+        token_context=torch.from_numpy(token_context),
+        block_tables=as_kernel_array(metadata.block_tables, torch.int32),
         fresh_prompts=[(int(starts[i]), int(query_lens[i])) for i in np.flatnonzero(fresh)],
         sliding_window=sliding_window,
         soft_capped=soft_capped,
@@ -105,9 +107,17 @@ def _decode_plan(metadata: AttentionMetadata, sliding_window: int | None, soft_c
     """`_plan` of a step of decodes only: one item of one token per sequence, no fresh prompt."""
     seqs, ones = _decode_items(metadata.num_decodes)
     return _Plan(item_seq=seqs, item_first_token=seqs, item_num_tokens=ones,
-                 token_context=metadata.seq_lens.to(torch.int32),
-                 block_tables=metadata.block_tables.to(torch.int32).contiguous(), fresh_prompts=[],
+                 token_context=as_kernel_array(metadata.seq_lens, torch.int64),
+                 block_tables=as_kernel_array(metadata.block_tables, torch.int32), fresh_prompts=[],
                  sliding_window=sliding_window, soft_capped=soft_capped)
+
+
+
+def decode_inputs_advancer():
+    """The C function that moves a CPU decode step's inputs (positions, context lengths, slots,
+    input ids) one token further in place (`worker.decode_inputs`), or None where the kernel
+    library is not built."""
+    return ops.entry("advance_decode_inputs")
 
 
 @functools.lru_cache(maxsize=64)

@@ -145,6 +145,8 @@ def load() -> ctypes.CDLL:
         getattr(lib, name).restype = ctypes.c_int
     lib.decoder_layers_f32.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P, _P, _P]
     lib.decoder_layers_f32.restype = None
+    lib.advance_decode_inputs.argtypes = [_P, ctypes.c_int64, _P, _P, ctypes.c_int64]
+    lib.advance_decode_inputs.restype = None
     lib.decoder_layers_num_parts.restype = ctypes.c_int
     lib.moe_layer_f32.argtypes = [_P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.moe_layer_f32.restype = None

@@ -29,6 +29,20 @@ def applies_to_layer(x: torch.Tensor) -> bool:
     return x.dtype in _LAYER_SUFFIX and x.device.type == "cpu" and _lib() is not None
 
 
+def entry(name: str):
+    """The kernel library's C function `name`, or None where the library is not built."""
+    lib = _lib()
+    return getattr(lib, name) if lib is not None else None
+
+
+def as_kernel_array(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` as a contiguous array of `dtype` for a kernel: itself where it already is one (a
+    decode step's inputs are, and are advanced in place), with no call into torch then: a step
+    that has just streamed the weights through the caches fetches each such call's code again,
+    tens of microseconds for what costs one warm."""
+    return tensor if tensor.dtype == dtype and tensor.is_contiguous() else tensor.to(dtype).contiguous()
+
+
 def _kernel(name: str, x: torch.Tensor):
     return _kernel_for(name, x.dtype)
 

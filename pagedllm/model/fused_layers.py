@@ -31,6 +31,7 @@ from pagedllm.attention import Attention
 
 from pagedllm.kernels import build, gguf
 from pagedllm.kernels.gguf import MAX_ROWS
+from pagedllm.kernels.ops import as_kernel_array
 from pagedllm.model.rotary import RotaryEmbedding
 
 _P = ctypes.c_void_p
@@ -102,7 +103,7 @@ def moe_struct(moe) -> tuple[_MoE, tuple]:
 class _Step(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "num_tokens", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "block_size", "intermediate_size",
-        "num_threads")] + [("eps", ctypes.c_float)] + [("rotary_positions", _P), ("slot_mappings", _P),
+        "num_threads")] + [("eps", ctypes.c_float), ("embed_scale", ctypes.c_float)] + [("rotary_positions", _P), ("slot_mappings", _P),
         ("block_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
         ("block_tables", _P), ("block_table_strides", _P),
         ("item_seq", _P), ("item_first_token", _P), ("item_num_tokens", _P), ("num_items", ctypes.c_int64),
@@ -158,11 +159,14 @@ class FusedLayer:
 class FusedDecoderPlan:
     """What a model hands the fused path (`CausalLM.fused_decoder_plan`): its layers, the
     norms' epsilon (one for every norm of the model) and its final norm's weight as the kernel
-    multiplies (`norm_weight`): the call ends with the final norm, as the model's forward does."""
+    multiplies (`norm_weight`): the call ends with the final norm, as the model's forward does.
+    embed_scale: what the model multiplies its embeddings by (Gemma's sqrt(hidden_size), as a
+    float32), done by the call: the model hands it the embeddings as looked up."""
 
     layers: list[FusedLayer]
     eps: float
     final_norm: torch.Tensor
+    embed_scale: float = 1.0
 
     @property
     def rotaries(self) -> list[RotaryEmbedding]:
@@ -191,10 +195,12 @@ class FusedDecoderLayers:
         if self.lib.decoder_layers_num_parts() != len(PARTS):  # part_ns is sized from PARTS
             raise RuntimeError("decoder_layers.cpp and fused_layers.PARTS disagree on the parts of a step")
         self._layers = None
+        self._attns = [layer.attn for layer in plan.layers]
         self._group_windows: dict[int, int | None] = {}
         self._bound_to = None
-        self._scratch_step: tuple[int, _Step, torch.Tensor] | None = None  # `_step`'s
-        self._pointer_arrays: tuple | None = None  # `_addresses`'
+        self._scratch_step: tuple[int, _Step, int, torch.Tensor] | None = None  # `_step`'s
+        self._step_inputs: tuple | None = None  # the (metadata, positions) `_set_inputs` filled the step from
+        self._inputs_held: tuple = ()
         self.part_ns: ctypes.Array | None = None  # set while a step profile is taken
         first = plan.layers[0]
         self.hidden_size = first.input_norm.shape[0]
@@ -249,7 +255,7 @@ class FusedDecoderLayers:
 
     def _layer_array(self) -> ctypes.Array:
         """The layers' pointers, built again if the KV pools were bound anew."""
-        attns = [layer.attn for layer in self.layers]
+        attns = self._attns
         if attns[0].key_cache is None:
             raise RuntimeError("Attention layer has no KV cache bound; call model.bind_kv_cache() first.")
         key_cache = attns[0].key_cache
@@ -281,35 +287,54 @@ class FusedDecoderLayers:
         return self._layers
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, metadata) -> torch.Tensor:
-        """hidden: the embeddings [T, hidden_size] -> the final norm of the last layer's output
-        and the residual stream (what the model's layer loop and final norm give)."""
+        """hidden: the embeddings [T, hidden_size] as looked up (the plan's embed_scale not yet
+        applied) -> the final norm of the last layer's output (what the model's scaling, layer
+        loop and final norm give)."""
         layers = self._layer_array()
+        step, residual = self._step(hidden.shape[0])
+        if self._step_inputs is None or self._step_inputs[0] is not metadata or self._step_inputs[1] is not positions:
+            self._set_inputs(step, positions, metadata)
+        step.num_threads = torch.get_num_threads()
+        hidden = as_kernel_array(hidden, torch.float32)
+        out = torch.empty_like(hidden)
+        self.lib.decoder_layers_f32(ctypes.addressof(layers), len(layers), ctypes.byref(step), hidden.data_ptr(),
+                                    residual, self.final_norm.data_ptr(), out.data_ptr(),
+                                    ctypes.cast(self.part_ns, _P) if self.part_ns is not None else None)
+        return out
+
+    def _set_inputs(self, step: _Step, positions: torch.Tensor, metadata) -> None:
+        """The step's inputs into `step`: the attention plan, each group's block tables and slots,
+        each rotary table's rows. Kept for the next call with the same `metadata` and `positions`
+        (a decode step's inputs advanced in place, `worker.decode_inputs`: the same tensors one
+        token further, so the same addresses), unless a table's rows are computed anew each step
+        (LongRoPE's)."""
         groups = [metadata, *metadata.other_groups]
         # One plan: every group has the same work items (a step with no fresh prompt: `applies`),
         # only the block tables differ, as int32 the kernel reads.
         plan = self.backend.plan(metadata, self._group_windows.get(0))
-        tables = [plan.block_tables, *(m.block_tables.to(torch.int32).contiguous() for m in groups[1:])]
-        positions = [r.table_positions(positions, metadata).contiguous() for r in self.rotaries]
-        step = self._step(hidden.shape[0])
-        step.rotary_positions, step.slot_mappings, step.block_tables, step.block_table_strides = self._addresses(
-            positions, [m.slot_mapping for m in groups], tables)
+        tables = [plan.block_tables, *(as_kernel_array(m.block_tables, torch.int32) for m in groups[1:])]
+        rows = [as_kernel_array(r.table_positions(positions, metadata), torch.int64) for r in self.rotaries]
+        slots = [as_kernel_array(m.slot_mapping, torch.int64) for m in groups]
+        arrays = ((_P * len(rows))(*(r.data_ptr() for r in rows)), (_P * len(slots))(*(m.data_ptr() for m in slots)),
+                  (_P * len(tables))(*(t.data_ptr() for t in tables)),
+                  (ctypes.c_int64 * len(tables))(*(t.shape[1] for t in tables)))
+        step.rotary_positions, step.slot_mappings, step.block_tables, step.block_table_strides = (
+            ctypes.addressof(a) for a in arrays)
         step.item_seq, step.item_first_token = plan.item_seq.data_ptr(), plan.item_first_token.data_ptr()
         step.item_num_tokens, step.num_items = plan.item_num_tokens.data_ptr(), plan.item_seq.shape[0]
-        step.token_context, step.num_threads = plan.token_context.data_ptr(), torch.get_num_threads()
-        hidden = hidden.contiguous()
-        residual, out = torch.empty_like(hidden), torch.empty_like(hidden)
-        self.lib.decoder_layers_f32(ctypes.addressof(layers), len(layers), ctypes.byref(step), hidden.data_ptr(),
-                                    residual.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(),
-                                    ctypes.cast(self.part_ns, _P) if self.part_ns is not None else None)
-        return out
+        step.token_context = plan.token_context.data_ptr()
+        # (the tensors behind the addresses held as long as the step may read them)
+        self._inputs_held = (arrays, plan, tables, rows, slots)
+        self._step_inputs = (metadata, positions) if all(r is positions for r in rows) else None
 
-    def _step(self, num_tokens: int) -> _Step:
-        """The C++ step of `num_tokens` tokens with its scratch (the last size's kept: a batch
-        decodes at one size for many steps); the caller fills in the step's own pointers."""
+    def _step(self, num_tokens: int) -> tuple[_Step, int]:
+        """The C++ step of `num_tokens` tokens and the address of its residual stream, with its
+        scratch (the last size's kept: a batch decodes at one size for many steps); the caller
+        fills in the step's inputs (`_set_inputs`)."""
         if self._scratch_step is None or self._scratch_step[0] != num_tokens:
             T, H, I = num_tokens, self.hidden_size, self.intermediate_size
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            widths = (q_width + 2 * kv_width, q_width, q_width, kv_width, kv_width, H, 2 * I, I)
+            widths = (q_width + 2 * kv_width, q_width, q_width, kv_width, kv_width, H, 2 * I, I, H)
             scratch = torch.empty(T * sum(widths), dtype=torch.float32)
             pointers, offset = [], 0
             for width in widths:
@@ -317,25 +342,11 @@ class FusedDecoderLayers:
                 offset += T * width
             key_cache = self.layers[0].attn.key_cache
             step = _Step(T, H, self.num_heads, self.num_kv_heads, self.head_dim, key_cache.shape[2], I, 0, self.eps,
-                         None, None, key_cache.stride(0), key_cache.stride(1), None, None, None, None, None, 0, None,
-                         *pointers)
-            self._scratch_step = (num_tokens, step, scratch)
-        return self._scratch_step[1]
-
-    def _addresses(self, positions: list[torch.Tensor], slot_mappings: list[torch.Tensor],
-                   tables: list[torch.Tensor]) -> tuple[int, int, int, int]:
-        """The addresses of the arrays of pointers (rotary positions, slot mappings, block
-        tables) and of the tables' strides: built again only when a tensor moved (a decode
-        step's inputs are advanced in place: `worker.decode_inputs`)."""
-        key = (*(p.data_ptr() for p in positions), *(m.data_ptr() for m in slot_mappings),
-               *(t.data_ptr() for t in tables), *(t.shape[1] for t in tables))
-        if self._pointer_arrays is None or self._pointer_arrays[0] != key:
-            arrays = ((_P * len(positions))(*(p.data_ptr() for p in positions)),
-                      (_P * len(slot_mappings))(*(m.data_ptr() for m in slot_mappings)),
-                      (_P * len(tables))(*(t.data_ptr() for t in tables)),
-                      (ctypes.c_int64 * len(tables))(*(t.shape[1] for t in tables)))
-            self._pointer_arrays = (key, arrays, tuple(ctypes.addressof(a) for a in arrays))
-        return self._pointer_arrays[2]
+                         self.plan.embed_scale, None, None, key_cache.stride(0), key_cache.stride(1), None, None, None,
+                         None, None, 0, None, *pointers[:-1])
+            self._scratch_step = (num_tokens, step, pointers[-1], scratch)
+            self._step_inputs = None
+        return self._scratch_step[1], self._scratch_step[2]
 
 
 def enable_fused_layers(model, backend) -> bool:

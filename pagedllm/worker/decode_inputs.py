@@ -13,10 +13,13 @@ Either way the tensors are those `build_attention_metadata` gives (tests/test_de
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.attention.cpu import decode_inputs_advancer
 from pagedllm.core.scheduler_output import ScheduledSequence
 from pagedllm.worker.block_tables import block_table_array
 
@@ -69,6 +72,10 @@ class DecodeInputs:
         self._advancing = np.zeros((0, 0), dtype=np.int64)
         self._input_ids = np.zeros(0, dtype=np.int64)  # the input_ids tensor's array
         self._block_tables: list[np.ndarray] = []  # each group's, as the metadata holds them
+        # The C step of `_advance` and its arrays' addresses (None without the kernel library:
+        # numpy then); set by `build`.
+        self._advance_kernel = decode_inputs_advancer()
+        self._addresses: tuple[int, int, int] = (0, 0, 0)
         self.num_advanced = 0  # steps served by advancing the last one's inputs (tests read it)
 
     def build(self, items: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -85,6 +92,7 @@ class DecodeInputs:
             group.seq_lens, group.slot_mapping = seq_lens, torch.from_numpy(self._advancing[2 + g])
         self._inputs = input_ids, positions, metadata
         self._input_ids = input_ids.numpy()
+        self._addresses = (self._advancing.ctypes.data, self._advancing.size, self._input_ids.ctypes.data)
         self._block_tables = [m.block_tables.numpy() for m in groups]
         self._seq_ids = [item.seq_id for item in items]
         self._starts = [item.start_position for item in items]
@@ -117,11 +125,17 @@ class DecodeInputs:
     def _advance(self, items: list[ScheduledSequence], changed: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         inputs, self._inputs = self._inputs, None  # (if this fails part way, the next step builds anew)
         input_ids, _, metadata = inputs
-        self._advancing += 1
-        self._input_ids[:] = [item.token_ids[0] for item in items]
+        ids = [item.token_ids[0] for item in items]
+        if self._advance_kernel is not None:  # (no numpy in a decode step: see the kernel's comment)
+            advancing, count, input_ids_address = self._addresses
+            self._advance_kernel(advancing, count, input_ids_address, (ctypes.c_int64 * len(ids))(*ids), len(ids))
+        else:
+            self._advancing += 1
+            self._input_ids[:] = ids
         self._starts = [start + 1 for start in self._starts]
-        block_size, slots = self.block_size, self._advancing[2:]
+        block_size = self.block_size
         for row in changed:  # its tables written again, its slots looked up
+            slots = self._advancing[2:]
             item = items[row]
             position = item.start_position
             tables = item.block_tables
@@ -129,7 +143,7 @@ class DecodeInputs:
                 array[row] = block_table_array([table], width=array.shape[1])[0]
                 slot[row] = int(array[row, position // block_size]) * block_size + position % block_size
             self._tables[row] = [list(table) for table in tables]
-        lens = self._advancing[1].tolist()
+        lens = [start + 1 for start in self._starts]  # (the context lengths, as the array holds them)
         for group in (metadata, *metadata.other_groups):
             group.seq_lens_list = lens
             group.backend_plan = None  # derived from the step's lengths: the backend plans again

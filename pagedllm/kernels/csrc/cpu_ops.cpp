@@ -182,4 +182,13 @@ void gelu_tanh_and_mul_f32(float* out, const float* x, int num_rows, int dim, in
   gated_activation<Gate::kGeluTanh>(out, x, num_rows, dim, num_threads);
 }
 
+// A decode step's inputs one token further (worker/decode_inputs.py): each of the `count` int64s
+// of `advancing` (positions, context lengths, slots) plus one, and the `n` input ids from `ids`.
+// (A few integers: what numpy does in one call, but a step that has just streamed the weights
+// through the caches would fetch numpy's code again for it, tens of microseconds.)
+void advance_decode_inputs(int64_t* advancing, int64_t count, int64_t* input_ids, const int64_t* ids, int64_t n) {
+  for (int64_t i = 0; i < count; ++i) advancing[i] += 1;
+  for (int64_t i = 0; i < n; ++i) input_ids[i] = ids[i];
+}
+
 }  // extern "C"

@@ -38,7 +38,7 @@ void write_kv_f32_f32(const void* key, const void* value, void* key_cache, void*
 void paged_attention_f32_f32_windowed(void* out, const void* query, const void* key_cache, const void* value_cache,
                              int64_t block_stride, int64_t head_stride, const int32_t* block_tables,
                              int64_t block_table_stride, const int32_t* item_seq, const int32_t* item_first_token,
-                             const int32_t* item_num_tokens, int num_items, const int32_t* token_context,
+                             const int32_t* item_num_tokens, int num_items, const int64_t* token_context,
                              int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                              int fixed_partition_blocks, int sliding_window, float logits_soft_cap, int num_threads);
 }
@@ -115,6 +115,7 @@ struct Layer {
 struct Step {
   int32_t num_tokens, hidden_size, num_heads, num_kv_heads, head_dim, block_size, intermediate_size, num_threads;
   float eps;
+  float embed_scale;  // the embeddings times this first (Gemma's sqrt(hidden_size); else 1)
   const int64_t* const* rotary_positions;  // [rotary tables]: each token's row of that table
   const int64_t* const* slot_mappings;  // [groups]
   int64_t block_stride, head_stride;
@@ -124,7 +125,7 @@ struct Step {
   const int32_t* item_first_token;
   const int32_t* item_num_tokens;
   int64_t num_items;
-  const int32_t* token_context;
+  const int64_t* token_context;
   // scratch: [T, qkv width], [T, heads * head_dim] twice, [T, kv heads * head_dim] twice,
   // [T, hidden], [T, 2 * intermediate], [T, intermediate]
   float *qkv, *query, *attn, *key, *value, *normed, *gate_up, *act;
@@ -310,6 +311,7 @@ void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, floa
   const int q_width = s->num_heads * s->head_dim, kv_width = s->num_kv_heads * s->head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width;
   Timer timer(part_ns);
+  if (s->embed_scale != 1.0f) scale_in_place(hidden, static_cast<int64_t>(T) * H, s->embed_scale);
   std::memcpy(residual, hidden, sizeof(float) * T * H);
   timer.lap(kCopies);
   for (int l = 0; l < num_layers; ++l) {

@@ -60,7 +60,7 @@ struct Problem {
   const int32_t* item_first_token;
   const int32_t* item_num_tokens;
   int num_items;
-  const int32_t* token_context;
+  const int64_t* token_context;
   int num_heads, num_kv_heads, head_dim, block_size;
   float scale;
   int group;              // query heads per KV head
@@ -96,7 +96,7 @@ template <typename Q, typename T>
 inline int item_context(const Problem<Q, T>& pb, int item) {
   int context = 0;
   for (int t = 0; t < pb.item_num_tokens[item]; ++t) {
-    const int c = pb.token_context[pb.item_first_token[item] + t];
+    const int c = static_cast<int>(pb.token_context[pb.item_first_token[item] + t]);
     context = context > c ? context : c;
   }
   return context;
@@ -111,7 +111,7 @@ inline int first_visible_key(const Problem<Q, T>& pb, int context) {
 // The first block the item reads: its first token sees the earliest keys.
 template <typename Q, typename T>
 inline int item_first_block(const Problem<Q, T>& pb, int item) {
-  return first_visible_key(pb, pb.token_context[pb.item_first_token[item]]) / pb.block_size;
+  return first_visible_key(pb, static_cast<int>(pb.token_context[pb.item_first_token[item]])) / pb.block_size;
 }
 
 // Where the item's first partition starts: at its first block, or with fixed partitions at a
@@ -326,7 +326,7 @@ template <typename Q, typename T>
 inline void softmax_pass(const Problem<Q, T>& pb, const UnitView& v, Scratch& s) {
   auto clamp = [&](int pos) { return pos < 0 ? 0 : pos > v.length ? v.length : pos; };
   for (int r = 0; r < v.rows; ++r) {
-    const int context = pb.token_context[v.first + (r % v.rows_per_head) / pb.group];
+    const int context = static_cast<int>(pb.token_context[v.first + (r % v.rows_per_head) / pb.group]);
     // The row sees the partition's keys [from, to): up to itself, and from its window's start.
     const int to = clamp(context - v.begin), from = std::min(clamp(first_visible_key(pb, context) - v.begin), to);
     float* row = s.scores.data() + static_cast<size_t>(r) * v.length;
@@ -427,7 +427,7 @@ void attention(Q* out, const Q* query, const T* key_cache, const T* value_cache,
                int64_t block_stride, int64_t head_stride,
                const int32_t* block_tables, int64_t block_table_stride,
                const int32_t* item_seq, const int32_t* item_first_token, const int32_t* item_num_tokens,
-               int num_items, const int32_t* token_context,
+               int num_items, const int64_t* token_context,
                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                int fixed_partition_blocks, int sliding_window, float logits_soft_cap, int num_threads) {
 #ifdef PAGED_AVX2
@@ -467,7 +467,7 @@ extern "C" {
   void *out, const void *query, const void *key_cache, const void *value_cache,                   \
       int64_t block_stride, int64_t head_stride, const int32_t *block_tables,                     \
       int64_t block_table_stride, const int32_t *item_seq, const int32_t *item_first_token,       \
-      const int32_t *item_num_tokens, int num_items, const int32_t *token_context, int num_heads, \
+      const int32_t *item_num_tokens, int num_items, const int64_t *token_context, int num_heads, \
       int num_kv_heads, int head_dim, int block_size, float scale, int fixed_partition_blocks
 #define PAGED_ATTENTION_CALL(Q, T, WINDOW, CAP)                                                    \
   attention<Q, T>(static_cast<Q*>(out), static_cast<const Q*>(query),                              \
