@@ -27,7 +27,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED  # (by value: a str's hash is cached, an Enum's is a Python call)
 
     @property
     def finish_reason(self) -> str | None:
@@ -35,12 +35,13 @@ class SequenceStatus(enum.Enum):
 
 
 _FINISHED = frozenset(
-    {
+    status.value
+    for status in (
         SequenceStatus.FINISHED_STOPPED,
         SequenceStatus.FINISHED_LENGTH,
         SequenceStatus.FINISHED_ABORTED,
         SequenceStatus.FINISHED_ERROR,
-    }
+    )
 )
 
 
