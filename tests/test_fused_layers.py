@@ -59,6 +59,45 @@ def test_fused_layers_equal_the_layer_loop_bitwise(smollm_llm):
     assert fused == loop
 
 
+@pytest.mark.parametrize("table", ["gguf", "float32", "module"])
+def test_the_fused_call_looks_tokens_up_as_the_embedding_does(smollm_llm, monkeypatch, table):
+    """The C++ call looks its rows up itself in a GGUF-packed token table (the default model's) or
+    a float32 one, else has the embedding module do it: each way bitwise the layer loop's run."""
+    import torch
+
+    from pagedllm.kernels import gguf
+    from pagedllm.model import fused_layers
+
+    model = smollm_llm.llm_engine.executor.worker.model
+    fused = model.fused_layers
+    embedding = model.model.embed_tokens
+    (packed,) = embedding.quant_method.fused_parts
+    assert fused_layers._token_table(embedding)[0] == gguf.TYPE_IDS[packed.qtype]
+    if table == "float32":
+        rows = gguf.dequantize_rows(packed)
+        monkeypatch.setattr(fused_layers, "_token_table", lambda _: (-1, rows.data_ptr(), rows.shape[0]))
+    elif table == "module":
+        monkeypatch.setattr(fused_layers, "_token_table", lambda _: None)
+    fused._bound_to = None  # (the layers' pointers and the table taken again)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True, logprobs=3)
+    calls: list[int] = []
+    try:
+        with _counting(fused, calls):
+            ours = _run(smollm_llm, prompts, params)
+            assert 2 in calls and (fused._table is None) == (table == "module")
+            assert table != "float32" or fused._table[0] == -1
+            with _without(model):
+                assert ours == _run(smollm_llm, prompts, params)
+        if table == "gguf":  # an id outside the vocabulary: an error, nothing computed
+            metadata, positions = fused._step_inputs
+            with pytest.raises(ValueError, match=f"in \\[0, {packed.out_features}\\)"):
+                fused(positions, torch.full((positions.shape[0],), packed.out_features), metadata)
+    finally:
+        monkeypatch.undo()
+        fused._bound_to = None
+
+
 def test_prompts_and_large_batches_take_the_loop(smollm_llm, monkeypatch):
     engine = smollm_llm.llm_engine
     model = engine.executor.worker.model

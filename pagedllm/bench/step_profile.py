@@ -122,11 +122,11 @@ class StepProfiler:
         have made them (per layer: two norms, four projections, one of each other part)."""
         fused_calls = self.calls.pop(_FUSED, 0)
         self.part_ns.pop(_FUSED, None)  # the whole call: what its parts leave is `other`
-        per_layer = {"norms": 2, "projections": 4}
+        per_layer = {"norms": 2, "projections": 4, "embedding": 1 / num_layers}  # (the lookup: once a call)
         for name, ns in zip(names, part_ns):
             if name in PARTS and name != "other":
                 self.part_ns[name] += ns
-                self.calls[name] += fused_calls * num_layers * per_layer.get(name, 1)
+                self.calls[name] += round(fused_calls * num_layers * per_layer.get(name, 1))
 
 
 def _hook_points(engine) -> list[tuple[object, str, str, bool]]:

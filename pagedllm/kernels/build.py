@@ -144,7 +144,7 @@ def load() -> ctypes.CDLL:
     for name in ("gguf_isa", "gguf_best_isa", "gguf_set_isa", "gguf_set_row_streams", "gguf_row_streams"):
         getattr(lib, name).restype = ctypes.c_int
     lib.decoder_layers_f32.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P, _P, _P]
-    lib.decoder_layers_f32.restype = None
+    lib.decoder_layers_f32.restype = ctypes.c_int
     lib.advance_decode_inputs.argtypes = [_P, ctypes.c_int64, _P, _P, ctypes.c_int64]
     lib.advance_decode_inputs.restype = None
     lib.decoder_layers_num_parts.restype = ctypes.c_int

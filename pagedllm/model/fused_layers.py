@@ -37,7 +37,7 @@ from pagedllm.model.rotary import RotaryEmbedding
 _P = ctypes.c_void_p
 # The C++ parts, in the order of decoder_layers.cpp's enum, as the step profile names them
 # ("copies": gathering q, k and v out of the fused projection, counted with the rest).
-PARTS = ("norms", "projections", "rotary", "kv_write", "attention", "mlp_activation", "copies")
+PARTS = ("norms", "projections", "rotary", "kv_write", "attention", "mlp_activation", "copies", "embedding")
 
 
 _MAX_PARTS = 3  # decoder_layers.cpp's kMaxParts
@@ -103,7 +103,9 @@ def moe_struct(moe) -> tuple[_MoE, tuple]:
 class _Step(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "num_tokens", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "block_size", "intermediate_size",
-        "num_threads")] + [("eps", ctypes.c_float), ("embed_scale", ctypes.c_float)] + [("rotary_positions", _P), ("slot_mappings", _P),
+        "num_threads")] + [("eps", ctypes.c_float), ("embed_scale", ctypes.c_float), ("input_ids", _P),
+        ("embed_table", _P), ("vocab_size", ctypes.c_int64), ("embed_type", ctypes.c_int32)] + [
+        ("rotary_positions", _P), ("slot_mappings", _P),
         ("block_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
         ("block_tables", _P), ("block_table_strides", _P),
         ("item_seq", _P), ("item_first_token", _P), ("item_num_tokens", _P), ("num_items", ctypes.c_int64),
@@ -160,12 +162,14 @@ class FusedDecoderPlan:
     """What a model hands the fused path (`CausalLM.fused_decoder_plan`): its layers, the
     norms' epsilon (one for every norm of the model) and its final norm's weight as the kernel
     multiplies (`norm_weight`): the call ends with the final norm, as the model's forward does.
-    embed_scale: what the model multiplies its embeddings by (Gemma's sqrt(hidden_size), as a
-    float32), done by the call: the model hands it the embeddings as looked up."""
+    It starts from the token ids: `embedding` is the model's token table (the call looks rows up
+    itself in a GGUF-packed or float32 one, else has the module do it) and `embed_scale` what the
+    model multiplies the rows by (Gemma's sqrt(hidden_size), Granite's multiplier; float32)."""
 
     layers: list[FusedLayer]
     eps: float
     final_norm: torch.Tensor
+    embedding: nn.Module
     embed_scale: float = 1.0
 
     @property
@@ -198,7 +202,7 @@ class FusedDecoderLayers:
         self._attns = [layer.attn for layer in plan.layers]
         self._group_windows: dict[int, int | None] = {}
         self._bound_to = None
-        self._scratch_step: tuple[int, _Step, int, torch.Tensor] | None = None  # `_step`'s
+        self._scratch_step: tuple[int, _Step, int, int, torch.Tensor] | None = None  # `_step`'s
         self._step_inputs: tuple | None = None  # the (metadata, positions) `_set_inputs` filled the step from
         self._inputs_held: tuple = ()
         self.part_ns: ctypes.Array | None = None  # set while a step profile is taken
@@ -210,6 +214,7 @@ class FusedDecoderLayers:
         self.intermediate_size = dense[0].down.quant_method.in_features if dense else 1
         self.eps = plan.eps
         self.final_norm = plan.final_norm
+        self._table: tuple[int, int, int] | None = None  # `_token_table`'s, set with the layers' pointers
 
     @staticmethod
     def supported(plan: FusedDecoderPlan, backend) -> bool:
@@ -237,11 +242,12 @@ class FusedDecoderLayers:
         intermediate = {layer.down.quant_method.in_features for layer in layers if layer.down is not None}
         return len(shapes) == 1 and len(intermediate) <= 1  # (the step's scratch is sized once)
 
-    def applies(self, hidden: torch.Tensor, metadata) -> bool:
-        """A step of at most MAX_ROWS tokens, none of them a prompt without cached context that a
-        group's layers would run apart (torch's fused causal attention in the loop: `_plan`'s
-        fresh prompts, those of more than one token with no cached context, within the window)."""
-        if hidden.shape[0] > MAX_ROWS or hidden.device.type != "cpu":
+    def applies(self, input_ids: torch.Tensor, metadata) -> bool:
+        """A step of at most MAX_ROWS tokens (input_ids: [T]) on the CPU, none of them a prompt
+        without cached context that a group's layers would run apart (torch's fused causal
+        attention in the loop: `_plan`'s fresh prompts, those of more than one token with no
+        cached context, within the window)."""
+        if input_ids.shape[0] > MAX_ROWS or not input_ids.is_cpu:
             return False
         if metadata.num_decodes == len(metadata.query_lens):  # decodes only (the common case): no prompt
             return True
@@ -281,25 +287,32 @@ class FusedDecoderLayers:
                     attn.sliding_window or 0, ACTIVATIONS[layer.activation], attn.scale,
                     attn.logits_soft_cap or 0.0, layer.branch_scale))
             self._layers = (_Layer * len(layers))(*layers)
+            self._table = _token_table(self.plan.embedding)
             self._group_windows = {attn.kv_cache_group: attn.sliding_window for attn in attns}
             self._bound_to = bound
             self._scratch_step = None  # (it holds the pools' strides)
         return self._layers
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, metadata) -> torch.Tensor:
-        """hidden: the embeddings [T, hidden_size] as looked up (the plan's embed_scale not yet
-        applied) -> the final norm of the last layer's output (what the model's scaling, layer
-        loop and final norm give)."""
+    def __call__(self, positions: torch.Tensor, input_ids: torch.Tensor, metadata) -> torch.Tensor:
+        """input_ids: [T] -> the final norm of the last layer's output (what the model's lookup
+        and scaling, layer loop and final norm give), [T, hidden_size]."""
         layers = self._layer_array()
-        step, residual = self._step(hidden.shape[0])
+        num_tokens = input_ids.shape[0]
+        step, hidden, residual = self._step(num_tokens)
         if self._step_inputs is None or self._step_inputs[0] is not metadata or self._step_inputs[1] is not positions:
             self._set_inputs(step, positions, metadata)
         step.num_threads = torch.get_num_threads()
-        hidden = as_kernel_array(hidden, torch.float32)
-        out = torch.empty_like(hidden)
-        self.lib.decoder_layers_f32(ctypes.addressof(layers), len(layers), ctypes.byref(step), hidden.data_ptr(),
-                                    residual, self.final_norm.data_ptr(), out.data_ptr(),
-                                    ctypes.cast(self.part_ns, _P) if self.part_ns is not None else None)
+        if self._table is not None:  # the C++ step looks the rows up
+            input_ids = as_kernel_array(input_ids, torch.int64)
+            step.input_ids = input_ids.data_ptr()
+        else:
+            embedded = as_kernel_array(self.plan.embedding(input_ids), torch.float32)
+            hidden, step.input_ids = embedded.data_ptr(), None
+        out = torch.empty(num_tokens, self.hidden_size, dtype=torch.float32)
+        if self.lib.decoder_layers_f32(ctypes.addressof(layers), len(layers), ctypes.byref(step), hidden, residual,
+                                       self.final_norm.data_ptr(), out.data_ptr(),
+                                       ctypes.cast(self.part_ns, _P) if self.part_ns is not None else None):
+            raise ValueError(f"token ids must be in [0, {self._table[2]})")
         return out
 
     def _set_inputs(self, step: _Step, positions: torch.Tensor, metadata) -> None:
@@ -327,26 +340,43 @@ class FusedDecoderLayers:
         self._inputs_held = (arrays, plan, tables, rows, slots)
         self._step_inputs = (metadata, positions) if all(r is positions for r in rows) else None
 
-    def _step(self, num_tokens: int) -> tuple[_Step, int]:
-        """The C++ step of `num_tokens` tokens and the address of its residual stream, with its
-        scratch (the last size's kept: a batch decodes at one size for many steps); the caller
-        fills in the step's inputs (`_set_inputs`)."""
+    def _step(self, num_tokens: int) -> tuple[_Step, int, int]:
+        """The C++ step of `num_tokens` tokens and the addresses of its hidden states' and its
+        residual stream's buffers, with its scratch (the last size's kept: a batch decodes at one
+        size for many steps); the caller fills in the step's inputs (`_set_inputs`)."""
         if self._scratch_step is None or self._scratch_step[0] != num_tokens:
             T, H, I = num_tokens, self.hidden_size, self.intermediate_size
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            widths = (q_width + 2 * kv_width, q_width, q_width, kv_width, kv_width, H, 2 * I, I, H)
+            widths = (q_width + 2 * kv_width, q_width, q_width, kv_width, kv_width, H, 2 * I, I, H, H)
             scratch = torch.empty(T * sum(widths), dtype=torch.float32)
             pointers, offset = [], 0
             for width in widths:
                 pointers.append(scratch.data_ptr() + 4 * offset)
                 offset += T * width
             key_cache = self.layers[0].attn.key_cache
+            kind, table, vocab = self._table or (-1, None, 0)
             step = _Step(T, H, self.num_heads, self.num_kv_heads, self.head_dim, key_cache.shape[2], I, 0, self.eps,
-                         self.plan.embed_scale, None, None, key_cache.stride(0), key_cache.stride(1), None, None, None,
-                         None, None, 0, None, *pointers[:-1])
-            self._scratch_step = (num_tokens, step, pointers[-1], scratch)
+                         self.plan.embed_scale, None, table, vocab, kind, None, None, key_cache.stride(0),
+                         key_cache.stride(1), None, None, None, None, None, 0, None, *pointers[:-2])
+            self._scratch_step = (num_tokens, step, pointers[-2], pointers[-1], scratch)
             self._step_inputs = None
-        return self._scratch_step[1], self._scratch_step[2]
+        return self._scratch_step[1:4]
+
+
+def _token_table(embedding: nn.Module) -> tuple[int, int, int] | None:
+    """(the C++ step's embed_type, the table's address, its rows) of a token table the step reads
+    rows of itself: GGUF-packed in one part, or dense float32; None for any other (the embedding
+    module then looks the rows up)."""
+    method = embedding.quant_method
+    parts = method.fused_parts
+    if parts is not None and len(parts) == 1:
+        (table,) = parts
+        return gguf.TYPE_IDS[table.qtype], table.data.data_ptr(), table.out_features
+    if method.dense:
+        weight = embedding.weight
+        if weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu":
+            return -1, weight.data_ptr(), weight.shape[0]
+    return None
 
 
 def enable_fused_layers(model, backend) -> bool:

@@ -92,10 +92,9 @@ class GemmaModel(nn.Module):
         self.fused_layers = None  # the layer loop as one C++ call where it applies (set by the worker)
 
     def forward(self, input_ids, positions, metadata):
-        hidden = self.embed_tokens(input_ids)
-        if self.fused_layers is not None and self.fused_layers.applies(hidden, metadata):
-            return self.fused_layers(positions, hidden, metadata)  # (the scaling and the final norm included)
-        hidden = hidden * self.normalizer
+        if self.fused_layers is not None and self.fused_layers.applies(input_ids, metadata):
+            return self.fused_layers(positions, input_ids, metadata)  # (the lookup, scaling and final norm included)
+        hidden = self.embed_tokens(input_ids) * self.normalizer
         table = {id(r): r.table_positions(positions, metadata) for r in self.rotaries}
         residual = None
         for layer in self.layers:
@@ -117,7 +116,8 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         if self.tp.size != 1:
             return None
         return FusedDecoderPlan([block.fused() for block in self.model.layers], self.cfg.rms_norm_eps,
-                                norm_weight(self.model.norm), embed_scale=float(self.model.normalizer))
+                                norm_weight(self.model.norm), self.model.embed_tokens,
+                                embed_scale=float(self.model.normalizer))
 
     def layer_projections(self, layer: int) -> dict[str, nn.Parameter]:
         block = self.model.layers[layer]

@@ -98,9 +98,9 @@ class LlamaModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, metadata):
+        if self.fused_layers is not None and self.fused_layers.applies(input_ids, metadata):
+            return self.fused_layers(positions, input_ids, metadata)  # (the lookup and final norm included)
         hidden = self.embed(input_ids)
-        if self.fused_layers is not None and self.fused_layers.applies(hidden, metadata):
-            return self.fused_layers(positions, hidden, metadata)  # (the final norm included)
         positions = self.rotary.table_positions(positions, metadata)
         residual = None
         for layer in self.layers:
@@ -166,4 +166,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
                 norm_weight(block.input_layernorm), norm_weight(block.post_attention_layernorm), attn.qkv_proj,
                 attn.o_proj, attn=attn.attn, rotary=attn.rotary, **mlp_parts,
                 branch_scale=getattr(block, "residual_multiplier", 1.0), **heads))
-        return FusedDecoderPlan(layers, cfg.rms_norm_eps, norm_weight(self.model.norm))
+        # (Granite's embedding multiplier: what its `embed` multiplies by, the fused call too)
+        return FusedDecoderPlan(layers, cfg.rms_norm_eps, norm_weight(self.model.norm), self.model.embed_tokens,
+                                embed_scale=getattr(self.model, "embedding_multiplier", 1.0))

@@ -35,6 +35,8 @@ void gelu_tanh_and_mul_f32(float* out, const float* x, int num_rows, int dim, in
 void write_kv_f32_f32(const void* key, const void* value, void* key_cache, void* value_cache, int64_t block_stride,
                       int64_t head_stride, const int64_t* slot_mapping, int num_tokens, int num_kv_heads,
                       int head_dim, int block_size);
+int gguf_dequantize_rows(int qtype_id, float* out, const uint8_t* packed, const int64_t* indices, int64_t num_indices,
+                         int64_t num_rows, int64_t in_features, int num_threads);
 void paged_attention_f32_f32_windowed(void* out, const void* query, const void* key_cache, const void* value_cache,
                              int64_t block_stride, int64_t head_stride, const int32_t* block_tables,
                              int64_t block_table_stride, const int32_t* item_seq, const int32_t* item_first_token,
@@ -116,6 +118,12 @@ struct Step {
   int32_t num_tokens, hidden_size, num_heads, num_kv_heads, head_dim, block_size, intermediate_size, num_threads;
   float eps;
   float embed_scale;  // the embeddings times this first (Gemma's sqrt(hidden_size); else 1)
+  // With input_ids, the step looks its embeddings up itself in the token table: [vocab_size]
+  // rows of a GGUF type (embed_type its id) or of float32 (embed_type -1).
+  const int64_t* input_ids;
+  const void* embed_table;
+  int64_t vocab_size;
+  int32_t embed_type;
   const int64_t* const* rotary_positions;  // [rotary tables]: each token's row of that table
   const int64_t* const* slot_mappings;  // [groups]
   int64_t block_stride, head_stride;
@@ -132,7 +140,7 @@ struct Step {
 };
 
 // Parts timed (the order of part_ns).
-enum Part { kNorms, kProjections, kRotary, kKvWrite, kAttention, kActivation, kCopies, kNumParts };
+enum Part { kNorms, kProjections, kRotary, kKvWrite, kAttention, kActivation, kCopies, kEmbedding, kNumParts };
 
 class Timer {
  public:
@@ -296,22 +304,40 @@ void scale_in_place(float* x, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) x[i] *= scale;
 }
 
+// The step's embeddings into hidden [T, H] from the token table (Step::input_ids); false if an id
+// is outside the vocabulary (nothing then is computed).
+bool look_up_embeddings(const Step* s, float* hidden) {
+  const int T = s->num_tokens, H = s->hidden_size;
+  if (s->embed_type >= 0)
+    return gguf_dequantize_rows(s->embed_type, hidden, static_cast<const uint8_t*>(s->embed_table), s->input_ids, T,
+                                s->vocab_size, H, s->num_threads) == 0;
+  for (int t = 0; t < T; ++t)
+    if (s->input_ids[t] < 0 || s->input_ids[t] >= s->vocab_size) return false;
+  const float* table = static_cast<const float*>(s->embed_table);
+  for (int t = 0; t < T; ++t)
+    std::memcpy(hidden + static_cast<int64_t>(t) * H, table + s->input_ids[t] * H, sizeof(float) * H);
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
 
-// hidden: [T, hidden_size], the embeddings in; the last layer's output (not yet added to the
-// residual stream) out. residual: [T, hidden_size], the residual stream out. With final_norm (the
+// hidden: [T, hidden_size], the embeddings in (unless the step looks them up itself:
+// Step::input_ids); the last layer's output (not yet added to the residual stream) out. residual: [T, hidden_size], the residual stream out. With final_norm (the
 // model's final norm's weight, as the kernel multiplies), out: [T, hidden_size], the final norm of
 // the two (what the model's norm module computes after the layers), so the step's hidden states
-// leave the call ready for the head. part_ns: null, or kNumParts counters.
-void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, float* hidden, float* residual,
-                        const float* final_norm, float* out, int64_t* part_ns) {
+// leave the call ready for the head. part_ns: null, or kNumParts counters. Returns -1 (and
+// computes nothing) if an input id is outside the vocabulary, else 0.
+int decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, float* hidden, float* residual,
+                       const float* final_norm, float* out, int64_t* part_ns) {
   const int T = s->num_tokens, H = s->hidden_size, threads = s->num_threads;
   const int q_width = s->num_heads * s->head_dim, kv_width = s->num_kv_heads * s->head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width;
   Timer timer(part_ns);
+  if (s->input_ids != nullptr && !look_up_embeddings(s, hidden)) return -1;
   if (s->embed_scale != 1.0f) scale_in_place(hidden, static_cast<int64_t>(T) * H, s->embed_scale);
+  timer.lap(kEmbedding);
   std::memcpy(residual, hidden, sizeof(float) * T * H);
   timer.lap(kCopies);
   for (int l = 0; l < num_layers; ++l) {
@@ -376,6 +402,7 @@ void decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, floa
     fused_add_rms_norm_f32(out, residual, hidden, final_norm, T, H, s->eps, threads);
     timer.lap(kNorms);
   }
+  return 0;
 }
 
 int decoder_layers_num_parts() { return kNumParts; }
