@@ -306,3 +306,39 @@ def test_top_k_draws_from_the_heads_product_equal_the_samplers(smollm_llm, monke
     assert len({tuple(ids) for ids, _ in head[1:]}) == 3  # (draws, not one token over and over)
     run([*params[:3], SamplingParams(temperature=1.0, seed=3, max_tokens=4)])  # no top-k on the last
     assert calls[count:] and all(rows < 4 for rows, _ in calls[count:])  # (the three left, once it ended)
+
+
+def test_decode_steps_draw_in_the_head_right_after_the_layers(smollm_llm, monkeypatch):
+    """A step of decodes that the head serves is decided before the forward
+    (`ModelRunner._head_draws`): its tokens come from the head's product called right after the
+    layers, not through the rows' gathering and `_sample`, and are those of that way (greedy and
+    seeded top-k rows, tokens and cumulative log-probabilities compared with ==)."""
+    from pagedllm.worker.model_runner import ModelRunner
+
+    runner = smollm_llm.llm_engine.executor.worker.runner
+    # No step-time budget: the prompts all run in one step (as in the test above).
+    monkeypatch.setattr(smollm_llm.llm_engine.step_budget, "max_step_seconds", None)
+    prompts = ["The capital of France is", "Water boils at", "Once upon a time"]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=40, seed=1, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    sampled: list[int] = []
+    original = ModelRunner._sample
+
+    def counted(self, picked, items):
+        sampled.append(len(items))
+        return original(self, picked, items)
+
+    monkeypatch.setattr(ModelRunner, "_sample", counted)
+
+    def run():
+        runner.sampler._global.manual_seed(99)
+        return _tokens_and_logprobs(smollm_llm.generate(prompts, params, use_tqdm=False))
+
+    early = run()
+    assert sampled == [3]  # the prompts' step only: every decode step drew right after the layers
+    sampled.clear()
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "_head_draws", lambda self, items: None)
+        assert run() == early
+    assert len(sampled) >= 9  # every step through `_sample` there

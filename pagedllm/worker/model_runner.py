@@ -89,6 +89,9 @@ class ModelRunner:
         self.decode_inputs = DecodeInputs(block_size) if device.type == "cpu" else None
         # Entered by every step: one context kept (the decorator builds two objects a call).
         self._inference_mode = torch.inference_mode()
+        # An empty tensor of the form of the model's hidden states (from the first step that
+        # samples; None before): what `_head_draws` asks `samples_in_head` about before a forward.
+        self._hidden_form: torch.Tensor | None = None
 
     @torch.inference_mode()
     def time_prefill(self, num_tokens: int, repeats: int = 1) -> list[float]:
@@ -128,11 +131,19 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.applies(items):
             hidden, query_lens = self.graphs.run(items)  # each sequence's q rows, its tokens last
         else:
+            head = None
             if self.decode_inputs is not None and all(len(item.token_ids) == 1 for item in items):
                 input_ids, positions, metadata = self.decode_inputs.build(items)
+                head = self._head_draws(items)
             else:
                 input_ids, positions, metadata = build_attention_metadata(items, self.block_size, self.device)
             hidden = self.model(input_ids, positions, metadata)
+            if head is not None:  # each row's token from the head's product, right after the layers
+                token_ids, logprobs = self.model.head_samples(hidden, head[0])
+                result = ModelRunnerOutput()
+                for item, token_id, logprob in zip(items, token_ids, logprobs):
+                    result.outputs[item.seq_id] = SequenceStepOutput(samples=[SampledToken(token_id, logprob)])
+                return result
             query_lens = metadata.query_lens
 
         # Rows that need logits: each sampling sequence's last token (a speculating sequence's
@@ -173,6 +184,8 @@ class ModelRunner:
         back); else the logits, then the sampler, which runs where the logits are (on a GPU only
         the chosen tokens come back)."""
         sampler = self.sampler
+        if self._hidden_form is None:
+            self._hidden_form = torch.empty((0, picked.shape[1]), dtype=picked.dtype, device=picked.device)
         if (sampler is not None and len(items) == picked.shape[0] and self.model.samples_in_head(picked)
                 and sampler.in_head(items, self.model.cfg.vocab_size)):
             return sampler.token_samples(*self.model.head_samples(picked, sampler.draws(items)))
@@ -180,6 +193,21 @@ class ModelRunner:
         if logits is None or self.sampler is None:
             return None
         return self.sampler(logits.float(), items)
+
+    def _head_draws(self, items: list[ScheduledSequence]) -> tuple | None:
+        """(the head's draws,) for a step of decodes whose rows each sample one token that the
+        head draws with its product (`_sample`'s way), else None. Decided before the forward, so that the head's product follows the
+        layers with no Python between but its call: the layers have just streamed their weights
+        through the caches, and each line run then costs what fetching its code and objects
+        again costs."""
+        form = self._hidden_form
+        if form is None or self.sampler is None or any(
+                item.num_samples != 1 or item.draft_token_ids or item.prompt_logprob_targets
+                or item.pooling_type is not None for item in items):
+            return None
+        if not (self.model.samples_in_head(form) and self.sampler.in_head(items, self.vocab_size)):
+            return None
+        return (self.sampler.draws(items),)
 
     @staticmethod
     def _pool(hidden: torch.Tensor, starts: list[int], items: list[tuple[int, ScheduledSequence]],
