@@ -139,6 +139,7 @@ def test_the_step_profile_sees_the_fused_parts(smollm_llm):
     layers = engine.executor.worker.model.cfg.num_layers
     assert calls["attention"] == calls["rotary"] == calls["kv_write"] == layers * len(steps)
     assert calls["projections"] == 4 * layers * len(steps)
+    assert calls["embedding"] == len(steps) and parts["embedding"] > 0  # the lookup inside the call, once a step
     assert "fused_layers" not in calls and "fused_layers" not in parts
     for part in ("norms", "projections", "rotary", "kv_write", "attention", "mlp_activation"):
         assert parts[part] > 0, part

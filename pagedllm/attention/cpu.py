@@ -112,7 +112,6 @@ def _decode_plan(metadata: AttentionMetadata, sliding_window: int | None, soft_c
                  sliding_window=sliding_window, soft_capped=soft_capped)
 
 
-
 def decode_inputs_advancer():
     """The C function that moves a CPU decode step's inputs (positions, context lengths, slots,
     input ids) one token further in place (`worker.decode_inputs`), or None where the kernel

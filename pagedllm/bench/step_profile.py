@@ -119,14 +119,15 @@ class StepProfiler:
 
     def _add_fused_parts(self, names, part_ns, num_layers: int) -> None:
         """The C++ parts of the fused calls, into the same parts; their calls as the loop would
-        have made them (per layer: two norms, four projections, one of each other part)."""
+        have made them (per layer: two norms, four projections, one of each other part; the token
+        lookup once a call)."""
         fused_calls = self.calls.pop(_FUSED, 0)
         self.part_ns.pop(_FUSED, None)  # the whole call: what its parts leave is `other`
-        per_layer = {"norms": 2, "projections": 4, "embedding": 1 / num_layers}  # (the lookup: once a call)
+        per_layer = {"norms": 2, "projections": 4}
         for name, ns in zip(names, part_ns):
             if name in PARTS and name != "other":
                 self.part_ns[name] += ns
-                self.calls[name] += round(fused_calls * num_layers * per_layer.get(name, 1))
+                self.calls[name] += fused_calls if name == "embedding" else fused_calls * num_layers * per_layer.get(name, 1)
 
 
 def _hook_points(engine) -> list[tuple[object, str, str, bool]]:

@@ -324,10 +324,11 @@ bool look_up_embeddings(const Step* s, float* hidden) {
 extern "C" {
 
 // hidden: [T, hidden_size], the embeddings in (unless the step looks them up itself:
-// Step::input_ids); the last layer's output (not yet added to the residual stream) out. residual: [T, hidden_size], the residual stream out. With final_norm (the
-// model's final norm's weight, as the kernel multiplies), out: [T, hidden_size], the final norm of
-// the two (what the model's norm module computes after the layers), so the step's hidden states
-// leave the call ready for the head. part_ns: null, or kNumParts counters. Returns -1 (and
+// Step::input_ids); the last layer's output (not yet added to the residual stream) out.
+// residual: [T, hidden_size], the residual stream out. With final_norm (the model's final norm's
+// weight, as the kernel multiplies), out: [T, hidden_size], the final norm of the two (what the
+// model's norm module computes after the layers), so the step's hidden states leave the call
+// ready for the head. part_ns: null, or kNumParts counters. Returns -1 (and
 // computes nothing) if an input id is outside the vocabulary, else 0.
 int decoder_layers_f32(const Layer* layers, int num_layers, const Step* s, float* hidden, float* residual,
                        const float* final_norm, float* out, int64_t* part_ns) {
