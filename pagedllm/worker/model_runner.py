@@ -139,10 +139,10 @@ class ModelRunner:
                 input_ids, positions, metadata = build_attention_metadata(items, self.block_size, self.device)
             hidden = self.model(input_ids, positions, metadata)
             if head is not None:  # each row's token from the head's product, right after the layers
-                token_ids, logprobs = self.model.head_samples(hidden, head[0])
+                samples = self.sampler.token_samples(*self.model.head_samples(hidden, head[0]))
                 result = ModelRunnerOutput()
-                for item, token_id, logprob in zip(items, token_ids, logprobs):
-                    result.outputs[item.seq_id] = SequenceStepOutput(samples=[SampledToken(token_id, logprob)])
+                for item, seq_samples in zip(items, samples):
+                    result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples)
                 return result
             query_lens = metadata.query_lens
 
@@ -202,9 +202,8 @@ class ModelRunner:
         again costs."""
         form = self._hidden_form
         if form is None or self.sampler is None or any(
-                item.num_samples != 1 or item.draft_token_ids or item.prompt_logprob_targets
-                or item.pooling_type is not None for item in items):
-            return None
+                item.prompt_logprob_targets or item.pooling_type is not None for item in items):
+            return None  # (one sample, no proposals: `in_head`'s own conditions)
         if not (self.model.samples_in_head(form) and self.sampler.in_head(items, self.vocab_size)):
             return None
         return (self.sampler.draws(items),)
