@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import torch
 
 from pagedllm.bench.step_profile import profile_decode_steps
 from pagedllm.kernels.gguf import MAX_ROWS
@@ -15,17 +16,23 @@ from pagedllm.sampling_params import SamplingParams
 
 @contextlib.contextmanager
 def _counting(fused, calls: list):
-    original = FusedDecoderLayers.__call__
+    """Each fused call's token count into `calls`: `__call__`'s, and `run_steady`'s (a decode
+    step repeating the last call's inputs advanced in place)."""
+    original, steady = FusedDecoderLayers.__call__, FusedDecoderLayers.run_steady
 
     def counted(self, *args):
         calls.append(args[1].shape[0])
         return original(self, *args)
 
-    FusedDecoderLayers.__call__ = counted
+    def counted_steady(self):
+        calls.append(self._steady[2].shape[0])
+        return steady(self)
+
+    FusedDecoderLayers.__call__, FusedDecoderLayers.run_steady = counted, counted_steady
     try:
         yield
     finally:
-        FusedDecoderLayers.__call__ = original
+        FusedDecoderLayers.__call__, FusedDecoderLayers.run_steady = original, steady
 
 
 @contextlib.contextmanager
@@ -244,13 +251,14 @@ def _counting_head(monkeypatch) -> list[tuple[int, bool]]:
     from pagedllm.kernels import gguf
 
     calls: list[tuple[int, bool]] = []
-    original = gguf.matmul_sample
+    original = gguf._SampleCall.__call__
 
-    def counted(x, w, int8=False, draws=None, **kwargs):
-        calls.append((x.shape[0], draws is not None and bool((draws.top_k > 0).any())))
-        return original(x, w, int8, draws, **kwargs)
+    def counted(call):  # (matmul_sample's calls and greedy_sampler's kept ones all run here)
+        draws = call.held[3]
+        calls.append((len(call.tokens), draws is not None and bool((draws.top_k > 0).any())))
+        return original(call)
 
-    monkeypatch.setattr(gguf, "matmul_sample", counted)
+    monkeypatch.setattr(gguf._SampleCall, "__call__", counted)
     return calls
 
 
@@ -343,3 +351,56 @@ def test_decode_steps_draw_in_the_head_right_after_the_layers(smollm_llm, monkey
         m.setattr(ModelRunner, "_head_draws", lambda self, items: None)
         assert run() == early
     assert len(sampled) >= 9  # every step through `_sample` there
+
+
+def test_steady_decode_steps_repeat_the_fused_call_and_the_heads(smollm_llm, monkeypatch):
+    """A step of greedy decodes whose inputs are the last step's advanced in place repeats the
+    fused call and the head's call kept from it (`FusedDecoderLayers.run_steady`, then the head's
+    kept greedy call), outside torch's inference mode: the same tokens and cumulative
+    log-probabilities (compared with ==) as every step through `__call__` and `matmul_sample`,
+    while sequences leave the batch at different steps (each change built anew)."""
+    from pagedllm.kernels import gguf
+
+    monkeypatch.setattr(smollm_llm.llm_engine.step_budget, "max_step_seconds", None)
+    prompts = ["The capital of France is", "Water boils at", "Once upon a time"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 6, 10)]
+    steady, inference_mode = [], []
+    original = FusedDecoderLayers.run_steady
+
+    def counted(self):
+        steady.append(self._steady[2].shape[0])
+        inference_mode.append(torch.is_inference_mode_enabled())
+        return original(self)
+
+    monkeypatch.setattr(FusedDecoderLayers, "run_steady", counted)
+    kept = _tokens_and_logprobs(smollm_llm.generate(prompts, params, use_tqdm=False))
+    # Three rows from the second decode step on, two after the second sequence ends, then one
+    # (each batch's first step through `__call__`).
+    assert steady.count(3) >= 3 and steady.count(2) >= 2 and steady.count(1) >= 2, steady
+    assert not any(inference_mode)
+    steady.clear()
+    with monkeypatch.context() as m:
+        m.setattr(FusedDecoderLayers, "steady", lambda self, *args: False)
+        m.setattr(gguf, "greedy_sampler", lambda x, w, int8=False: lambda: gguf.matmul_sample(x, w, int8, logits=False)[1:])
+        assert _tokens_and_logprobs(smollm_llm.generate(prompts, params, use_tqdm=False)) == kept
+    assert not steady
+
+
+def test_a_steady_call_needs_the_same_inputs_and_pools(smollm_llm):
+    """`steady` accepts only the last call's very input tensors and KV pools: a step of other
+    inputs, or after the pools were bound anew, goes through `__call__` (which rebinds)."""
+    model = smollm_llm.llm_engine.executor.worker.model
+    smollm_llm.generate(["Water boils at"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    fused = model.fused_layers
+    metadata, positions, input_ids = fused._steady[:3]
+    assert fused.steady(positions, input_ids, metadata)
+    assert not fused.steady(positions.clone(), input_ids, metadata)
+    assert not fused.steady(positions, input_ids.clone(), metadata)
+    attn = fused._attns[0]
+    pool = attn.key_cache
+    attn.key_cache = pool.clone()
+    try:
+        assert not fused.steady(positions, input_ids, metadata)
+    finally:
+        attn.key_cache = pool
+    assert fused.steady(positions, input_ids, metadata)

@@ -155,6 +155,7 @@ def _hook_points(engine) -> list[tuple[object, str, str, bool]]:
         (layers.ParallelLMHead, "sample", "lm_head", True),  # (a batch's tokens drawn with the product)
         (type(worker.runner.sampler), "__call__", "sampling", False),
         (fused_layers.FusedDecoderLayers, "__call__", _FUSED, True),
+        (fused_layers.FusedDecoderLayers, "run_steady", _FUSED, True),  # (a decode step's call repeated)
     ]
     if worker.runner.decode_inputs is not None:  # decode steps' inputs, advanced in place
         points.append((type(worker.runner.decode_inputs), "build", "input_prep", False))

@@ -28,7 +28,7 @@ import functools
 import os
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -168,10 +168,31 @@ def matmul_sample(
     place; the tokens and log-probabilities come back through ctypes arrays, not tensors: a decode
     step calls this right after its layers have streamed the weights through the caches, where
     every call into torch fetches its code again."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"x must be float32 [rows, {w.in_features}], got {x.dtype} {list(x.shape)}")
+    _check_sample_inputs(x, w, draws)
+    rows = x.shape[0]
+    y = torch.empty(rows, w.out_features, dtype=torch.float32) if logits else None
+    if not rows:
+        return y, [], []
     if not x.is_contiguous():
         x = x.contiguous()
+    out = y if y is not None else _logits_scratch(rows * w.out_features)
+    return (y, *_SampleCall(x, w, int8, out, draws)())
+
+
+def greedy_sampler(x: torch.Tensor, w: PackedWeight, int8: bool = False) -> Callable[[], tuple[list[int], list[float]]]:
+    """A call giving what `matmul_sample(x, w, int8, logits=False)` gives of greedy rows, for x's
+    contents at the time of the call: its addresses taken now, so that a decode step, which
+    samples from the same hidden-state buffer each step (`FusedDecoderLayers.run_steady`), makes
+    no torch call (x must be contiguous, and stay alive and unresized while the call is used)."""
+    _check_sample_inputs(x, w, None)
+    if not x.is_contiguous() or not x.shape[0]:
+        raise ValueError("greedy_sampler needs a contiguous x of at least one row")
+    return _SampleCall(x, w, int8, _logits_scratch(x.shape[0] * w.out_features), None)
+
+
+def _check_sample_inputs(x: torch.Tensor, w: PackedWeight, draws: Draws | None) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be float32 [rows, {w.in_features}], got {x.dtype} {list(x.shape)}")
     rows = x.shape[0]
     if draws is not None and (
         any(t.shape != (rows,) or not t.is_contiguous() or t.dtype != dtype for t, dtype in zip(draws, _DRAW_DTYPES))
@@ -179,15 +200,24 @@ def matmul_sample(
     ):
         raise ValueError(f"draws must hold [{rows}] contiguous tensors of {[str(d) for d in _DRAW_DTYPES]}, "
                          f"top_k in [0, {w.out_features})")
-    y = torch.empty(rows, w.out_features, dtype=torch.float32) if logits else None
-    log_norm, tokens, logprob = (ctypes.c_float * rows)(), (ctypes.c_int64 * rows)(), (ctypes.c_float * rows)()
-    filters = [t.data_ptr() for t in draws] if draws is not None else [None] * 5
-    if rows:
-        out = y if y is not None else _logits_scratch(rows * w.out_features)
-        _lib().gguf_matmul_sample(TYPE_IDS[w.qtype], out.data_ptr(), x.data_ptr(), w.data.data_ptr(), w.data.shape[1], rows,
-                                  w.out_features, w.in_features, torch.get_num_threads(), int(int8), log_norm,
-                                  tokens, logprob, *filters)
-    return y, list(tokens), list(logprob)
+
+
+class _SampleCall:
+    """One `gguf_matmul_sample` call's arguments, kept: calling it runs the product over the
+    inputs' current contents and returns (each row's token, its log-probability)."""
+
+    def __init__(self, x: torch.Tensor, w: PackedWeight, int8: bool, out: torch.Tensor, draws: Draws | None) -> None:
+        rows = x.shape[0]
+        self.tokens, self.logprobs = (ctypes.c_int64 * rows)(), (ctypes.c_float * rows)()
+        filters = [t.data_ptr() for t in draws] if draws is not None else [None] * 5
+        self.head = (TYPE_IDS[w.qtype], out.data_ptr(), x.data_ptr(), w.data.data_ptr(), w.data.shape[1], rows,
+                     w.out_features, w.in_features)
+        self.tail = (int(int8), (ctypes.c_float * rows)(), self.tokens, self.logprobs, *filters)
+        self.held = (x, w, out, draws)  # (what the addresses point into)
+
+    def __call__(self) -> tuple[list[int], list[float]]:
+        _lib().gguf_matmul_sample(*self.head, torch.get_num_threads(), *self.tail)
+        return list(self.tokens), list(self.logprobs)
 
 
 # The most floats `_logits_scratch` keeps between calls (a larger product allocates its own).

@@ -205,6 +205,9 @@ class FusedDecoderLayers:
         self._scratch_step: tuple[int, _Step, int, int, torch.Tensor] | None = None  # `_step`'s
         self._step_inputs: tuple | None = None  # the (metadata, positions) `_set_inputs` filled the step from
         self._inputs_held: tuple = ()
+        # (metadata, positions, input_ids, pools, part_ns, step, arguments, output) of the last call
+        # where `run_steady` may repeat it (see `steady`)
+        self._steady: tuple | None = None
         self.part_ns: ctypes.Array | None = None  # set while a step profile is taken
         first = plan.layers[0]
         self.hidden_size = first.input_norm.shape[0]
@@ -291,6 +294,7 @@ class FusedDecoderLayers:
             self._group_windows = {attn.kv_cache_group: attn.sliding_window for attn in attns}
             self._bound_to = bound
             self._scratch_step = None  # (it holds the pools' strides)
+            self._steady = None
         return self._layers
 
     def __call__(self, positions: torch.Tensor, input_ids: torch.Tensor, metadata) -> torch.Tensor:
@@ -302,6 +306,7 @@ class FusedDecoderLayers:
         if self._step_inputs is None or self._step_inputs[0] is not metadata or self._step_inputs[1] is not positions:
             self._set_inputs(step, positions, metadata)
         step.num_threads = torch.get_num_threads()
+        given_ids = input_ids
         if self._table is not None:  # the C++ step looks the rows up
             input_ids = as_kernel_array(input_ids, torch.int64)
             step.input_ids = input_ids.data_ptr()
@@ -309,11 +314,38 @@ class FusedDecoderLayers:
             embedded = as_kernel_array(self.plan.embedding(input_ids), torch.float32)
             hidden, step.input_ids = embedded.data_ptr(), None
         out = torch.empty(num_tokens, self.hidden_size, dtype=torch.float32)
-        if self.lib.decoder_layers_f32(ctypes.addressof(layers), len(layers), ctypes.byref(step), hidden, residual,
-                                       self.final_norm.data_ptr(), out.data_ptr(),
-                                       ctypes.cast(self.part_ns, _P) if self.part_ns is not None else None):
-            raise ValueError(f"token ids must be in [0, {self._table[2]})")
+        args = (ctypes.addressof(layers), len(layers), ctypes.byref(step), hidden, residual, self.final_norm.data_ptr(),
+                out.data_ptr(), ctypes.cast(self.part_ns, _P) if self.part_ns is not None else None)
+        self._steady = None
+        self._run(args)
+        if self._step_inputs is not None and self._table is not None and input_ids is given_ids:
+            self._steady = (metadata, positions, given_ids, self._attns[0].key_cache, self._attns[-1].value_cache,
+                            self.part_ns, step, args, out)
         return out
+
+    def steady(self, positions: torch.Tensor, input_ids: torch.Tensor, metadata) -> bool:
+        """Whether `run_steady` serves a call with these inputs: the last call's very tensors (a
+        decode step's inputs advanced in place, `worker.decode_inputs`, whose pointers the step
+        kept), the same KV pools and profile counters, token rows looked up in C++. Identity
+        checks only: no torch call."""
+        kept = self._steady
+        return (kept is not None and kept[0] is metadata and kept[1] is positions and kept[2] is input_ids
+                and kept[3] is self._attns[0].key_cache and kept[4] is self._attns[-1].value_cache
+                and kept[5] is self.part_ns)
+
+    def run_steady(self) -> torch.Tensor:
+        """What `__call__` gives for the inputs `steady` accepted (their current contents), into
+        the last call's output tensor, which it returns: a decode step keeps nothing past itself,
+        and after a step has streamed the weights through the caches each torch call costs what
+        fetching its code again costs (tens of microseconds)."""
+        *_, step, args, out = self._steady
+        step.num_threads = torch.get_num_threads()
+        self._run(args)
+        return out
+
+    def _run(self, args: tuple) -> None:
+        if self.lib.decoder_layers_f32(*args):
+            raise ValueError(f"token ids must be in [0, {self._table[2]})")
 
     def _set_inputs(self, step: _Step, positions: torch.Tensor, metadata) -> None:
         """The step's inputs into `step`: the attention plan, each group's block tables and slots,
@@ -359,7 +391,7 @@ class FusedDecoderLayers:
                          self.plan.embed_scale, None, table, vocab, kind, None, None, key_cache.stride(0),
                          key_cache.stride(1), None, None, None, None, None, 0, None, *pointers[:-2])
             self._scratch_step = (num_tokens, step, pointers[-2], pointers[-1], scratch)
-            self._step_inputs = None
+            self._step_inputs = self._steady = None
         return self._scratch_step[1:4]
 
 

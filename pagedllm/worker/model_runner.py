@@ -92,6 +92,9 @@ class ModelRunner:
         # An empty tensor of the form of the model's hidden states (from the first step that
         # samples; None before): what `_head_draws` asks `samples_in_head` about before a forward.
         self._hidden_form: torch.Tensor | None = None
+        # The module whose `fused_layers` (the layer loop as one C++ call, or None) its forward
+        # calls: read each step (tests and benchmarks switch it off), without nn.Module's lookup.
+        self._layers_owner = getattr(model, "model", None)
 
     @torch.inference_mode()
     def time_prefill(self, num_tokens: int, repeats: int = 1) -> list[float]:
@@ -118,12 +121,43 @@ class ModelRunner:
         return times
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
-        with self._inference_mode:
-            return self._execute(output)
-
-    def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.sampler is not None:
             self.sampler.remove_requests(output.finished_request_ids)
+        decode = None
+        items = output.seqs
+        if self.decode_inputs is not None and items and all(len(item.token_ids) == 1 for item in items):
+            decode = self.decode_inputs.build(items), self._head_draws(items)
+            result = self._steady_decode(items, *decode)
+            if result is not None:
+                return result
+        with self._inference_mode:
+            return self._execute(output, decode)
+
+    def _steady_decode(self, items: list[ScheduledSequence], inputs: tuple, head: tuple | None) -> ModelRunnerOutput | None:
+        """A step of greedy decodes whose inputs are the last step's advanced in place, where the
+        model's fused layers and its head serve it (`FusedDecoderLayers.steady`): their kept calls
+        one after the other, outside torch's inference mode: no tensor is made or read, the thread
+        count is the one call into torch (after the last step streamed the weights through the
+        caches, entering and leaving the mode alone costs some 25 us). None where it does not
+        apply (then `_execute`)."""
+        if head is None or head[0] is not None:
+            return None
+        fused = getattr(self._layers_owner, "fused_layers", None)
+        input_ids, positions, metadata = inputs
+        if fused is None or not fused.steady(positions, input_ids, metadata):
+            return None
+        return self._head_output(items, fused.run_steady(), None)
+
+    def _head_output(self, items: list[ScheduledSequence], hidden: torch.Tensor, draws) -> ModelRunnerOutput:
+        """Each row's token from the head's product (`_head_draws`' step), right after the layers."""
+        samples = self.sampler.token_samples(*self.model.head_samples(hidden, draws))
+        result = ModelRunnerOutput()
+        for item, seq_samples in zip(items, samples):
+            result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples)
+        return result
+
+    def _execute(self, output: SchedulerOutput, decode: tuple | None) -> ModelRunnerOutput | None:
+        """`decode`: a step of decodes' inputs and head draws (`execute`), else None."""
         if not output.seqs:
             return ModelRunnerOutput() if self.sampler is not None else None
         # Decodes (one query token) first: backends take a fast path over that leading run.
@@ -132,18 +166,13 @@ class ModelRunner:
             hidden, query_lens = self.graphs.run(items)  # each sequence's q rows, its tokens last
         else:
             head = None
-            if self.decode_inputs is not None and all(len(item.token_ids) == 1 for item in items):
-                input_ids, positions, metadata = self.decode_inputs.build(items)
-                head = self._head_draws(items)
+            if decode is not None:
+                (input_ids, positions, metadata), head = decode
             else:
                 input_ids, positions, metadata = build_attention_metadata(items, self.block_size, self.device)
             hidden = self.model(input_ids, positions, metadata)
             if head is not None:  # each row's token from the head's product, right after the layers
-                samples = self.sampler.token_samples(*self.model.head_samples(hidden, head[0]))
-                result = ModelRunnerOutput()
-                for item, seq_samples in zip(items, samples):
-                    result.outputs[item.seq_id] = SequenceStepOutput(samples=seq_samples)
-                return result
+                return self._head_output(items, hidden, head[0])
             query_lens = metadata.query_lens
 
         # Rows that need logits: each sampling sequence's last token (a speculating sequence's

@@ -316,9 +316,10 @@ class Worker:
         step), then the model."""
         if self.thread_governor is not None:
             self.thread_governor.adjust()
-        cache = self.cache_engine
-        cache.swap_out(output.blocks_to_swap_out)
-        cache.swap_in(output.blocks_to_swap_in)
-        cache.copy(output.blocks_to_copy)
+        if output.blocks_to_swap_out or output.blocks_to_swap_in or output.blocks_to_copy:
+            cache = self.cache_engine
+            cache.swap_out(output.blocks_to_swap_out)
+            cache.swap_in(output.blocks_to_swap_in)
+            cache.copy(output.blocks_to_copy)
         return self.runner.execute(output)
 

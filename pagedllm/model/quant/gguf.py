@@ -14,7 +14,7 @@ embedded model end to end (docs/performance-cpu.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +35,8 @@ class GGUFLinear(LinearMethod):
 
     parts: list[gguf_kernels.PackedWeight]
     int8_rows: int = 0  # products of up to this many rows on int8 activations (use_int8_activations)
+    # (x, part, int8_rows, the kept greedy call) of the last greedy `sample` (see there)
+    _greedy: tuple | None = field(default=None, init=False, repr=False)
 
     @property
     def qtypes(self) -> list[str]:
@@ -64,9 +66,20 @@ class GGUFLinear(LinearMethod):
                 and x.device.type == "cpu")
 
     def sample(self, layer, x, draws):
-        _, token_ids, logprobs = gguf_kernels.matmul_sample(x, self.parts[0], x.shape[0] <= self.int8_rows, draws,
-                                                            logits=False)
-        return token_ids, logprobs
+        if draws is not None:
+            _, token_ids, logprobs = gguf_kernels.matmul_sample(x, self.parts[0], x.shape[0] <= self.int8_rows, draws,
+                                                                logits=False)
+            return token_ids, logprobs
+        # Greedy rows: the call kept for the last x where this is it (a decode step's hidden states
+        # are the same buffer each step, `FusedDecoderLayers.run_steady`): no torch call then.
+        kept = self._greedy
+        if kept is None or kept[0] is not x or kept[1] is not self.parts[0] or kept[2] != self.int8_rows:
+            if not x.shape[0]:
+                return [], []
+            x = x if x.is_contiguous() else x.contiguous()
+            kept = self._greedy = (x, self.parts[0], self.int8_rows,
+                                   gguf_kernels.greedy_sampler(x, self.parts[0], x.shape[0] <= self.int8_rows))
+        return kept[3]()
 
     def embed(self, layer, ids):
         (table,) = self.parts
