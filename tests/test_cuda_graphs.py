@@ -218,7 +218,7 @@ def test_longrope_tables_in_a_verify_bucket_follow_each_sequence_length():
     scaling = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 8,
                "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     rotary = RotaryEmbedding(16, 64, 10000.0, scaling, torch.float32)
-    metadata = SimpleNamespace(query_lens=[3, 3], num_decodes=0, seq_lens=torch.tensor([5, 12]))
+    metadata = SimpleNamespace(query_lens=[3, 3], num_decodes=0, seq_lens=torch.tensor([5, 12]), max_seq_len=12)
     positions = torch.tensor([0, 3, 4, 9, 10, 11])  # a padding row, then sequence 0's two tokens
     assert rotary.table_positions(positions, metadata).tolist() == [0, 3, 4, 64 + 9, 64 + 10, 64 + 11]
 

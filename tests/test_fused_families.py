@@ -124,3 +124,52 @@ def test_experts_take_int8_activations_as_the_other_products_and_stay_bitwise(ti
         assert fused == loop
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_longrope_rows_kept_while_short_switch_in_a_step_advanced_in_place(tiny_models, tmp_path, tokenizer_fields,
+                                                                            monkeypatch):
+    """While no sequence is past LongRoPE's switch, the rotary rows are the positions and the
+    fused step keeps them (`FusedDecoderLayers.rows_limit`); a sequence crossing it in a step whose
+    inputs were advanced in place (the switch at 40 tokens is inside a block: the tables do not
+    change there) takes the long table's rows from that step on: greedy tokens and cumulative
+    log-probabilities (compared with ==) those of the Python loop."""
+    from tests.test_fused_layers import _tokens_and_logprobs
+
+    monkeypatch.setenv("PAGEDLLM_MODEL_CACHE", "0")
+    path = tiny_models("phi3", **{**LONGROPE, "original_max_position_embeddings": 40})
+    file = write_gguf(path, "phi3", tmp_path / "q8.gguf", tokenizer=tokenizer_fields, qtype=Q8_0)
+    llm = LLM(str(file), max_model_len=256, num_gpu_blocks=128, int8_activations="off", enable_prefix_caching=False)
+    try:
+        model = llm.llm_engine.executor.worker.model
+        assert model.fused_layers.rows_limit == 40
+        prompts = random_prompts(3, [30, 21, 9], seed=11)  # the first crosses 40 at its 11th token
+        greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        calls: list[int] = []
+        with _counting(model.fused_layers, calls):
+            fused = _tokens_and_logprobs(llm.generate(prompts, greedy, use_tqdm=False))
+        assert calls.count(3) >= 14  # the decode steps, through the C++ step
+        with _without(model):
+            assert _tokens_and_logprobs(llm.generate(prompts, greedy, use_tqdm=False)) == fused
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_longrope_rows_are_the_positions_until_a_sequence_passes_the_switch():
+    """`table_positions`: the positions tensor itself while no sequence is longer than the
+    pretraining length (a length equal to it is still short), the long table's rows for the
+    sequences past it once one is."""
+    from types import SimpleNamespace
+
+    from pagedllm.model.rotary import RotaryEmbedding
+
+    scaling = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 8,
+               "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    rotary = RotaryEmbedding(16, 64, 10000.0, scaling, torch.float32)
+
+    def decodes(lengths):
+        return SimpleNamespace(query_lens=[1] * len(lengths), num_decodes=len(lengths), seq_lens=torch.tensor(lengths),
+                               max_seq_len=max(lengths))
+
+    positions = torch.tensor([4, 7])
+    assert rotary.table_positions(positions, decodes([5, 8])) is positions
+    assert rotary.table_positions(positions + 1, decodes([6, 9])).tolist() == [5, 64 + 8]

@@ -209,6 +209,10 @@ class FusedDecoderLayers:
         # where `run_steady` may repeat it (see `steady`)
         self._steady: tuple | None = None
         self.part_ns: ctypes.Array | None = None  # set while a step profile is taken
+        # The longest sequence for which every rotary table's rows are the positions (LongRoPE's
+        # switch to its long set; None: at every length): kept inputs are checked against it.
+        self.rows_limit = min((r.longrope_threshold for r in plan.rotaries if r.longrope_threshold is not None),
+                              default=None)
         first = plan.layers[0]
         self.hidden_size = first.input_norm.shape[0]
         self.num_heads, self.num_kv_heads = first.attn.num_heads, first.attn.num_kv_heads
@@ -303,7 +307,8 @@ class FusedDecoderLayers:
         layers = self._layer_array()
         num_tokens = input_ids.shape[0]
         step, hidden, residual = self._step(num_tokens)
-        if self._step_inputs is None or self._step_inputs[0] is not metadata or self._step_inputs[1] is not positions:
+        kept = self._step_inputs
+        if kept is None or kept[0] is not metadata or kept[1] is not positions or not self._rows_hold(metadata):
             self._set_inputs(step, positions, metadata)
         step.num_threads = torch.get_num_threads()
         given_ids = input_ids
@@ -331,7 +336,12 @@ class FusedDecoderLayers:
         kept = self._steady
         return (kept is not None and kept[0] is metadata and kept[1] is positions and kept[2] is input_ids
                 and kept[3] is self._attns[0].key_cache and kept[4] is self._attns[-1].value_cache
-                and kept[5] is self.part_ns)
+                and kept[5] is self.part_ns and self._rows_hold(metadata))
+
+    def _rows_hold(self, metadata) -> bool:
+        """Whether rotary rows kept as the positions themselves still are the rows: a LongRoPE
+        table's are while no sequence is longer than its switch to the long set (`rows_limit`)."""
+        return self.rows_limit is None or metadata.max_seq_len <= self.rows_limit
 
     def run_steady(self) -> torch.Tensor:
         """What `__call__` gives for the inputs `steady` accepted (their current contents), into
@@ -352,7 +362,7 @@ class FusedDecoderLayers:
         each rotary table's rows. Kept for the next call with the same `metadata` and `positions`
         (a decode step's inputs advanced in place, `worker.decode_inputs`: the same tensors one
         token further, so the same addresses), unless a table's rows are computed anew each step
-        (LongRoPE's)."""
+        (LongRoPE's once a sequence is longer than its switch: `rows_limit`)."""
         groups = [metadata, *metadata.other_groups]
         # One plan: every group has the same work items (a step with no fresh prompt: `applies`),
         # only the block tables differ, as int32 the kernel reads.

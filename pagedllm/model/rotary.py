@@ -128,8 +128,10 @@ class RotaryEmbedding(nn.Module):
     def table_positions(self, positions: torch.Tensor, metadata) -> torch.Tensor:
         """The row of the cos/sin table for each token: its position, or for LongRoPE, its
         position in the long set's rows when its sequence is longer than the pretraining length
-        at this step. positions: [num_tokens]."""
-        if self.longrope_threshold is None:
+        at this step. positions: [num_tokens]. While no sequence is longer than that (checked on
+        the host), the rows are the positions themselves: the same tensor, so that the fused step
+        keeps them (`FusedDecoderLayers.rows_limit`)."""
+        if self.longrope_threshold is None or metadata.max_seq_len <= self.longrope_threshold:
             return positions
         if metadata.num_decodes == len(metadata.query_lens):  # one token per sequence (CUDA graphs too)
             lengths = metadata.seq_lens
