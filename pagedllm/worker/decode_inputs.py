@@ -7,8 +7,9 @@ entered a new block (one in 16 steps each at a block size of 16), had their last
 write, or saw a block leave a sliding window. `DecodeInputs` keeps a CPU step's arrays and
 metadata and, when the next batch is the same sequences one token further, adds one to them and
 writes again only the rows whose tables changed; a batch whose sequences changed (one joining or
-leaving) or whose longest table changes length (the longest entering a new block) is built anew.
-Either way the tensors are those `build_attention_metadata` gives (tests/test_decode_inputs.py).
+leaving) or whose longest table outgrows its array (built with SPARE_BLOCKS more columns) is built
+anew. Either way the tensors are those `build_attention_metadata` gives, the block tables with
+columns of block 0 past the longest (which no kernel reads) (tests/test_decode_inputs.py).
 """
 
 from __future__ import annotations
@@ -23,12 +24,18 @@ from pagedllm.attention.cpu import decode_inputs_advancer
 from pagedllm.core.scheduler_output import ScheduledSequence
 from pagedllm.worker.block_tables import block_table_array
 
+# Columns each block table of a decode batch is built with beyond its longest table: a sequence
+# entering a new block writes its row in place rather than the whole step's inputs built anew
+# (at a block size of 16: one rebuild in 256 steps of a growing batch, not one in 16).
+SPARE_BLOCKS = 16
+
 
 def decode_metadata(
-    items: list[ScheduledSequence], block_size: int, device: torch.device
+    items: list[ScheduledSequence], block_size: int, device: torch.device, spare_blocks: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """`build_attention_metadata` of a batch of decodes only (one token each, at its start
-    position): the same tensors, with none of the general case's per-token expansion."""
+    position): the same tensors, with none of the general case's per-token expansion, but for
+    `spare_blocks` more columns of each block table (block 0, as past a short table)."""
     num_seqs = len(items)
     positions = np.fromiter((item.start_position for item in items), dtype=np.int64, count=num_seqs)
     input_ids = np.fromiter((item.token_ids[0] for item in items), dtype=np.int64, count=num_seqs)
@@ -37,7 +44,7 @@ def decode_metadata(
     lens, starts, context = seq_lens.tolist(), _on(np.arange(num_seqs + 1, dtype=np.int64), device), _on(seq_lens, device)
 
     def group(tables: list[list[int | None]]) -> AttentionMetadata:
-        array = block_table_array(tables)
+        array = block_table_array(tables, width=max(map(len, tables)) + spare_blocks)
         return AttentionMetadata(
             slot_mapping=_on(array[rows, columns].astype(np.int64) * block_size + offsets, device),
             query_start_loc=starts, seq_lens=context, block_tables=_on(array, device), query_lens=[1] * num_seqs,
@@ -61,8 +68,9 @@ class DecodeInputs:
 
     _CPU = torch.device("cpu")
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, spare_blocks: int = SPARE_BLOCKS) -> None:
         self.block_size = block_size
+        self.spare_blocks = spare_blocks
         self._seq_ids: list[int] = []
         self._starts: list[int] = []
         self._tables: list[list[list[int | None]]] = []  # copies: the scheduler's lists change
@@ -83,7 +91,7 @@ class DecodeInputs:
         changed = self._changed_rows(items) if self._inputs is not None else None
         if changed is not None and self._fits(items, changed):
             return self._advance(items, changed)
-        input_ids, positions, metadata = decode_metadata(items, self.block_size, self._CPU)
+        input_ids, positions, metadata = decode_metadata(items, self.block_size, self._CPU, self.spare_blocks)
         groups = [metadata, *metadata.other_groups]
         # (On a CPU each tensor is a view of the array it was made from.)
         self._advancing = np.stack([positions.numpy(), metadata.seq_lens.numpy(), *(m.slot_mapping.numpy() for m in groups)])
@@ -115,11 +123,11 @@ class DecodeInputs:
         return changed
 
     def _fits(self, items: list[ScheduledSequence], changed: list[int]) -> bool:
-        """Whether the arrays are still as wide as the longest table of each group, as a build
-        would make them (else the step is built anew): only a changed table can change that."""
+        """Whether the arrays still hold the longest table of each group (else the step is built
+        anew): only a changed table can outgrow them."""
         if not changed:
             return True
-        return all(array.shape[1] == max(len(item.block_tables[g]) for item in items)
+        return all(array.shape[1] >= max(len(item.block_tables[g]) for item in items)
                    for g, array in enumerate(self._block_tables))
 
     def _advance(self, items: list[ScheduledSequence], changed: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
