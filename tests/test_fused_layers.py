@@ -353,17 +353,20 @@ def test_decode_steps_draw_in_the_head_right_after_the_layers(smollm_llm, monkey
     assert len(sampled) >= 9  # every step through `_sample` there
 
 
-def test_steady_decode_steps_repeat_the_fused_call_and_the_heads(smollm_llm, monkeypatch):
-    """A step of greedy decodes whose inputs are the last step's advanced in place repeats the
-    fused call and the head's call kept from it (`FusedDecoderLayers.run_steady`, then the head's
-    kept greedy call), outside torch's inference mode: the same tokens and cumulative
-    log-probabilities (compared with ==) as every step through `__call__` and `matmul_sample`,
-    while sequences leave the batch at different steps (each change built anew)."""
+@pytest.mark.parametrize("sampling", ["greedy", "top_k"])
+def test_steady_decode_steps_repeat_the_fused_call_and_the_heads(smollm_llm, monkeypatch, sampling):
+    """A step of decodes whose inputs are the last step's advanced in place repeats the fused
+    call (`FusedDecoderLayers.run_steady`), then the head's (a greedy batch's kept call), outside
+    torch's inference mode: the same tokens and cumulative log-probabilities (compared with ==) as
+    every step through `__call__` and `matmul_sample`, while sequences leave the batch at
+    different steps (each change built anew); a batch with a seeded top-k row too."""
     from pagedllm.kernels import gguf
 
     monkeypatch.setattr(smollm_llm.llm_engine.step_budget, "max_step_seconds", None)
     prompts = ["The capital of France is", "Water boils at", "Once upon a time"]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 6, 10)]
+    if sampling == "top_k":
+        params[1] = SamplingParams(temperature=0.8, top_k=40, seed=7, max_tokens=6, ignore_eos=True)
     steady, inference_mode = [], []
     original = FusedDecoderLayers.run_steady
 

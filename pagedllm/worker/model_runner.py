@@ -134,19 +134,19 @@ class ModelRunner:
             return self._execute(output, decode)
 
     def _steady_decode(self, items: list[ScheduledSequence], inputs: tuple, head: tuple | None) -> ModelRunnerOutput | None:
-        """A step of greedy decodes whose inputs are the last step's advanced in place, where the
-        model's fused layers and its head serve it (`FusedDecoderLayers.steady`): their kept calls
-        one after the other, outside torch's inference mode: no tensor is made or read, the thread
-        count is the one call into torch (after the last step streamed the weights through the
-        caches, entering and leaving the mode alone costs some 25 us). None where it does not
-        apply (then `_execute`)."""
-        if head is None or head[0] is not None:
+        """A step of decodes whose inputs are the last step's advanced in place, where the model's
+        fused layers and its head serve it (`FusedDecoderLayers.steady`, `_head_draws`): the
+        layers' kept call, then the head's (kept too for greedy rows), outside torch's inference
+        mode: for greedy rows no tensor is made or read, the thread count is the one call into
+        torch (after the last step streamed the weights through the caches, entering and leaving
+        the mode alone costs some 25 us). None where it does not apply (then `_execute`)."""
+        if head is None:
             return None
         fused = getattr(self._layers_owner, "fused_layers", None)
         input_ids, positions, metadata = inputs
         if fused is None or not fused.steady(positions, input_ids, metadata):
             return None
-        return self._head_output(items, fused.run_steady(), None)
+        return self._head_output(items, fused.run_steady(), head[0])
 
     def _head_output(self, items: list[ScheduledSequence], hidden: torch.Tensor, draws) -> ModelRunnerOutput:
         """Each row's token from the head's product (`_head_draws`' step), right after the layers."""
