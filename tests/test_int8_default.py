@@ -152,6 +152,27 @@ def test_the_trial_takes_int8_up_to_its_last_win_and_every_size_past_the_largest
     assert max(rows for rows, _ in timed) == first_loss
 
 
+def test_a_loss_ends_the_trial_only_when_timed_twice(monkeypatch):
+    """A result is kept for good: a size where int8 loses is timed again, and a win there (one
+    slow spell of the machine) goes on to the next size; a loss seen twice ends the trial."""
+    timed = []
+    monkeypatch.setattr(int8_trial.gguf_kernels, "matmul", lambda x, w, int8=False: timed.append((x.shape[0], int8)))
+    pairs_at: dict[int, int] = {}
+
+    def fake_time(fn, repeats):
+        fn()
+        rows, int8 = timed[-1]
+        if not int8:
+            return 2.0
+        pairs_at[rows] = pairs_at.get(rows, 0) + 1
+        first_at_4 = rows == 4 and pairs_at[rows] == 1
+        return 3.0 if rows >= 8 or first_at_4 else 1.0  # (4 rows: a loss, then a win)
+
+    monkeypatch.setattr(int8_trial, "best_wall_time", fake_time)
+    assert int8_trial.measure("Q4_K") == 4
+    assert pairs_at == {1: 1, 4: 2, 8: 2}
+
+
 @pytest.fixture
 def trial_cache(tmp_path, monkeypatch):
     """A fresh cache folder and process memory, on a quiet machine (whatever else this one runs);

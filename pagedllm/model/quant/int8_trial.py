@@ -5,8 +5,8 @@ quantized projection on int8-quantized activations only for products of up to
 `int8_rows_that_pay(qtype)` rows. That bound is measured on this machine, never read from a
 table: int8 against float32 activations on random blocks of the type, at decode-sized row
 counts and up to a prompt chunk's, the bound being the largest row count where int8 won along
-with every smaller one (0 if it loses at 1 row). Winning at the largest trial size means every
-size (`EVERY_SIZE`).
+with every smaller one (0 if it loses at 1 row; a loss counts when timed twice). Winning at the
+largest trial size means every size (`EVERY_SIZE`).
 
 The trial times the kernels, so its result holds for one CPU (model name and feature flags), one
 kernel library (its file name hashes the C++ sources and this CPU's flags), the ISA path
@@ -56,17 +56,14 @@ logger = logging.getLogger("pagedllm")
 # on the GGUF kernels' trial, where kernels/quant.py had its own).
 TRIAL_VERSION = 4
 # (out, in) of the GGUF kernels' trial: a 1B model's projection, past a core's L2 as the model's
-# weights are. A weight that fits in L2 misjudges int8: measured (2 threads, Q4_K, AVX-512 VNNI),
-# 1536 x 512 has int8 losing at 8 rows (0.166 against 0.160 ms) where 4096 x 2048 has it winning
-# (0.72 against 0.92 ms); the 1B model's decode step at batch 8 with `auto` took 129.0 ms with
-# the small trial, 101.8 ms with this one.
+# weights are (2 threads, Q4_K, AVX-512 VNNI, 8 rows: int8 lost on 1536 x 512, 0.166 against
+# 0.160 ms, and won here, 0.72 against 0.92; the 1B model's step at batch 8: 129.0 -> 101.8 ms).
 TRIAL_SHAPE = (4096, 2048)
-# Decode batches (1-256 sequences: max_num_seqs' default is 256) and a prompt chunk of the
-# engine's default step budget (max_num_batched_tokens, 2048 tokens): with the default
-# configuration every product that takes int8 lies between two row counts where int8 was seen
-# winning (the bound stood at 256 rows before, and prompt chunks of 257-2048 took int8 unseen).
-# Winning at 2048 is taken to mean every size: only a budget set above the default then takes
-# int8 at sizes not measured, as llama.cpp does for every product.
+# Decode batches (1-256 sequences: max_num_seqs' default is 256) and a prompt chunk of the engine's default
+# step budget (max_num_batched_tokens, 2048 tokens): with the default configuration every product that takes
+# int8 lies between two row counts where int8 was seen winning (the bound stood at 256 rows before, and prompt
+# chunks of 257-2048 took int8 unseen). Winning at 2048 is taken to mean every size: only a budget set above
+# the default then takes int8 at sizes not measured, as llama.cpp does for every product.
 TRIAL_ROWS = (1, 4, 8, 16, 64, 256, 2048)
 
 
@@ -94,8 +91,12 @@ def measure(qtype: str) -> int:
     pays, timings = 0, []
     for rows in TRIAL_ROWS:
         x = torch.randn(rows, in_features, generator=gen)
-        t_int8 = best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), _repeats(rows))
-        t_float = best_wall_time(lambda: gguf_kernels.matmul(x, w), _repeats(rows))
+        for _ in range(2):  # a loss, kept for good, is timed twice (one kept "Q6_K loses at 1 row" cost a
+            # Zen 5 VM's Qwen3-0.6B a third of its decode speed: 95 us on int8, 294 on float32 timed again)
+            t_int8 = best_wall_time(lambda: gguf_kernels.matmul(x, w, int8=True), _repeats(rows))
+            t_float = best_wall_time(lambda: gguf_kernels.matmul(x, w), _repeats(rows))
+            if t_int8 < t_float:
+                break
         timings.append(f"{rows} rows {t_int8 * 1e6:.0f} vs {t_float * 1e6:.0f} us")
         if t_int8 >= t_float:
             break
