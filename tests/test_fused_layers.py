@@ -384,7 +384,8 @@ def test_steady_decode_steps_repeat_the_fused_call_and_the_heads(smollm_llm, mon
     steady.clear()
     with monkeypatch.context() as m:
         m.setattr(FusedDecoderLayers, "steady", lambda self, *args: False)
-        m.setattr(gguf, "greedy_sampler", lambda x, w, int8=False: lambda: gguf.matmul_sample(x, w, int8, logits=False)[1:])
+        m.setattr(gguf, "greedy_sampler",
+                  lambda x, w, int8=False: lambda: gguf.matmul_sample(x, w, int8, logits=False)[1:])
         assert _tokens_and_logprobs(smollm_llm.generate(prompts, params, use_tqdm=False)) == kept
     assert not steady
 

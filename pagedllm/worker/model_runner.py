@@ -121,6 +121,9 @@ class ModelRunner:
         return times
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """A step of decodes builds its inputs (advanced in place, `DecodeInputs`) and its head
+        draws first; a steady one runs without torch (`_steady_decode`), any other step under
+        torch's inference mode (`_execute`)."""
         if self.sampler is not None:
             self.sampler.remove_requests(output.finished_request_ids)
         decode = None
@@ -133,7 +136,8 @@ class ModelRunner:
         with self._inference_mode:
             return self._execute(output, decode)
 
-    def _steady_decode(self, items: list[ScheduledSequence], inputs: tuple, head: tuple | None) -> ModelRunnerOutput | None:
+    def _steady_decode(self, items: list[ScheduledSequence], inputs: tuple,
+                       head: tuple | None) -> ModelRunnerOutput | None:
         """A step of decodes whose inputs are the last step's advanced in place, where the model's
         fused layers and its head serve it (`FusedDecoderLayers.steady`, `_head_draws`): the
         layers' kept call, then the head's (kept too for greedy rows), outside torch's inference
