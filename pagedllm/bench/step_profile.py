@@ -123,11 +123,11 @@ class StepProfiler:
         lookup once a call)."""
         fused_calls = self.calls.pop(_FUSED, 0)
         self.part_ns.pop(_FUSED, None)  # the whole call: what its parts leave is `other`
-        per_layer = {"norms": 2, "projections": 4}
+        per_call = {"norms": 2 * num_layers, "projections": 4 * num_layers, "embedding": 1}
         for name, ns in zip(names, part_ns):
             if name in PARTS and name != "other":
                 self.part_ns[name] += ns
-                self.calls[name] += fused_calls if name == "embedding" else fused_calls * num_layers * per_layer.get(name, 1)
+                self.calls[name] += fused_calls * per_call.get(name, num_layers)
 
 
 def _hook_points(engine) -> list[tuple[object, str, str, bool]]:

@@ -21,6 +21,7 @@ adds each part's nanoseconds to `part_ns` (`PARTS`, in the order of its enum).
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +99,21 @@ def moe_struct(moe) -> tuple[_MoE, tuple]:
                   ctypes.addressof(downs), len(method.downs), moe.top_k, moe.experts.per_rank,
                   int(moe.norm_topk_prob), ACTIVATIONS[moe.experts.hidden_act])
     return struct, (gate_ups, downs, router, blocks)
+
+
+class _SteadyCall(NamedTuple):
+    """A fused call `run_steady` may repeat: its input tensors, KV pools (the first layer's keys,
+    the last's values) and profile counters, which `steady` checks, and what the C++ step reads."""
+
+    metadata: object
+    positions: torch.Tensor
+    input_ids: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    part_ns: ctypes.Array | None
+    step: ctypes.Structure
+    args: tuple
+    out: torch.Tensor
 
 
 class _Step(ctypes.Structure):
@@ -205,9 +221,7 @@ class FusedDecoderLayers:
         self._scratch_step: tuple[int, _Step, int, int, torch.Tensor] | None = None  # `_step`'s
         self._step_inputs: tuple | None = None  # the (metadata, positions) `_set_inputs` filled the step from
         self._inputs_held: tuple = ()
-        # (metadata, positions, input_ids, pools, part_ns, step, arguments, output) of the last call
-        # where `run_steady` may repeat it (see `steady`)
-        self._steady: tuple | None = None
+        self._steady: _SteadyCall | None = None  # the last call, where `run_steady` may repeat it
         self.part_ns: ctypes.Array | None = None  # set while a step profile is taken
         # The longest sequence for which every rotary table's rows are the positions (LongRoPE's
         # switch to its long set; None: at every length): kept inputs are checked against it.
@@ -324,8 +338,8 @@ class FusedDecoderLayers:
         self._steady = None
         self._run(args)
         if self._step_inputs is not None and self._table is not None and input_ids is given_ids:
-            self._steady = (metadata, positions, given_ids, self._attns[0].key_cache, self._attns[-1].value_cache,
-                            self.part_ns, step, args, out)
+            self._steady = _SteadyCall(metadata, positions, given_ids, self._attns[0].key_cache,
+                                       self._attns[-1].value_cache, self.part_ns, step, args, out)
         return out
 
     def steady(self, positions: torch.Tensor, input_ids: torch.Tensor, metadata) -> bool:
@@ -334,9 +348,10 @@ class FusedDecoderLayers:
         kept), the same KV pools and profile counters, token rows looked up in C++. Identity
         checks only: no torch call."""
         kept = self._steady
-        return (kept is not None and kept[0] is metadata and kept[1] is positions and kept[2] is input_ids
-                and kept[3] is self._attns[0].key_cache and kept[4] is self._attns[-1].value_cache
-                and kept[5] is self.part_ns and self._rows_hold(metadata))
+        return (kept is not None and kept.metadata is metadata and kept.positions is positions
+                and kept.input_ids is input_ids and kept.key_cache is self._attns[0].key_cache
+                and kept.value_cache is self._attns[-1].value_cache and kept.part_ns is self.part_ns
+                and self._rows_hold(metadata))
 
     def _rows_hold(self, metadata) -> bool:
         """Whether rotary rows kept as the positions themselves still are the rows: a LongRoPE
@@ -348,10 +363,10 @@ class FusedDecoderLayers:
         the last call's output tensor, which it returns: a decode step keeps nothing past itself,
         and after a step has streamed the weights through the caches each torch call costs what
         fetching its code again costs (tens of microseconds)."""
-        *_, step, args, out = self._steady
-        step.num_threads = torch.get_num_threads()
-        self._run(args)
-        return out
+        kept = self._steady
+        kept.step.num_threads = torch.get_num_threads()
+        self._run(kept.args)
+        return kept.out
 
     def _run(self, args: tuple) -> None:
         if self.lib.decoder_layers_f32(*args):

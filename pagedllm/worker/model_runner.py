@@ -229,10 +229,10 @@ class ModelRunner:
 
     def _head_draws(self, items: list[ScheduledSequence]) -> tuple | None:
         """(the head's draws,) for a step of decodes whose rows each sample one token that the
-        head draws with its product (`_sample`'s way), else None. Decided before the forward, so that the head's product follows the
-        layers with no Python between but its call: the layers have just streamed their weights
-        through the caches, and each line run then costs what fetching its code and objects
-        again costs."""
+        head draws with its product (`_sample`'s way), else None. Decided before the forward, so
+        that the head's product follows the layers with no Python between but its call: the
+        layers have just streamed their weights through the caches, and each line run then costs
+        what fetching its code and objects again costs."""
         form = self._hidden_form
         if form is None or self.sampler is None or any(
                 item.prompt_logprob_targets or item.pooling_type is not None for item in items):

@@ -66,20 +66,18 @@ class GGUFLinear(LinearMethod):
                 and x.device.type == "cpu")
 
     def sample(self, layer, x, draws):
-        if draws is not None:
-            _, token_ids, logprobs = gguf_kernels.matmul_sample(x, self.parts[0], x.shape[0] <= self.int8_rows, draws,
-                                                                logits=False)
-            return token_ids, logprobs
         # Greedy rows: the call kept for the last x where this is it (a decode step's hidden states
         # are the same buffer each step, `FusedDecoderLayers.run_steady`): no torch call then.
         kept = self._greedy
-        if kept is None or kept[0] is not x or kept[1] is not self.parts[0] or kept[2] != self.int8_rows:
-            if not x.shape[0]:
-                return [], []
-            x = x if x.is_contiguous() else x.contiguous()
-            kept = self._greedy = (x, self.parts[0], self.int8_rows,
-                                   gguf_kernels.greedy_sampler(x, self.parts[0], x.shape[0] <= self.int8_rows))
-        return kept[3]()
+        if (draws is None and kept is not None and kept[0] is x and kept[1] is self.parts[0]
+                and kept[2] == self.int8_rows):
+            return kept[3]()
+        int8 = x.shape[0] <= self.int8_rows
+        if draws is None and x.shape[0] and x.is_contiguous():
+            self._greedy = (x, self.parts[0], self.int8_rows, gguf_kernels.greedy_sampler(x, self.parts[0], int8))
+            return self._greedy[3]()
+        _, token_ids, logprobs = gguf_kernels.matmul_sample(x, self.parts[0], int8, draws, logits=False)
+        return token_ids, logprobs
 
     def embed(self, layer, ids):
         (table,) = self.parts
