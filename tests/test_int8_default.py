@@ -13,7 +13,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs, SchedulerConfig
 from pagedllm.model import layers
-from pagedllm.model.quant import int8_trial
+from pagedllm.model.quant import int8_trial, read_trial
 from pagedllm.model.quant import EVERY_SIZE, GGUFLinear
 
 # Q4_K projections, and Q4_1 ones (ffn_down): two types, two trials.
@@ -205,15 +205,15 @@ def test_the_trial_is_kept_per_machine_and_reused_without_timing(trial_cache, mo
 
 
 def test_a_trial_on_a_busy_machine_serves_its_process_and_is_not_kept(trial_cache, monkeypatch, caplog):
-    """Other processes past BUSY_CORES while it was timed: the rows (and ways, and row streams)
+    """Other processes past BUSY_CORES while it was timed: the rows (and ways, and read way)
     are used, and the next start times them again."""
     monkeypatch.setattr(int8_trial, "others_load", lambda mark: 1.2)
-    monkeypatch.setattr(int8_trial, "_streams_set", set())
-    streams = int8_trial.gguf_kernels.row_streams()
-    monkeypatch.setattr(int8_trial, "choose_row_streams", lambda: streams)
+    monkeypatch.setattr(read_trial, "_set", set())
+    way = (int8_trial.gguf_kernels.row_streams(), int8_trial.gguf_kernels.prefetch())
+    monkeypatch.setattr(read_trial, "choose_read_way", lambda: way)
     with caplog.at_level(logging.WARNING, logger="pagedllm"):
         assert int8_trial.int8_rows_that_pay("Q4_K") == 16
-        int8_trial.set_row_streams_for_machine()
+        read_trial.set_read_way_for_machine()
     assert "kept 1.2 cores busy" in caplog.text and not trial_cache.path.exists()
     _new_process(monkeypatch)
     monkeypatch.setattr(int8_trial, "others_load", lambda mark: 0.1)  # quiet now: timed again, and kept

@@ -120,7 +120,7 @@ def test_a_width_where_float32_wins_bounds_its_int8_rows(trial_cache, width_ways
     methods = [SimpleNamespace(qtypes=["Q8_0"], in_features=640, int8_rows=0),
                SimpleNamespace(qtypes=["Q8_0"], in_features=2048, int8_rows=0)]
     monkeypatch.setattr(layers, "_int8_methods", lambda model: methods)
-    monkeypatch.setattr(layers, "set_row_streams_for_machine", lambda: None)
+    monkeypatch.setattr(layers, "set_read_way_for_machine", lambda: None)
     monkeypatch.setattr(layers, "int8_rows_that_pay", lambda qtype: 16)
     layers.use_int8_activations(None, "auto")
     assert [m.int8_rows for m in methods] == [3, 16]

@@ -83,6 +83,7 @@ def _float_baselines(shapes, gen) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from pagedllm.kernels import gguf
+    from pagedllm.model.quant.read_trial import set_read_way_for_machine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,13 +92,15 @@ def run(args: argparse.Namespace) -> int:
     timer = cpu_time if args.clock == "cpu" else best_time
     if args.isa:
         gguf.set_isa(args.isa)
+    set_read_way_for_machine()  # (the row streams and prefetch hint the engine reads weights with here)
     shapes = SHAPE_SETS[args.shapes]
     num_weights = sum(o * i for o, i in shapes)
     bandwidth = gguf.read_bandwidth(args.bandwidth_mb)
     peak = max(gguf.int8_peak() for _ in range(3))  # the best of three: a busy core only lowers it
     print(machine_line())  # the CPU and its flags, before the figures they explain
     print(f"{args.shapes}: {len(shapes)} weights of {', '.join(f'{o}x{i}' for o, i in shapes)}, {num_weights / 1e6:.1f}M weights; "
-          f"ISA path {gguf.isa()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"ISA path {gguf.isa()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"({gguf.row_streams()} row streams, prefetch {gguf.prefetch().upper()}); "
           f"int8 peak {peak / 1e9:.1f} G multiply-adds/s ({PEAK_INSTRUCTION.get(gguf.isa(), 'none')}); "
           f"{torch.get_num_threads()} threads; {args.clock} clock")
     gen = torch.Generator().manual_seed(0)

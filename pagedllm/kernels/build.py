@@ -141,7 +141,9 @@ def load() -> ctypes.CDLL:
     lib.gguf_int8_way_for_width.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     lib.gguf_int8_way_for_width.restype = ctypes.c_int
     lib.gguf_set_row_streams.argtypes = [ctypes.c_int]
-    for name in ("gguf_isa", "gguf_best_isa", "gguf_set_isa", "gguf_set_row_streams", "gguf_row_streams"):
+    lib.gguf_set_prefetch.argtypes = [ctypes.c_int]
+    for name in ("gguf_isa", "gguf_best_isa", "gguf_set_isa", "gguf_set_row_streams", "gguf_row_streams",
+                 "gguf_set_prefetch", "gguf_prefetch"):
         getattr(lib, name).restype = ctypes.c_int
     lib.decoder_layers_f32.argtypes = [_P, ctypes.c_int, _P, _P, _P, _P, _P, _P]
     lib.decoder_layers_f32.restype = ctypes.c_int

@@ -389,8 +389,8 @@ MAX_ROW_STREAMS = 8
 
 def set_row_streams(streams: int) -> None:
     """Read each thread's rows of W in `streams` interleaved runs (the hardware prefetchers follow
-    that many streams): a measurement's choice per machine (model/quant/int8_trial.py's
-    `choose_row_streams`). The products' results do not change, only the order rows are read in."""
+    that many streams): a measurement's choice per machine (model/quant/read_trial.py's
+    `choose_read_way`). The products' results do not change, only the order rows are read in."""
     if not 1 <= streams <= MAX_ROW_STREAMS or _lib().gguf_set_row_streams(streams):
         raise ValueError(f"row streams must be 1 to {MAX_ROW_STREAMS}, got {streams}")
 
@@ -398,6 +398,23 @@ def set_row_streams(streams: int) -> None:
 def row_streams() -> int:
     """The interleaved runs each thread reads its rows of W in (`set_row_streams`)."""
     return _lib().gguf_row_streams()
+
+
+# The software prefetch hints of the weight stream (csrc/gguf_common.h's PrefetchHint), by code.
+PREFETCH_HINTS = ("nta", "t0")
+
+
+def set_prefetch(hint: str) -> None:
+    """Prefetch the weight stream with `hint`: "nta" (PREFETCHNTA, the lines kept out of the outer
+    caches) or "t0" (PREFETCHT0): a measurement's choice per machine (model/quant/read_trial.py's
+    `choose_read_way`). The products' results do not change, only how fast rows arrive."""
+    if hint not in PREFETCH_HINTS or _lib().gguf_set_prefetch(PREFETCH_HINTS.index(hint)):
+        raise ValueError(f"prefetch hint must be one of {', '.join(PREFETCH_HINTS)}, got {hint!r}")
+
+
+def prefetch() -> str:
+    """The weight stream's software prefetch hint (`set_prefetch`)."""
+    return PREFETCH_HINTS[_lib().gguf_prefetch()]
 
 
 # Where each type keeps its float16 scales (byte offset in a block, uniform range): random bytes

@@ -19,7 +19,8 @@ from pagedllm.kernels import onednn
 from pagedllm.kernels import ops as fused_ops
 from pagedllm.kernels import gguf as gguf_kernels
 from pagedllm.model.quant import EVERY_SIZE, FloatLinear, load_part
-from pagedllm.model.quant.int8_trial import int8_rows_that_pay, set_row_streams_for_machine, set_ways_for_width
+from pagedllm.model.quant.int8_trial import int8_rows_that_pay, set_ways_for_width
+from pagedllm.model.quant.read_trial import set_read_way_for_machine
 from pagedllm.model.weights import LazyWeight
 from pagedllm.utils import cdiv
 
@@ -102,7 +103,7 @@ def use_int8_activations(model: nn.Module, mode: str, by_default: bool = False) 
     methods = _int8_methods(model)
     chosen = "the default" if by_default else "chosen"
     if methods:  # (how rows are read, whatever the activations: the same results either way)
-        set_row_streams_for_machine()
+        set_read_way_for_machine()
     if mode == "off" or not methods:
         for method in methods:
             method.int8_rows = 0

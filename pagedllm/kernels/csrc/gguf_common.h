@@ -26,25 +26,36 @@ inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // Software prefetch of the weight stream, kPrefetchAhead bytes ahead of the bytes [p, p + n)
 // being decoded: one decode is too short to hide a memory access behind (measured: a 1-row
-// product read 5.8 GB/s of a 9.9 GB/s stream without). Non-temporal (PREFETCHNTA): a weight is
-// read once a step, so its lines go to L1 and not on to the other caches, where they would evict
-// what the step keeps using (activations, the KV cache, the interpreter's own state between
-// kernels). Measured on a 2-core Zen 4 EPYC, whole decode steps, the two hints alternated: the
-// products' own rates unchanged (Q4_K, Q6_K, Q8_0 past the caches); the default model's step
-// 7.5 -> 6.8 ms (mean of three medians), Gemma 3 270M's 10.7 -> 10.0 and 11.9 -> 11.8 in two
-// series of three, Qwen3-0.6B's 18.7 -> 19.2 over six (within the noise: 17.7-20.0 either way).
+// product read 5.8 GB/s of a 9.9 GB/s stream without). Which hint reads fastest is a property of
+// the core, so it is measured per machine (model/quant/read_trial.py, set by gguf_set_prefetch):
+// non-temporal (kPrefetchNta, PREFETCHNTA) by default, since a weight is read once a step and its
+// lines then go to L1 and not on to the other caches, where they would evict what the step keeps
+// using (activations, the KV cache, the interpreter's state between kernels): on a 2-core Zen 4
+// EPYC, whole decode steps, the two hints alternated, the products' rates were unchanged and the
+// default model's step went 7.5 -> 6.8 ms. On a 2-core Xeon VM (AMX) the same hint throttled the
+// stream: a 1-row Q8_0 product of 178 MB read 11.4 GB/s with PREFETCHNTA, 30.7 with PREFETCHT0
+// (kPrefetchT0), and a plain read 10.7 against 32 GB/s.
 constexpr int kPrefetchAhead = 2048;
+enum PrefetchHint : int { kPrefetchNta = 0, kPrefetchT0 = 1 };
+inline int& prefetch_hint() {
+  static int hint = kPrefetchNta;  // until a measurement sets it
+  return hint;
+}
 inline void prefetch_ahead(const uint8_t* p, int n) {
 #if defined(__SSE__)
-  for (int off = 0; off < n; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + off), _MM_HINT_NTA);
+  const char* a = reinterpret_cast<const char*>(p + kPrefetchAhead);
+  if (prefetch_hint() == kPrefetchT0)
+    for (int off = 0; off < n; off += 64) _mm_prefetch(a + off, _MM_HINT_T0);
+  else
+    for (int off = 0; off < n; off += 64) _mm_prefetch(a + off, _MM_HINT_NTA);
 #endif
 }
 
 // The rows of W that this thread of an OpenMP team reads (its static share), in `row_streams()`
 // interleaved runs: a row from each of that many separate parts of the share in turn, so that the
 // hardware prefetchers follow several streams at once. Which count reads fastest depends on the
-// core's prefetchers, so it is measured per machine (model/quant/int8_trial.py's
-// choose_row_streams, set by gguf_set_row_streams), never fixed: on one core of a 2-core Xeon VM a
+// core's prefetchers, so it is measured per machine (model/quant/read_trial.py's
+// choose_read_way, set by gguf_set_row_streams), never fixed: on one core of a 2-core Xeon VM a
 // 1-row int8 Q4_K product read 5.5 GB/s from DRAM in one stream, 8.7 GB/s in four; on a 2-core
 // AVX-512 EPYC (Zen 4) the other way round, 1-row Q4_K/Q6_K products past the L3 at 2 threads
 // 25.7 GB/s in one stream, 20.9 GB/s in four (Phi-4-mini's layers; 8 streams 17 GB/s).

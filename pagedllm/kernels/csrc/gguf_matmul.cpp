@@ -295,9 +295,9 @@ void gguf_quantize_activations(int qtype_id, int8_t* qx, float* dx, const float*
 }
 
 // Reads `bytes` at p (a multiple of 256) as the products read a weight: each of num_threads
-// threads its share in row_streams() interleaved runs with software prefetch, 256 bytes a step (on AVX2:
-// 32-byte loads summed as bytes). Returns a checksum, so that nothing is left out; a benchmark times
-// it for the machine's read bandwidth.
+// threads its share in row_streams() interleaved runs with software prefetch (prefetch_hint()),
+// 256 bytes a step (on AVX2: 32-byte loads summed as bytes). Returns a checksum, so that nothing
+// is left out; a benchmark times it for the machine's read bandwidth.
 uint64_t gguf_read_sum(const uint8_t* p, int64_t bytes, int num_threads) {
   const int64_t steps = bytes / 256;
   uint64_t total = 0;
@@ -358,6 +358,14 @@ int gguf_set_row_streams(int streams) {
   return 0;
 }
 int gguf_row_streams() { return row_streams(); }
+// The hint of the weight stream's software prefetch (gguf_common.h's prefetch_ahead): kPrefetchNta
+// or kPrefetchT0; returns nonzero (and changes nothing) for any other.
+int gguf_set_prefetch(int hint) {
+  if (hint != kPrefetchNta && hint != kPrefetchT0) return 1;
+  prefetch_hint() = hint;
+  return 0;
+}
+int gguf_prefetch() { return prefetch_hint(); }
 // Selects the path (tests, benchmarks); returns 0, or -1 (unchanged) if this build lacks it.
 int gguf_set_isa(int isa) {
   if (isa < 0 || isa > best_isa()) return -1;

@@ -12,12 +12,9 @@ The trial times the kernels, so its result holds for one CPU (model name and fea
 kernel library (its file name hashes the C++ sources and this CPU's flags), the ISA path
 (`gguf.isa()`) and the thread count, and is kept in the cache folder as
 `int8-trials/<key>.json`, the key a hash of those conditions ("version", "conditions", "rows"
-{qtype: rows}, "ways", "width_ways", "width_rows", "row_streams"), so a later start on the same
-machine reads it instead of timing again (logged). "row_streams": how many interleaved runs each
-thread reads its rows of a weight in, timed on one-row products past the caches
-(`choose_row_streams`: one core's prefetchers follow four streams best, another's one or two;
-timed twice, kept only where the two agree), set for every GGUF product (the order rows are read
-in changes no result).
+{qtype: rows}, "ways", "width_ways", "width_rows", and read_trial.py's "row_streams" and
+"prefetch": how each thread reads a weight's rows, whatever the activations), so a later start on
+the same machine reads it instead of timing again (logged).
 
 The GGUF kernels have more than one int8 way for a type (`gguf.int8_ways(qtype)`: VNNI or AMX
 beside the AVX2 way on AVX-512 CPUs, and everywhere the AVX2 way with every row of x alone,
@@ -65,14 +62,6 @@ TRIAL_SHAPE = (4096, 2048)
 # chunks of 257-2048 took int8 unseen). Winning at 2048 is taken to mean every size: only a budget set above
 # the default then takes int8 at sizes not measured, as llama.cpp does for every product.
 TRIAL_ROWS = (1, 4, 8, 16, 64, 256, 2048)
-
-
-# The row-streams trial (`choose_row_streams`): one-row products of Q4_K and Q6_K (Q4_K_M's
-# types) on weights of this many MiB in all, past a server CPU's L3 as a model's weights are (a
-# weight in the caches reads alike in any order), at each count of interleaved runs a thread may
-# read in.
-STREAMS_TRIAL_MIB = 128
-ROW_STREAMS = (1, 2, 4, 8)
 
 
 def _repeats(rows: int) -> int:
@@ -132,49 +121,6 @@ def choose_ways(qtype: str) -> dict[int, str]:
         gguf_kernels.set_int8_way(qtype, rows, chosen[rows])
         timings.append(f"{rows}: {chosen[rows]} (" + ", ".join(f"{way} {t * 1e6:.0f} us" for way, t in times.items()) + ")")
     logger.info("int8 ways for %s, by rows: %s", qtype, "; ".join(timings))
-    return chosen
-
-
-def _past_the_caches(qtype: str, out_features: int, in_features: int, gen: torch.Generator):
-    """A random `qtype` weight of about STREAMS_TRIAL_MIB / 2: one of out_features x in_features,
-    repeated (every copy at its own address, so read from memory as a model's weights are)."""
-    tile = gguf_kernels.random_weight(qtype, out_features, in_features, gen)
-    copies = max(1, (STREAMS_TRIAL_MIB << 19) // tile.nbytes)
-    return gguf_kernels.from_data(qtype, out_features * copies, in_features, tile.data.repeat(copies, 1))
-
-
-def choose_row_streams() -> int:
-    """Time one-row products on weights past the caches with each thread reading its rows in 1,
-    2, 4 and 8 interleaved runs (`gguf.set_row_streams`: how many streams the core's prefetchers
-    follow best is a property of the core), and set the fastest; returns it. A Q4_K weight
-    `TRIAL_SHAPE` and a Q6_K one of its transpose's shape (Q4_K_M's types; the count matters most
-    for Q6_K: on a Zen 4 EPYC its 1-row product read 26.5 GB/s in one stream, 18.4 in four, Q4_K's
-    28.6 and 27.1), each count timed in turn, the best of 5 rounds. On int8 activations by the
-    AVX2 way (the one-row way that walks rows so), on float32's where the path has no int8."""
-    gen = torch.Generator().manual_seed(3)
-    weights = [_past_the_caches("Q4_K", *TRIAL_SHAPE, gen), _past_the_caches("Q6_K", *TRIAL_SHAPE[::-1], gen)]
-    xs = [torch.randn(1, w.in_features, generator=gen) for w in weights]
-    int8 = "avx2" in gguf_kernels.int8_ways("Q4_K")
-    before = {q: gguf_kernels.int8_way(q, 1) for q in ("Q4_K", "Q6_K")} if int8 else {}
-    for qtype in before:
-        gguf_kernels.set_int8_way(qtype, 1, "avx2")
-
-    def products():
-        for x, w in zip(xs, weights):
-            gguf_kernels.matmul(x, w, int8=int8)
-
-    times = dict.fromkeys(ROW_STREAMS, float("inf"))
-    for _ in range(5):  # (rounds over the counts: a slower spell of the machine falls on each alike)
-        for streams in ROW_STREAMS:
-            gguf_kernels.set_row_streams(streams)
-            times[streams] = min(times[streams], best_wall_time(products, 1))
-    for qtype, way in before.items():
-        gguf_kernels.set_int8_way(qtype, 1, way)
-    chosen = min(times, key=times.__getitem__)  # (the fewer on a tie)
-    gguf_kernels.set_row_streams(chosen)
-    nbytes = sum(w.nbytes for w in weights)
-    logger.info("Weight rows read in %d interleaved run%s per thread (timed: %s)", chosen, "" if chosen == 1 else "s",
-                ", ".join(f"{n}: {nbytes / t / 1e9:.1f} GB/s" for n, t in times.items()))
     return chosen
 
 
@@ -289,7 +235,7 @@ def _stored(path: Path, conds: dict, quiet: bool = False) -> dict[str, tuple[int
 def _stored_width_rows(path: Path, conds: dict) -> dict[str, dict[int, int]]:
     """The bounds kept at `path` for these conditions (`choose_width_ways`' rows), qtype ->
     {in_features: rows}; what a width's trial cannot give is left out."""
-    stored = _entry(path, conds).get("width_rows")
+    stored = entry(path, conds).get("width_rows")
     possible = {EVERY_SIZE, *(b - 1 for b in gguf_kernels.INT8_WAY_BUCKETS if b <= gguf_kernels.MAX_ROWS)}
     kept: dict[str, dict[int, int]] = {}
     for qtype, widths in (stored.items() if isinstance(stored, dict) else ()):
@@ -302,7 +248,7 @@ def _stored_width_rows(path: Path, conds: dict) -> dict[str, dict[int, int]]:
 def _stored_width_ways(path: Path, conds: dict) -> dict[str, dict[int, dict[int, str]]]:
     """The width ways kept at `path` for these conditions (an entry of `_stored`'s kind), qtype ->
     {in_features: ways}; what is not a choice of `choose_width_ways` is left out."""
-    stored = _entry(path, conds).get("width_ways")
+    stored = entry(path, conds).get("width_ways")
     kept: dict[str, dict[int, dict[int, str]]] = {}
     for qtype, widths in (stored.items() if isinstance(stored, dict) else ()):
         if qtype not in gguf_kernels.TYPE_IDS or not isinstance(widths, dict):
@@ -314,27 +260,25 @@ def _stored_width_ways(path: Path, conds: dict) -> dict[str, dict[int, dict[int,
     return kept
 
 
-def _stored_row_streams(path: Path, conds: dict) -> int | None:
-    """The row streams kept at `path` for these conditions (`choose_row_streams`), None without."""
-    streams = _entry(path, conds).get("row_streams")
-    return streams if type(streams) is int and streams in ROW_STREAMS else None
-
-
-def _entry(path: Path, conds: dict) -> dict:
+def entry(path: Path, conds: dict) -> dict:
     """The entry kept at `path` if it is one of this version measured under these conditions, else {}."""
     entry = read_json(path)
     ok = isinstance(entry, dict) and entry.get("version") == TRIAL_VERSION and entry.get("conditions") == conds
     return entry if ok else {}
 
 
-def _write(path: Path, conds: dict, results: dict | None = None, width_ways: dict | None = None,
-           row_streams: int | None = None, width_rows: dict | None = None) -> None:
+READ_WAY_KEYS = ("row_streams", "prefetch")  # (read_trial.py's, kept as they are when others write)
+
+
+def write(path: Path, conds: dict, results: dict | None = None, width_ways: dict | None = None,
+          read_way: dict | None = None, width_rows: dict | None = None) -> None:
     """Keep the trial's results for these conditions: what is given, and what the file holds (as
-    another process may have stored it meanwhile) for the rest."""
+    another process may have stored it meanwhile) for the rest. `read_way`: read_trial's keys."""
     results = _stored(path, conds, quiet=True) if results is None else results
     width_ways = _stored_width_ways(path, conds) if width_ways is None else width_ways
     width_rows = _stored_width_rows(path, conds) if width_rows is None else width_rows
-    row_streams = _stored_row_streams(path, conds) if row_streams is None else row_streams
+    if read_way is None:
+        read_way = {key: value for key, value in entry(path, conds).items() if key in READ_WAY_KEYS}
     try:
         write_json_entry(path, {
             "version": TRIAL_VERSION, "conditions": conds, "rows": {q: r for q, (r, _) in results.items()},
@@ -342,7 +286,7 @@ def _write(path: Path, conds: dict, results: dict | None = None, width_ways: dic
             "width_ways": {q: {str(n): {str(b): way for b, way in w.items()} for n, w in widths.items()}
                            for q, widths in width_ways.items()},
             "width_rows": {q: {str(n): rows for n, rows in widths.items()} for q, widths in width_rows.items()},
-            **({"row_streams": row_streams} if row_streams is not None else {})})
+            **read_way})
     except OSError as exc:
         logger.debug("Could not keep the int8 trial's result (%s)", exc)
 
@@ -355,7 +299,7 @@ def _write(path: Path, conds: dict, results: dict | None = None, width_ways: dic
 BUSY_CORES = 0.25
 
 
-def _quiet_since(mark, what: str) -> bool:
+def quiet_since(mark, what: str) -> bool:
     """Whether the machine stayed quiet enough since `mark` to keep what was timed; says why not."""
     load = others_load(mark)
     if load > BUSY_CORES:
@@ -367,31 +311,6 @@ def _quiet_since(mark, what: str) -> bool:
 
 _results: dict[tuple[str, str], int] = {}  # per process: (the conditions' file, qtype) -> rows
 _width_results: dict[tuple[str, str, int], int] = {}  # per process: (file, qtype, in_features) -> rows
-_streams_set: set[str] = set()  # per process: the conditions' files whose row streams are set
-
-
-def set_row_streams_for_machine() -> None:
-    """Set the row streams measured for this machine (`choose_row_streams`): kept in the trial's
-    file, else timed now (a fraction of a second) and kept."""
-    conds = conditions()
-    path = trial_path(conds)
-    if str(path) in _streams_set:
-        return
-    streams = _stored_row_streams(path, conds)
-    if streams is not None:
-        gguf_kernels.set_row_streams(streams)
-    else:
-        mark = load_mark()
-        streams, again = choose_row_streams(), choose_row_streams()
-        if again != streams:  # a spell of the machine decided it: not kept, timed at the next start
-            # (on a Zen 5 VM one trial kept four streams where quiet ones gave two: a step of
-            # Gemma-3-1B's shape 44.8 against 25.8 ms until the kernels changed)
-            logger.warning("Two timings of the weight rows' streams disagree (%d, %d): the fewer serves this process "
-                           "and nothing is kept (timed again at the next start)", streams, again)
-            gguf_kernels.set_row_streams(min(streams, again))
-        elif _quiet_since(mark, "the weight rows' streams"):
-            _write(path, conds, row_streams=streams)
-    _streams_set.add(str(path))
 
 
 def int8_rows_that_pay(qtype: str) -> int:
@@ -414,9 +333,9 @@ def int8_rows_that_pay(qtype: str) -> int:
         mark = load_mark()
         ways = choose_ways(qtype)  # first: the rows where int8 pays are timed on the chosen ways
         rows = measure(qtype)
-        if _quiet_since(mark, f"int8 against float32 activations for {qtype}"):
+        if quiet_since(mark, f"int8 against float32 activations for {qtype}"):
             merged = {**_stored(path, conds, quiet=True), qtype: (rows, ways)}  # with what another process stored
-            _write(path, conds, merged)
+            write(path, conds, merged)
     _results[str(path), qtype] = rows
     return rows
 
@@ -441,10 +360,10 @@ def set_ways_for_width(qtype: str, in_features: int) -> int:
         logger.info("Timing int8 activations on %s rows of %d on this CPU (kept in %s)...", qtype, in_features, path)
         mark = load_mark()
         ways, rows = choose_width_ways(qtype, in_features)
-        if _quiet_since(mark, f"int8 activations on {qtype} rows of {in_features}"):
+        if quiet_since(mark, f"int8 activations on {qtype} rows of {in_features}"):
             kept_ways, kept_rows = _stored_width_ways(path, conds), _stored_width_rows(path, conds)  # (others' too)
             kept_ways.setdefault(qtype, {})[in_features] = ways
             kept_rows.setdefault(qtype, {})[in_features] = rows
-            _write(path, conds, width_ways=kept_ways, width_rows=kept_rows)
+            write(path, conds, width_ways=kept_ways, width_rows=kept_rows)
     _width_results[key] = rows
     return rows
