@@ -148,8 +148,9 @@ def test_the_step_profile_sees_the_fused_parts(smollm_llm):
     assert calls["projections"] == 4 * layers * len(steps)
     assert calls["embedding"] == len(steps) and parts["embedding"] > 0  # the lookup inside the call, once a step
     assert "fused_layers" not in calls and "fused_layers" not in parts
-    for part in ("norms", "projections", "rotary", "kv_write", "attention", "mlp_activation"):
+    for part in ("norms", "projections", "rotary", "kv_write", "attention", "mlp_activation", "copies"):
         assert parts[part] > 0, part
+    assert calls["copies"] == layers * len(steps)  # (q, k and v gathered once a layer, C++ time out of `other`)
     assert parts["projections"] > parts["norms"]  # the C++ timers, not zeros or the whole call
     assert parts["other"] >= 0 and sum(parts.values()) == pytest.approx(sum(steps))
     while engine.has_unfinished_requests():

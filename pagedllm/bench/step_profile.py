@@ -15,7 +15,7 @@ remainder, reported as `other`.
 Steps whose layers run as one C++ call (`pagedllm.model.fused_layers`) have no Python entry
 points inside it: there the C++ side times its parts itself, into counters the profile hands it
 for its duration, and they are added to the same parts (gathering q, k and v out of the fused
-projection counts to `other`).
+projection, which the Python loop does by views, is its own part: `copies`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ PARTS = {
     "kv_write": "writing the step's keys and values into the paged cache",
     "attention": "paged attention over the cache",
     "mlp_activation": "SiLU(gate) * up",
+    "copies": "q, k and v gathered out of the fused qkv projection (the C++ decoder step)",
     "lm_head": "output projection to the vocabulary (rows that sample; greedy and top-k tokens drawn with it)",
     "sampling": "logits to tokens, log-probabilities",
     "outputs": "output processing: detokenizing, stop checks, request outputs (engine)",
