@@ -92,6 +92,26 @@ def test_cpu_backend_matches_reference(block_size, group, dtype, cache_dtype):
         torch.testing.assert_close(results[1].float(), results[0].float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("context", [2, 17, 40, 127])
+def test_one_kv_head_short_contexts_split_in_two_match_reference(block_size, context):
+    """One decode of a model with one KV head (Gemma 3 270M: 4 heads, head_dim 256) is one
+    (sequence, KV head) pair: even a context shorter than the partitions' minimum is split in two
+    for two threads, and the partial softmax sums merged."""
+    num_heads, head_dim = 4, 256
+    gen = torch.Generator().manual_seed(context + block_size)
+    tables, metadata = _batch([1], [context], block_size, num_blocks=300, seed=context)
+    keys = torch.randn(context, 1, head_dim, generator=gen)
+    values = torch.randn(context, 1, head_dim, generator=gen)
+    query = torch.randn(1, num_heads, head_dim, generator=gen)
+    results = []
+    for backend in (ReferenceAttentionBackend(), CPUAttentionBackend()):
+        kc, vc = _fill_context(backend, tables, metadata, keys, values, block_size, (300, block_size, 1, head_dim),
+                               torch.float32)
+        results.append(backend.forward(query, keys[-1:], values[-1:], kc, vc, metadata, head_dim**-0.5))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
 def test_engine_outputs_equal_with_either_backend(tiny_llama, kv_cache_dtype):
     prompts = random_prompts(8, [3, 16, 29, 40], seed=60)
