@@ -262,9 +262,9 @@ def _stored_width_ways(path: Path, conds: dict) -> dict[str, dict[int, dict[int,
 
 def entry(path: Path, conds: dict) -> dict:
     """The entry kept at `path` if it is one of this version measured under these conditions, else {}."""
-    entry = read_json(path)
-    ok = isinstance(entry, dict) and entry.get("version") == TRIAL_VERSION and entry.get("conditions") == conds
-    return entry if ok else {}
+    kept = read_json(path)
+    ok = isinstance(kept, dict) and kept.get("version") == TRIAL_VERSION and kept.get("conditions") == conds
+    return kept if ok else {}
 
 
 READ_WAY_KEYS = ("row_streams", "prefetch")  # (read_trial.py's, kept as they are when others write)

@@ -119,11 +119,12 @@ def set_read_way_for_machine() -> None:
         if again != way:  # a spell of the machine decided it: not kept, timed at the next start
             # (on a Zen 5 VM one trial kept four streams where quiet ones gave two: a step of
             # Gemma-3-1B's shape 44.8 against 25.8 ms until the kernels changed)
+            hint = "nta" if "nta" in (way[1], again[1]) else "t0"
             logger.warning("Two timings of the weight rows' reading disagree (%d %s, %d %s): the fewer streams and "
                            "%s serve this process and nothing is kept (timed again at the next start)",
-                           *way, *again, "nta" if "nta" in (way[1], again[1]) else "t0")
+                           *way, *again, hint)
             gguf_kernels.set_row_streams(min(way[0], again[0]))
-            gguf_kernels.set_prefetch("nta" if "nta" in (way[1], again[1]) else "t0")
+            gguf_kernels.set_prefetch(hint)
         elif int8_trial.quiet_since(mark, "the weight rows' reading"):
             int8_trial.write(path, conds, read_way={"row_streams": way[0], "prefetch": way[1]})
     _set.add(str(path))
