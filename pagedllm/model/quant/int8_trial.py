@@ -267,26 +267,27 @@ def entry(path: Path, conds: dict) -> dict:
     return kept if ok else {}
 
 
-READ_WAY_KEYS = ("row_streams", "prefetch")  # (read_trial.py's, kept as they are when others write)
+OWN_KEYS = ("version", "conditions", "rows", "ways", "width_ways", "width_rows")  # (what `write` writes itself)
 
 
 def write(path: Path, conds: dict, results: dict | None = None, width_ways: dict | None = None,
-          read_way: dict | None = None, width_rows: dict | None = None) -> None:
+          others: dict | None = None, width_rows: dict | None = None) -> None:
     """Keep the trial's results for these conditions: what is given, and what the file holds (as
-    another process may have stored it meanwhile) for the rest. `read_way`: read_trial's keys."""
+    another process may have stored it meanwhile) for the rest. Keys the trial does not write
+    (read_trial.py's "row_streams" and "prefetch") are kept as the file holds them, `others`
+    over them."""
     results = _stored(path, conds, quiet=True) if results is None else results
     width_ways = _stored_width_ways(path, conds) if width_ways is None else width_ways
     width_rows = _stored_width_rows(path, conds) if width_rows is None else width_rows
-    if read_way is None:
-        read_way = {key: value for key, value in entry(path, conds).items() if key in READ_WAY_KEYS}
+    kept = {key: value for key, value in entry(path, conds).items() if key not in OWN_KEYS}
     try:
         write_json_entry(path, {
-            "version": TRIAL_VERSION, "conditions": conds, "rows": {q: r for q, (r, _) in results.items()},
+            **kept, **(others or {}), "version": TRIAL_VERSION, "conditions": conds,
+            "rows": {q: r for q, (r, _) in results.items()},
             "ways": {q: {str(b): way for b, way in w.items()} for q, (_, w) in results.items()},
             "width_ways": {q: {str(n): {str(b): way for b, way in w.items()} for n, w in widths.items()}
                            for q, widths in width_ways.items()},
-            "width_rows": {q: {str(n): rows for n, rows in widths.items()} for q, widths in width_rows.items()},
-            **read_way})
+            "width_rows": {q: {str(n): rows for n, rows in widths.items()} for q, widths in width_rows.items()}})
     except OSError as exc:
         logger.debug("Could not keep the int8 trial's result (%s)", exc)
 

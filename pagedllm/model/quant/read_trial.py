@@ -126,5 +126,5 @@ def set_read_way_for_machine() -> None:
             gguf_kernels.set_row_streams(min(way[0], again[0]))
             gguf_kernels.set_prefetch(hint)
         elif int8_trial.quiet_since(mark, "the weight rows' reading"):
-            int8_trial.write(path, conds, read_way={"row_streams": way[0], "prefetch": way[1]})
+            int8_trial.write(path, conds, others={"row_streams": way[0], "prefetch": way[1]})
     _set.add(str(path))
