@@ -271,16 +271,27 @@ def test_greedy_tokens_from_the_heads_product_equal_the_samplers(smollm_llm, mon
     """A batch of plain greedy rows takes its tokens and log-probabilities from the LM head's
     product (kernels.gguf.matmul_sample, no logits read back): the same tokens and cumulative
     log-probabilities (floats compared with ==) as the logits then the sampler, which a batch
-    asking for log-probabilities still takes."""
-    model = smollm_llm.llm_engine.executor.worker.model
+    asking for log-probabilities still takes. Whether the head draws for the model's hidden
+    states is asked of the model once, not each step (`ModelRunner._form_in_head`)."""
+    runner = smollm_llm.llm_engine.executor.worker.runner
+    model = runner.model
     prompts = ["The capital of France is", "Water boils at", "def fibonacci(n):"]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     calls = _counting_head(monkeypatch)
+    asked = []
+    original = type(model).samples_in_head
+
+    def counted(self, hidden):
+        asked.append(hidden.shape[0])
+        return original(self, hidden)
+
+    monkeypatch.setattr(type(model), "samples_in_head", counted)
     head = _tokens_and_logprobs(smollm_llm.generate(prompts, greedy, use_tqdm=False))
     assert (3, False) in calls  # the three sequences' decode steps took it
+    assert runner._form_in_head is True and len(asked) <= 1  # (0: an earlier test's step asked it)
     count = len(calls)
     with monkeypatch.context() as m:
-        m.setattr(type(model), "samples_in_head", lambda self, hidden: False)
+        m.setattr(runner, "_form_in_head", False)
         assert head == _tokens_and_logprobs(smollm_llm.generate(prompts, greedy, use_tqdm=False))
     assert len(calls) == count  # not taken there
     smollm_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False)
@@ -294,7 +305,6 @@ def test_top_k_draws_from_the_heads_product_equal_the_samplers(smollm_llm, monke
     before each run: the head's path draws as many, in the same order). A random row without
     top-k needs the whole distribution: its batch takes the sampler's path."""
     runner = smollm_llm.llm_engine.executor.worker.runner
-    model = runner.model
     prompts = ["The capital of France is", "Water boils at", "def fibonacci(n):", "Once upon a time"]
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.8, top_k=40, seed=1, max_tokens=16, ignore_eos=True),
@@ -310,7 +320,7 @@ def test_top_k_draws_from_the_heads_product_equal_the_samplers(smollm_llm, monke
     assert (4, True) in calls  # the four sequences' decode steps drew in the head
     count = len(calls)
     with monkeypatch.context() as m:
-        m.setattr(type(model), "samples_in_head", lambda self, hidden: False)
+        m.setattr(runner, "_form_in_head", False)
         assert head == run(params)
     assert len(calls) == count
     assert len({tuple(ids) for ids, _ in head[1:]}) == 3  # (draws, not one token over and over)
