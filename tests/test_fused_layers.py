@@ -272,7 +272,7 @@ def test_greedy_tokens_from_the_heads_product_equal_the_samplers(smollm_llm, mon
     product (kernels.gguf.matmul_sample, no logits read back): the same tokens and cumulative
     log-probabilities (floats compared with ==) as the logits then the sampler, which a batch
     asking for log-probabilities still takes. Whether the head draws for the model's hidden
-    states is asked of the model once, not each step (`ModelRunner._form_in_head`)."""
+    states is asked of the model once, not each step (`ModelRunner._samples_in_head`)."""
     runner = smollm_llm.llm_engine.executor.worker.runner
     model = runner.model
     prompts = ["The capital of France is", "Water boils at", "def fibonacci(n):"]
@@ -288,10 +288,10 @@ def test_greedy_tokens_from_the_heads_product_equal_the_samplers(smollm_llm, mon
     monkeypatch.setattr(type(model), "samples_in_head", counted)
     head = _tokens_and_logprobs(smollm_llm.generate(prompts, greedy, use_tqdm=False))
     assert (3, False) in calls  # the three sequences' decode steps took it
-    assert runner._form_in_head is True and len(asked) <= 1  # (0: an earlier test's step asked it)
+    assert runner._samples_in_head is True and len(asked) <= 1  # (0: an earlier test's step asked it)
     count = len(calls)
     with monkeypatch.context() as m:
-        m.setattr(runner, "_form_in_head", False)
+        m.setattr(runner, "_samples_in_head", False)
         assert head == _tokens_and_logprobs(smollm_llm.generate(prompts, greedy, use_tqdm=False))
     assert len(calls) == count  # not taken there
     smollm_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False)
@@ -320,7 +320,7 @@ def test_top_k_draws_from_the_heads_product_equal_the_samplers(smollm_llm, monke
     assert (4, True) in calls  # the four sequences' decode steps drew in the head
     count = len(calls)
     with monkeypatch.context() as m:
-        m.setattr(runner, "_form_in_head", False)
+        m.setattr(runner, "_samples_in_head", False)
         assert head == run(params)
     assert len(calls) == count
     assert len({tuple(ids) for ids, _ in head[1:]}) == 3  # (draws, not one token over and over)

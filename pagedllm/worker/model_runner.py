@@ -93,7 +93,7 @@ class ModelRunner:
         # (`samples_in_head`), asked once, at the first step that samples (None before): the
         # answer is fixed once the model is loaded, and asking it costs a decode step some 40 us
         # (tensor attributes, properties and modules fetched again after the weights' stream).
-        self._form_in_head: bool | None = None
+        self._samples_in_head: bool | None = None
         # The module whose `fused_layers` (the layer loop as one C++ call, or None) its forward
         # calls: read each step (tests and benchmarks switch it off), without nn.Module's lookup.
         self._layers_owner = getattr(model, "model", None)
@@ -219,9 +219,9 @@ class ModelRunner:
         back); else the logits, then the sampler, which runs where the logits are (on a GPU only
         the chosen tokens come back)."""
         sampler = self.sampler
-        if self._form_in_head is None:
-            self._form_in_head = self.model.samples_in_head(picked)
-        if (sampler is not None and len(items) == picked.shape[0] and self._form_in_head
+        if self._samples_in_head is None:
+            self._samples_in_head = self.model.samples_in_head(picked)
+        if (sampler is not None and len(items) == picked.shape[0] and self._samples_in_head
                 and sampler.in_head(items, self.model.cfg.vocab_size)):
             return sampler.token_samples(*self.model.head_samples(picked, sampler.draws(items)))
         logits = self.model.compute_logits(picked)
@@ -235,7 +235,7 @@ class ModelRunner:
         that the head's product follows the layers with no Python between but its call: the
         layers have just streamed their weights through the caches, and each line run then costs
         what fetching its code and objects again costs."""
-        if not self._form_in_head or self.sampler is None or any(
+        if not self._samples_in_head or self.sampler is None or any(
                 item.prompt_logprob_targets or item.pooling_type is not None for item in items):
             return None  # (one sample, no proposals: `in_head`'s own conditions)
         if not self.sampler.in_head(items, self.vocab_size):
